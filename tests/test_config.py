@@ -1,0 +1,100 @@
+from pathlib import Path
+
+import pytest
+
+from headstart.config import Recipe, load_recipe, recipe_from_dict
+from headstart.errors import ConfigError
+
+RECIPES = sorted(Path(__file__).resolve().parents[1].joinpath("recipes").glob("*.yaml"))
+
+
+def test_there_are_recipes():
+    assert any(p.name == "smollm2-135m-mtp.yaml" for p in RECIPES)
+
+
+@pytest.mark.parametrize("path", RECIPES, ids=[p.name for p in RECIPES])
+def test_every_recipe_parses(path):
+    recipe = load_recipe(path)
+    assert isinstance(recipe, Recipe)
+    assert recipe.target.model and recipe.data.source and recipe.output_dir
+
+
+def _write(tmp_path, text):
+    p = tmp_path / "r.yaml"
+    p.write_text(text)
+    return p
+
+
+def test_unknown_key_names_key_file_and_suggestion(tmp_path):
+    p = _write(tmp_path, "data:\n  max_lenght: 10\n")
+    with pytest.raises(ConfigError) as e:
+        load_recipe(p)
+    msg = str(e.value)
+    assert str(p) in msg and "data.max_lenght" in msg and "data.max_length" in msg
+
+
+def test_unknown_section(tmp_path):
+    with pytest.raises(ConfigError, match="unknown key 'trainer'"):
+        load_recipe(_write(tmp_path, "trainer: {}\n"))
+
+
+def test_wrong_type_names_key_and_file(tmp_path):
+    p = _write(tmp_path, "data:\n  max_length: long\n")
+    with pytest.raises(ConfigError) as e:
+        load_recipe(p)
+    assert str(p) in str(e.value) and "'data.max_length' must be int" in str(e.value)
+
+
+def test_bool_is_not_an_int_and_int_is_a_float(tmp_path):
+    with pytest.raises(ConfigError, match="data.limit"):
+        load_recipe(_write(tmp_path, "data:\n  limit: true\n"))
+    assert load_recipe(_write(tmp_path, "data:\n  heldout_fraction: 0\n")).data.heldout_fraction == 0.0
+
+
+def test_literal_choices(tmp_path):
+    with pytest.raises(ConfigError, match=r"'target.dtype' must be one of \['bf16', 'fp16', 'fp32'\]"):
+        load_recipe(_write(tmp_path, "target:\n  dtype: float8\n"))
+
+
+def test_value_checks_name_the_key(tmp_path):
+    with pytest.raises(ConfigError, match=r"'data.heldout_fraction' must be in \[0, 1\)"):
+        load_recipe(_write(tmp_path, "data:\n  heldout_fraction: 1.5\n"))
+    with pytest.raises(ConfigError, match="'data.limit' must be > 0"):
+        load_recipe(_write(tmp_path, "data:\n  limit: 0\n"))
+
+
+def test_section_must_be_a_mapping(tmp_path):
+    with pytest.raises(ConfigError, match="'data' must be a mapping"):
+        load_recipe(_write(tmp_path, "data: sharegpt\n"))
+
+
+def test_not_yaml_and_missing(tmp_path):
+    with pytest.raises(ConfigError, match="not valid YAML"):
+        load_recipe(_write(tmp_path, "data: [1, 2\n"))
+    with pytest.raises(ConfigError, match="recipe not found"):
+        load_recipe(tmp_path / "nope.yaml")
+
+
+def test_set_overrides_are_typed(tmp_path):
+    p = _write(tmp_path, "data:\n  limit: 10\n")
+    r = load_recipe(p, ["data.limit=200", "data.heldout_fraction=0.1", "target.model=/some/dir", "seed=3"])
+    assert r.data.limit == 200 and r.data.heldout_fraction == 0.1
+    assert r.target.model == "/some/dir" and r.seed == 3
+    assert load_recipe(p, ["data.limit=null"]).data.limit is None
+
+
+def test_set_errors_say_set(tmp_path):
+    p = _write(tmp_path, "{}\n")
+    with pytest.raises(ConfigError, match=r"--set data.limt.*did you mean 'data.limit'"):
+        load_recipe(p, ["data.limt=3"])
+    with pytest.raises(ConfigError, match=r"--set data.max_length: 'data.max_length' must be int"):
+        load_recipe(p, ["data.max_length=abc"])
+    with pytest.raises(ConfigError, match="expected key=value"):
+        load_recipe(p, ["data.limit"])
+    with pytest.raises(ConfigError, match="is a value, not a section"):
+        load_recipe(p, ["seed.x=1"])
+
+
+def test_defaults_and_round_trip():
+    r = recipe_from_dict({})
+    assert recipe_from_dict(r.to_dict()) == r

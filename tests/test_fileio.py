@@ -1,0 +1,75 @@
+import json
+
+import pytest
+
+from headstart.errors import DataError
+from headstart.fileio import atomic_path, iter_jsonl, read_json_array, read_utf8
+
+
+def test_cut_off_array_keeps_complete_records(tmp_path):
+    records = [{"id": i, "text": "é" * i} for i in range(5)]
+    full = json.dumps(records, ensure_ascii=False).encode()
+    cut = full[: full.index(b'{"id": 4') + 10]
+    p = tmp_path / "cut.json"
+    p.write_bytes(cut)
+    with pytest.raises(json.JSONDecodeError):
+        json.loads(cut)  # what a strict parser does with it
+    read = read_json_array(p)
+    assert read.records == records[:4]
+    assert read.bytes_unparsed == 10 and read.unparsed_at_byte == len(cut) - 10
+    assert read.bytes_total == len(cut)
+
+
+def test_complete_array_and_missing_bracket(tmp_path):
+    p = tmp_path / "ok.json"
+    p.write_text('[ {"a": 1} , {"a": 2} ]\n')
+    r = read_json_array(p)
+    assert r.records == [{"a": 1}, {"a": 2}] and r.bytes_unparsed == 0 and r.unparsed_at_byte is None
+    p.write_text('[{"a": 1}, ')
+    r = read_json_array(p)
+    assert r.records == [{"a": 1}] and r.bytes_unparsed == 0 and r.unparsed_at_byte is not None
+
+
+def test_not_an_array(tmp_path):
+    p = tmp_path / "obj.json"
+    p.write_text('{"a": 1}')
+    with pytest.raises(DataError, match="expected a JSON array"):
+        read_json_array(p)
+
+
+def test_non_utf8_names_byte_and_line(tmp_path):
+    p = tmp_path / "latin1.jsonl"
+    p.write_bytes(b'{"prompt": "ok"}\n{"prompt": "caf\xe9"}\n')
+    with pytest.raises(DataError, match=r"latin1.jsonl: not UTF-8 text \(byte 32, line 2"):
+        read_utf8(p)
+
+
+def test_jsonl_line_separators_inside_strings(tmp_path):
+    p = tmp_path / "x.jsonl"
+    p.write_text(json.dumps({"t": "a\u2028b\x85c"}, ensure_ascii=False) + "\n\n" + "{bad\n", encoding="utf-8")
+    rows = list(iter_jsonl(p))
+    assert rows[0] == (1, {"t": "a\u2028b\x85c"}, None)
+    assert rows[1][0] == 3 and rows[1][1] is None and "invalid JSON" in rows[1][2]
+
+
+def test_atomic_path_file_and_failure(tmp_path):
+    final = tmp_path / "sub" / "out.txt"
+    with atomic_path(final) as tmp:
+        tmp.write_text("done")
+        assert not final.exists()
+    assert final.read_text() == "done"
+    with pytest.raises(RuntimeError):
+        with atomic_path(final) as tmp:
+            tmp.write_text("half")
+            raise RuntimeError("crash")
+    assert final.read_text() == "done"
+    assert [p.name for p in final.parent.iterdir()] == ["out.txt"]
+
+
+def test_atomic_path_directory_replaces(tmp_path):
+    final = tmp_path / "d"
+    for text in ("one", "two"):
+        with atomic_path(final) as tmp:
+            tmp.mkdir()
+            (tmp / "f").write_text(text)
+    assert (final / "f").read_text() == "two"
