@@ -17,7 +17,8 @@ CHATML = (
 # Llama-3 style: a BOS, role headers, trimmed content, <|eot_id|> ends every turn.
 LLAMA3 = (
     "{{ '<|begin_of_text|>' }}{% for message in messages %}"
-    "{{ '<|start_header_id|>' + message['role'] + '<|end_header_id|>\\n\\n' + message['content'] | trim + '<|eot_id|>' }}"
+    "{{ '<|start_header_id|>' + message['role'] + '<|end_header_id|>\\n\\n' }}"
+    "{{ message['content'] | trim + '<|eot_id|>' }}"
     "{% endfor %}{% if add_generation_prompt %}{{ '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}{% endif %}"
 )
 # Gemma style: no system role (the template raises), `model` turns, a newline after <end_of_turn>.

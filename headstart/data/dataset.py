@@ -19,10 +19,10 @@ from typing import Any
 
 from headstart.assets import DATASETS, cache_dir, prepare_data, resolve_data, resolve_model
 from headstart.config import DataConfig
-from headstart.errors import DataError
-from headstart.fileio import atomic_path, atomic_write_text, file_lock, sha256_file
 from headstart.data.sources import read_conversations
 from headstart.data.template import ChatRenderer, TemplateMismatch
+from headstart.errors import DataError
+from headstart.fileio import atomic_path, atomic_write_text, file_lock, sha256_file
 
 _FORMAT = 1  # bump when the processed columns or their meaning change
 

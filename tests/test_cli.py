@@ -1,0 +1,70 @@
+import json
+import subprocess
+import sys
+
+import pytest
+from conftest import write_jsonl
+
+from headstart.cli import main
+
+
+def test_help_lists_the_verbs(capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["--help"])
+    assert e.value.code == 0
+    out = capsys.readouterr().out
+    assert "assets" in out and "data" in out
+
+
+def test_console_script_is_installed():
+    r = subprocess.run([sys.executable, "-m", "headstart.cli", "data", "--help"], capture_output=True, text=True)
+    assert r.returncode == 0 and "inspect" in r.stdout
+
+
+@pytest.fixture
+def recipe(tmp_path, tiny_model_dir):
+    rows = [{"id": f"r{i}", "conversations": [{"from": "human", "value": f"hi {i}"},
+                                              {"from": "gpt", "value": f"hello {i}"},
+                                              {"from": "human", "value": "more"},
+                                              {"from": "gpt", "value": "sure"}]} for i in range(30)]
+    rows.append({"conversations": [{"from": "gpt", "value": "orphan reply"}]})
+    src = write_jsonl(tmp_path / "d.jsonl", rows)
+    p = tmp_path / "r.yaml"
+    p.write_text(f"target:\n  model: {tiny_model_dir}\ndata:\n  source: {src}\n  heldout_fraction: 0.2\n")
+    return p
+
+
+def test_data_inspect_json(recipe, capsys):
+    assert main(["data", "inspect", str(recipe), "--json", "--limit", "20"]) == 0
+    stats = json.loads(capsys.readouterr().out)
+    assert stats["conversations"] == 20 and stats["skipped"] == {}
+    assert stats["tokens"] > stats["supervised_tokens"] > 0
+    assert main(["data", "inspect", str(recipe), "--json"]) == 0
+    stats = json.loads(capsys.readouterr().out)
+    assert stats["rows_read"] == 31 and stats["skipped"] == {"starts_with_assistant": 1}
+
+
+def test_data_inspect_text_marks_the_sample(recipe, capsys):
+    assert main(["data", "inspect", str(recipe), "--set", "data.max_length=200"]) == 0
+    out = capsys.readouterr().out
+    assert "supervised tokens" in out and "starts_with_assistant 1" in out
+    assert "⟦hello" in out and "⟦sure<|im_end|>⟧" in out
+
+
+def test_errors_are_one_line_without_traceback(recipe, tmp_path, capsys):
+    assert main(["data", "inspect", str(recipe), "--set", "data.max_lenght=5"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("headstart: error: --set data.max_lenght") and "Traceback" not in err
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("target:\n  model: /does/not/exist\n")
+    assert main(["data", "inspect", str(bad)]) == 2
+    assert "unknown model '/does/not/exist'" in capsys.readouterr().err
+
+
+@pytest.mark.real
+def test_quickstart_recipe_inspect_on_real_data(capsys):
+    assert main(["data", "inspect", "recipes/smollm2-135m-mtp.yaml", "--limit", "200", "--json"]) == 0
+    stats = json.loads(capsys.readouterr().out)
+    assert stats["rows_read"] == 200
+    assert stats["conversations"] + sum(stats["skipped"].values()) == 200
+    assert stats["supervised_tokens"] > 10_000 and stats["unparsed_tail_bytes"] > 0

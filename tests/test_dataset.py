@@ -1,0 +1,117 @@
+import pytest
+from conftest import write_jsonl
+
+import headstart.data.dataset as dataset_mod
+from headstart.config import DataConfig
+from headstart.data.dataset import build_dataset, is_heldout, load_tokenizer
+from headstart.data.template import ChatRenderer
+from headstart.errors import DataError
+
+
+def _rows(n):
+    rows = []
+    for i in range(n):
+        turns = [{"from": "human", "value": f"Question {i}: what is {i} + {i}?"},
+                 {"from": "gpt", "value": f"The answer is {2 * i}."}]
+        if i % 3 == 0:
+            turns += [{"from": "human", "value": "Why?"}, {"from": "gpt", "value": "Because of addition. " * (i % 7)}]
+        rows.append({"id": f"c{i}", "conversations": turns})
+    rows[5] = {"id": "bad-role", "conversations": [{"from": "alien", "value": "x"}]}
+    rows[9] = "{not json"
+    return rows
+
+
+@pytest.fixture
+def source(tmp_path):
+    return write_jsonl(tmp_path / "convs.jsonl", _rows(60))
+
+
+def test_build_counts_masks_and_split(source, tiny_model_dir):
+    cfg = DataConfig(source=str(source), max_length=64, heldout_fraction=0.25)
+    built = build_dataset(cfg, str(tiny_model_dir), progress=False)
+    s = built.stats
+    assert s.rows_read == 60 and s.conversations + sum(s.skipped.values()) == 60
+    assert s.skipped["unknown_role"] == 1 and s.skipped["invalid_json"] == 1
+    assert s.train_conversations + s.heldout_conversations == s.conversations
+    assert 0 < s.heldout_conversations < s.conversations
+    assert s.tokens == s.train_tokens + s.heldout_tokens
+    assert s.truncated > 0  # the long multi-turn rows exceed 64 tokens
+    renderer = ChatRenderer(load_tokenizer(tiny_model_dir))
+    total_sup = 0
+    for ds, held in ((built.train, False), (built.heldout, True)):
+        for row in ds:
+            assert is_heldout(row["id"], 0.25) == held
+            i = int(row["id"][1:])
+            conv = _rows(60)[i]["conversations"]
+            msgs = [{"role": "user" if t["from"] == "human" else "assistant", "content": t["value"]} for t in conv]
+            r = renderer.render(msgs, 64)
+            assert row["input_ids"] == r.input_ids and row["loss_mask"] == r.loss_mask
+            assert row["num_supervised"] == sum(r.loss_mask) > 0
+            total_sup += row["num_supervised"]
+    assert total_sup == s.supervised_tokens
+    assert set(built.train["id"]).isdisjoint(built.heldout["id"])
+
+
+def test_second_build_comes_from_the_cache(source, tiny_model_dir, monkeypatch):
+    cfg = DataConfig(source=str(source), max_length=64)
+    first = build_dataset(cfg, str(tiny_model_dir), progress=False)
+
+    def boom(*a, **k):
+        raise AssertionError("re-processed instead of using the cache")
+
+    monkeypatch.setattr(dataset_mod, "_process", boom)
+    second = build_dataset(cfg, str(tiny_model_dir), progress=False)
+    assert second.fingerprint == first.fingerprint and second.stats == first.stats
+    with pytest.raises(AssertionError, match="re-processed"):  # a different max_length is a new entry
+        build_dataset(DataConfig(source=str(source), max_length=65), str(tiny_model_dir), progress=False)
+
+
+def test_split_is_by_id_not_by_order_or_limit(source, tiny_model_dir):
+    full = build_dataset(DataConfig(source=str(source), heldout_fraction=0.3), str(tiny_model_dir), progress=False)
+    part = build_dataset(DataConfig(source=str(source), heldout_fraction=0.3, limit=30), str(tiny_model_dir),
+                         progress=False)
+    assert part.stats.rows_read == 30
+    assert set(part.heldout["id"]) <= set(full.heldout["id"])
+    assert set(part.train["id"]) <= set(full.train["id"])
+
+
+def test_worker_processes_give_the_same_result(source, tiny_model_dir, tmp_path, monkeypatch):
+    one = build_dataset(DataConfig(source=str(source), num_proc=1), str(tiny_model_dir), progress=False)
+    monkeypatch.setenv("HEADSTART_CACHE", str(tmp_path / "other-cache"))
+    two = build_dataset(DataConfig(source=str(source), num_proc=2), str(tiny_model_dir), progress=False)
+    assert one.train["input_ids"] == two.train["input_ids"]
+    assert one.train["loss_mask"] == two.train["loss_mask"]
+    assert one.stats == two.stats
+
+
+def test_zero_supervised_tokens_is_an_error(source, tiny_model_dir):
+    # 12 tokens hold the system prompt and the question, never a reply.
+    with pytest.raises(DataError, match="zero supervised") as e:
+        build_dataset(DataConfig(source=str(source), max_length=12), str(tiny_model_dir), progress=False)
+    assert "no_supervised_tokens_within_max_length" in str(e.value)
+
+
+def test_no_usable_conversation_is_an_error(tmp_path, tiny_model_dir):
+    p = write_jsonl(tmp_path / "bad.jsonl", [{"conversations": [{"from": "gpt", "value": "x"}]}, {"x": 1}])
+    with pytest.raises(DataError, match="none of the 2 rows") as e:
+        build_dataset(DataConfig(source=str(p)), str(tiny_model_dir), progress=False)
+    assert "starts_with_assistant" in str(e.value) and "bad.jsonl:line 1" in str(e.value)
+
+
+def test_template_failures_are_counted_not_fatal(tmp_path, tiny_model_dir):
+    d = tmp_path / "gemma-like"
+    tok = load_tokenizer(tiny_model_dir)
+    tok.chat_template = (
+        "{% for m in messages %}{% if m['role'] == 'system' %}{{ raise_exception('no system') }}{% endif %}"
+        "{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] + '<|im_end|>\\n' }}{% endfor %}"
+        "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+    )
+    tok.save_pretrained(d)
+    (d / "config.json").write_text((tiny_model_dir / "config.json").read_text())
+    p = write_jsonl(tmp_path / "d.jsonl", [
+        {"conversations": [{"from": "human", "value": "q"}, {"from": "gpt", "value": "a"}]},
+        {"conversations": [{"from": "system", "value": "s"}, {"from": "human", "value": "q"},
+                           {"from": "gpt", "value": "a"}]},
+    ])
+    built = build_dataset(DataConfig(source=str(p), heldout_fraction=0.0), str(d), progress=False)
+    assert built.stats.conversations == 1 and built.stats.skipped == {"template_error": 1}

@@ -1,0 +1,153 @@
+"""The assistant-only loss mask is exact: supervised tokens are the assistant content and its
+end-of-turn token, nothing else, on ChatML (tiny and real SmolLM2) and on other templates."""
+
+import json
+
+import pytest
+from conftest import END_OF_TURN, TEMPLATES, make_tokenizer
+
+from headstart.data.template import ChatRenderer, TemplateMismatch, mark_supervised
+
+TRIMS = {"llama3", "gemma"}  # templates that trim the content
+
+
+def _runs(ids, mask, tok, value):
+    """Decoded runs of consecutive tokens whose mask equals `value`."""
+    out, cur = [], []
+    for t, m in zip(ids, mask):
+        if m == value:
+            cur.append(t)
+        elif cur:
+            out.append(tok.decode(cur)), cur.clear()
+    if cur:
+        out.append(tok.decode(cur))
+    return out
+
+
+def _check_exact(tok, template, messages, rendered):
+    expected = [
+        (m["content"].strip() if template in TRIMS else m["content"]) + END_OF_TURN[template]
+        for m in messages if m["role"] == "assistant"
+    ]
+    assert _runs(rendered.input_ids, rendered.loss_mask, tok, 1) == expected
+    # Everything else (headers, user/system text, separators) is unsupervised, and nothing is lost.
+    unsup = "".join(_runs(rendered.input_ids, rendered.loss_mask, tok, 0))
+    sup = "".join(expected)
+    assert len(unsup) + len(sup) == len(rendered.text)
+    for m in messages:
+        if m["role"] != "assistant":
+            assert m["content"].strip() in unsup
+
+
+CONVERSATIONS = [
+    [{"role": "user", "content": "Hello!"}, {"role": "assistant", "content": "Hello! How can I help you today?"}],
+    [  # the reply repeats header words and the user's text: the split must not be fooled by content
+        {"role": "user", "content": "Say assistant"},
+        {"role": "assistant", "content": "assistant"},
+        {"role": "user", "content": "And the capital of France?"},
+        {"role": "assistant", "content": "  Paris. \n"},
+        {"role": "user", "content": "code"},
+        {"role": "assistant", "content": "def add(a, b):\n    return a + b"},
+    ],
+    [
+        {"role": "system", "content": "You are terse."},
+        {"role": "user", "content": "2+3?"},
+        {"role": "assistant", "content": "5"},
+    ],
+]
+
+
+@pytest.mark.parametrize("template", sorted(TEMPLATES))
+@pytest.mark.parametrize("conv", range(len(CONVERSATIONS)))
+def test_mask_is_exact(template, conv):
+    tok = make_tokenizer(template)
+    messages = CONVERSATIONS[conv]
+    renderer = ChatRenderer(tok)
+    if template == "gemma" and messages[0]["role"] == "system":
+        with pytest.raises(TemplateMismatch) as e:
+            renderer.render(messages)
+        assert e.value.reason == "template_error"
+        return
+    r = renderer.render(messages)
+    assert r.input_ids == tok(r.text, add_special_tokens=False)["input_ids"]  # one tokenisation of the text
+    _check_exact(tok, template, messages, r)
+
+
+def test_separator_after_end_of_turn_is_not_supervised():
+    tok = make_tokenizer("chatml")
+    r = ChatRenderer(tok).render(CONVERSATIONS[0])
+    end = tok.convert_tokens_to_ids("<|im_end|>")
+    last_sup = max(i for i, m in enumerate(r.loss_mask) if m)
+    assert r.input_ids[last_sup] == end
+    assert r.loss_mask[last_sup + 1:] == [0] * (len(r.input_ids) - last_sup - 1)  # the trailing "\n"
+
+
+def test_truncation():
+    tok = make_tokenizer("chatml")
+    r_full = ChatRenderer(tok).render(CONVERSATIONS[1])
+    r = ChatRenderer(tok).render(CONVERSATIONS[1], max_length=40)
+    assert r.truncated and not r_full.truncated
+    assert r.input_ids == r_full.input_ids[:40] and r.loss_mask == r_full.loss_mask[:40]
+
+
+def test_template_that_is_not_prefix_consistent():
+    tok = make_tokenizer("chatml")
+    # Drops every assistant turn but the last: earlier replies vanish from longer renderings.
+    tok.chat_template = (
+        "{% for m in messages %}{% if m['role'] != 'assistant' or loop.last %}"
+        "{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] + '<|im_end|>\\n' }}{% endif %}{% endfor %}"
+        "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+    )
+    with pytest.raises(TemplateMismatch) as e:
+        ChatRenderer(tok).render(CONVERSATIONS[1])
+    assert e.value.reason == "template_not_prefix_consistent"
+
+
+def test_template_that_rewrites_content():
+    tok = make_tokenizer("chatml")
+    tok.chat_template = TEMPLATES["chatml"].replace("message['content']", "message['content'] | upper")
+    with pytest.raises(TemplateMismatch) as e:
+        ChatRenderer(tok).render(CONVERSATIONS[0])
+    assert e.value.reason == "template_rewrites_content"
+
+
+def test_no_template_is_refused():
+    tok = make_tokenizer("chatml")
+    tok.chat_template = None
+    with pytest.raises(ValueError, match="no chat_template"):
+        ChatRenderer(tok)
+
+
+def test_mark_supervised():
+    tok = make_tokenizer("chatml")
+    r = ChatRenderer(tok).render(CONVERSATIONS[0])
+    plain = mark_supervised(tok, r.input_ids, r.loss_mask, color=False)
+    assert "⟦Hello! How can I help you today?<|im_end|>⟧" in plain
+    assert plain.replace("⟦", "").replace("⟧", "") == r.text
+    assert "\x1b[" in mark_supervised(tok, r.input_ids, r.loss_mask, color=True)
+
+
+@pytest.mark.real
+def test_exact_on_smollm2_and_real_sharegpt():
+    """The real SmolLM2 ChatML template and tokenizer over real multi-turn ShareGPT conversations."""
+    from transformers import AutoTokenizer
+
+    from headstart.assets import prepare_data, resolve_model
+    from headstart.data.sources import normalise
+
+    tok = AutoTokenizer.from_pretrained(resolve_model("smollm2-135m"))
+    renderer = ChatRenderer(tok)
+    checked = turns = 0
+    with open(prepare_data("sharegpt").path, encoding="utf-8") as f:
+        for line in f:
+            try:
+                conv = normalise(json.loads(line))
+            except Exception:
+                continue
+            r = renderer.render(conv["messages"])
+            _check_exact(tok, "chatml", conv["messages"], r)
+            checked += 1
+            turns += sum(m["role"] == "assistant" for m in conv["messages"])
+            if checked == 60:
+                break
+    assert checked == 60 and turns > 60  # multi-turn conversations are among them
