@@ -95,7 +95,7 @@ class ChatRenderer:
 
     def render(self, messages: list[dict[str, str]], max_length: int | None = None) -> Rendered:
         text, turns = self.spans(messages)
-        enc = self.tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+        enc = self.tokenizer(text, add_special_tokens=False, return_offsets_mapping=True, verbose=False)
         ids: list[int] = enc["input_ids"]
         starts = [s for s, _ in enc["offset_mapping"]]
         mask = [0] * len(ids)
