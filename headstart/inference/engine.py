@@ -1,0 +1,241 @@
+"""The engine: a target model, a paged KV cache, the scheduler and the sampler, stepped together.
+
+    engine = Engine("smollm2-135m", dtype="bf16")
+    outs = engine.generate(["Write a haiku about the sea"], SamplingParams(max_tokens=64))
+
+`add_request` / `step` / `abort` give continuous batching to callers that feed requests over time.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from headstart.inference.backends import make_backend
+from headstart.inference.kv_cache import KVCache, KVCacheSpec, PageAllocator, pages_for_budget
+from headstart.inference.sampler import SamplingParams, sample, token_logprobs
+from headstart.inference.scheduler import Scheduler, Sequence, Status
+from headstart.models.llama import LlamaForCausalLM, load_llama
+
+Prompt = str | list[dict[str, str]] | list[int]
+
+
+@dataclass
+class RequestOutput:
+    id: str
+    prompt_ids: list[int]
+    token_ids: list[int]  # generated ids only
+    text: str
+    finished: bool
+    finish_reason: str | None
+    new_token_ids: list[int] = field(default_factory=list)  # produced by the last step
+    logprobs: list[dict] = field(default_factory=list)
+
+
+@dataclass
+class EngineStats:
+    steps: int = 0
+    prefill_tokens: int = 0
+    decode_tokens: int = 0
+    preemptions: int = 0
+    seconds: float = 0.0
+
+
+class Engine:
+    def __init__(
+        self,
+        model: str | Path | LlamaForCausalLM,
+        *,
+        tokenizer: Any | None = None,
+        dtype: str = "bf16",
+        device: str | torch.device = "cpu",
+        backend: str = "auto",
+        page_size: int = 16,
+        num_pages: int | None = None,
+        kv_cache_gb: float | None = None,
+        max_batch_size: int = 32,
+        max_batched_tokens: int = 2048,
+        seed: int = 0,
+    ) -> None:
+        self.device = torch.device(device)
+        if isinstance(model, LlamaForCausalLM):
+            self.model = model
+        else:
+            from headstart.assets import resolve_model
+
+            model_dir = resolve_model(model)
+            self.model = load_llama(model_dir, dtype=dtype, device=self.device)
+            if tokenizer is None:
+                from transformers import AutoTokenizer
+
+                tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+        self.tokenizer = tokenizer
+        cfg = self.model.config
+        self.max_model_len = cfg.max_position_embeddings
+        spec = KVCacheSpec(num_layers=cfg.num_hidden_layers, num_kv_heads=cfg.num_key_value_heads,
+                           head_dim=cfg.head_dim, dtype=self.model.dtype)
+        if num_pages is None:
+            if kv_cache_gb is None:  # enough for max_batch_size full contexts, capped at 1 GiB
+                need = max_batch_size * -(-self.max_model_len // page_size)
+                num_pages = min(need, pages_for_budget(1.0, [spec], page_size))
+            else:
+                num_pages = pages_for_budget(kv_cache_gb, [spec], page_size)
+        self.allocator = PageAllocator(num_pages, page_size)
+        self.cache = KVCache(spec, num_pages, page_size, self.device)
+        self.backend = make_backend(backend, self.device)
+        self.scheduler = Scheduler(self.allocator, max_batch_size, max_batched_tokens, self.device)
+        self.stop_ids = set(cfg.eos_token_ids)
+        if tokenizer is not None and tokenizer.eos_token_id is not None:
+            self.stop_ids.add(tokenizer.eos_token_id)
+        self.seed = seed
+        self._ids = itertools.count()
+        self._seqs: dict[str, Sequence] = {}
+        self.stats = EngineStats()
+
+    # ------------------------------------------------------------------------------ requests
+
+    def encode(self, prompt: Prompt, chat: bool = True) -> list[int]:
+        """Token ids for a prompt: ids as given, a string (chat template applied unless chat=False),
+        or OpenAI-style messages."""
+        if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
+            return list(prompt)
+        if self.tokenizer is None:
+            raise ValueError("this engine has no tokenizer: pass token ids")
+        if isinstance(prompt, str) and not chat:
+            return self.tokenizer(prompt, add_special_tokens=True)["input_ids"]
+        messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
+        out = self.tokenizer.apply_chat_template(messages, tokenize=True, add_generation_prompt=True)
+        return list(out["input_ids"] if hasattr(out, "keys") else out)
+
+    def add_request(self, prompt: Prompt, params: SamplingParams | None = None, request_id: str | None = None,
+                    chat: bool = True) -> str:
+        params = params or SamplingParams()
+        ids = self.encode(prompt, chat)
+        rid = request_id if request_id is not None else f"req-{next(self._ids)}"
+        if rid in self._seqs:
+            raise ValueError(f"request id {rid!r} is already in use")
+        if not ids:
+            raise ValueError(f"request {rid}: the prompt is empty")
+        vocab = self.model.config.vocab_size
+        if min(ids) < 0 or max(ids) >= vocab:
+            raise ValueError(f"request {rid}: token id out of range [0, {vocab})")
+        if len(ids) + 1 > self.max_model_len:
+            raise ValueError(
+                f"request {rid}: the prompt has {len(ids)} tokens; the model's context is {self.max_model_len}"
+            )
+        max_len = min(len(ids) + params.max_tokens, self.max_model_len)
+        if self.allocator.pages_for(max_len) > self.allocator.num_pages:
+            raise ValueError(
+                f"request {rid}: {max_len} tokens need {self.allocator.pages_for(max_len)} KV pages, the cache "
+                f"has {self.allocator.num_pages}; raise --kv-cache-gb or lower max_tokens"
+            )
+        gen = None
+        if not params.greedy:
+            gen = torch.Generator(device="cpu")
+            gen.manual_seed(params.seed if params.seed is not None else self.seed * 1_000_003 + len(self._seqs))
+        seq = Sequence(rid, ids, params, gen)
+        self._seqs[rid] = seq
+        self.scheduler.add(seq)
+        return rid
+
+    def abort(self, request_id: str) -> bool:
+        return self.scheduler.abort(request_id) is not None
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_work()
+
+    # ---------------------------------------------------------------------------------- steps
+
+    @torch.inference_mode()
+    def step(self) -> list[RequestOutput]:
+        """Run one scheduled batch; returns an output for every sequence that produced a token."""
+        t0 = time.perf_counter()
+        batch = self.scheduler.schedule()
+        if batch is None:
+            if self.scheduler.waiting:
+                raise RuntimeError("the scheduler cannot admit any request: the KV cache is too small")
+            return []
+        h, _ = self.model(batch.input_ids, batch.meta, self.cache.layers, self.backend)
+        for seq, n in zip(batch.seqs, batch.num_tokens):
+            seq.num_cached += n
+        outputs = []
+        if batch.samplers:
+            rows = torch.tensor(batch.sample_rows, device=self.device)
+            logits = self.model.compute_logits(h, rows)  # (S, V) fp32
+            params = [s.params for s in batch.samplers]
+            histories = [s.token_ids for s in batch.samplers] if any(
+                p.repetition_penalty != 1.0 for p in params) else None
+            tokens = sample(logits, params, [s.generator for s in batch.samplers], histories).tolist()
+            want_lp = [s for s in batch.samplers if s.params.logprobs is not None]
+            lps = token_logprobs(logits, torch.tensor(tokens), max(s.params.logprobs for s in want_lp)) \
+                if want_lp else None
+            for i, (seq, tok) in enumerate(zip(batch.samplers, tokens)):
+                seq.output_ids.append(tok)
+                if lps is not None and seq.params.logprobs is not None:
+                    entry = lps[i]
+                    if "top" in entry:
+                        entry = {**entry, "top": entry["top"][: seq.params.logprobs]}
+                    seq.logprobs.append(entry)
+                self._check_stop(seq, tok)
+                outputs.append(self._output(seq, [tok]))
+        self.stats.steps += 1
+        self.stats.prefill_tokens += sum(n for n in batch.num_tokens if n > 1)
+        self.stats.decode_tokens += len(batch.samplers)
+        self.stats.preemptions = self.scheduler.num_preemptions
+        self.stats.seconds += time.perf_counter() - t0
+        return outputs
+
+    def _check_stop(self, seq: Sequence, tok: int) -> None:
+        p = seq.params
+        if (tok in self.stop_ids and not p.ignore_eos) or tok in p.stop_token_ids:
+            self._set_text(seq, drop_last=True)
+            self.scheduler.finish(seq, "stop")
+            return
+        self._set_text(seq)
+        if p.stop:
+            for s in p.stop:
+                cut = seq.text.find(s)
+                if cut >= 0:
+                    seq.text = seq.text[:cut]
+                    self.scheduler.finish(seq, "stop")
+                    return
+        if len(seq.output_ids) >= p.max_tokens or seq.total_len >= self.max_model_len:
+            self.scheduler.finish(seq, "length")
+
+    def _set_text(self, seq: Sequence, drop_last: bool = False) -> None:
+        if self.tokenizer is not None:
+            ids = seq.output_ids[:-1] if drop_last else seq.output_ids
+            seq.text = self.tokenizer.decode(ids, skip_special_tokens=True)
+
+    def _output(self, seq: Sequence, new: list[int]) -> RequestOutput:
+        return RequestOutput(seq.id, seq.prompt_ids, list(seq.output_ids), seq.text,
+                             seq.status is Status.FINISHED, seq.finish_reason, new, list(seq.logprobs))
+
+    # ------------------------------------------------------------------------------- generate
+
+    def generate(
+        self, prompts: Iterable[Prompt], params: SamplingParams | list[SamplingParams] | None = None,
+        *, chat: bool = True, on_output: Callable[[RequestOutput], None] | None = None,
+        request_ids: list[str] | None = None,
+    ) -> list[RequestOutput]:
+        """Run prompts to completion with continuous batching; outputs in prompt order."""
+        prompts = list(prompts)
+        plist = params if isinstance(params, list) else [params or SamplingParams()] * len(prompts)
+        if len(plist) != len(prompts):
+            raise ValueError(f"{len(plist)} sampling params for {len(prompts)} prompts")
+        ids = [self.add_request(p, sp, request_ids[i] if request_ids else None, chat)
+               for i, (p, sp) in enumerate(zip(prompts, plist))]
+        while self.has_unfinished():
+            for out in self.step():
+                if on_output is not None:
+                    on_output(out)
+        results = [self._output(self._seqs[i], []) for i in ids]
+        for i in ids:
+            del self._seqs[i]
+        return results

@@ -1,0 +1,189 @@
+"""The Llama family in one file: Llama 2/3 (incl. Llama-3 RoPE scaling), Mistral, Qwen2 (qkv bias),
+Qwen3 (q/k norm), SmolLM2. Tied or untied embeddings, GQA.
+
+The forward runs over a flat batch of tokens and a paged KV cache (see headstart.nn.attention) and
+returns the hidden state of the last decoder layer BEFORE the final norm, plus, on request, the
+hidden states ENTERING chosen layers (DESIGN.md §4: aux layer j = HF `hidden_states[j]`, j = 0 is
+the embedding output). `compute_logits(h, rows)` applies the final norm and lm_head, only at `rows`.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from headstart.errors import AssetError
+from headstart.models.loading import load_weights
+from headstart.nn.attention import AttentionBackend, AttentionMetadata, KVPages
+from headstart.nn.decoder import DecoderLayer, DecoderLayerConfig
+from headstart.nn.norm import RMSNorm
+from headstart.nn.rope import RopeConfig, RotaryEmbedding
+
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
+@dataclass(kw_only=True)
+class LlamaConfig:
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    hidden_act: str = "silu"
+    attention_bias: bool = False  # qkv bias (Qwen2 always)
+    mlp_bias: bool = False
+    qk_norm: bool = False  # Qwen3
+    rope: RopeConfig | None = None
+    eos_token_ids: tuple[int, ...] = ()
+    bos_token_id: int | None = None
+
+    @classmethod
+    def from_hf(cls, cfg: dict[str, Any], where: str = "config.json") -> LlamaConfig:
+        mt = cfg.get("model_type")
+        if mt not in SUPPORTED_MODEL_TYPES:
+            raise AssetError(
+                f"{where}: model_type {mt!r} is not supported by headstart.models.llama "
+                f"(supported: {', '.join(SUPPORTED_MODEL_TYPES)})"
+            )
+        try:
+            heads = cfg["num_attention_heads"]
+            head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
+            eos = cfg.get("eos_token_id")
+            out = cls(
+                model_type=mt,
+                vocab_size=cfg["vocab_size"],
+                hidden_size=cfg["hidden_size"],
+                intermediate_size=cfg["intermediate_size"],
+                num_hidden_layers=cfg["num_hidden_layers"],
+                num_attention_heads=heads,
+                num_key_value_heads=cfg.get("num_key_value_heads") or heads,
+                head_dim=head_dim,
+                rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
+                max_position_embeddings=cfg.get("max_position_embeddings", 4096),
+                tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+                hidden_act=cfg.get("hidden_act", "silu"),
+                attention_bias=mt == "qwen2" or bool(cfg.get("attention_bias", False)),
+                mlp_bias=bool(cfg.get("mlp_bias", False)),
+                qk_norm=mt == "qwen3",
+                eos_token_ids=tuple(eos if isinstance(eos, list) else [] if eos is None else [eos]),
+                bos_token_id=cfg.get("bos_token_id"),
+            )
+            out.rope = RopeConfig.from_hf(cfg, head_dim)
+        except KeyError as e:
+            raise AssetError(f"{where}: missing key {e.args[0]!r}") from None
+        except ValueError as e:
+            raise AssetError(f"{where}: {e}") from None
+        return out
+
+    def layer_config(self) -> DecoderLayerConfig:
+        return DecoderLayerConfig(
+            hidden=self.hidden_size, intermediate=self.intermediate_size, num_heads=self.num_attention_heads,
+            num_kv_heads=self.num_key_value_heads, head_dim=self.head_dim, norm_eps=self.rms_norm_eps,
+            act=self.hidden_act, qkv_bias=self.attention_bias, qk_norm=self.qk_norm, mlp_bias=self.mlp_bias,
+        )
+
+
+class LlamaBackbone(nn.Module):
+    def __init__(self, cfg: LlamaConfig) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.rotary = RotaryEmbedding(cfg.rope)
+        self.layers = nn.ModuleList(DecoderLayer(cfg.layer_config(), self.rotary) for _ in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+
+class LlamaForCausalLM(nn.Module):
+    """A target model. Parameter names follow HF's, with q/k/v and gate/up fused."""
+
+    def __init__(self, cfg: LlamaConfig) -> None:
+        super().__init__()
+        self.config = cfg
+        self.model = LlamaBackbone(cfg)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    @property
+    def num_layers(self) -> int:
+        return self.config.num_hidden_layers
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:  # (N,) -> (N, D)
+        return self.model.embed_tokens(input_ids)
+
+    def forward(
+        self, input_ids: torch.Tensor, meta: AttentionMetadata, caches: list[KVPages], backend: AttentionBackend,
+        capture: tuple[int, ...] = (),
+    ) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
+        """input_ids (N,) -> h (N, D) pre-norm last hidden state, {j: (N, D) hidden state entering layer j}."""
+        cfg = self.config
+        backend.plan(meta, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, self.dtype)
+        h = self.embed(input_ids)
+        aux: dict[int, torch.Tensor] = {}
+        for j, layer in enumerate(self.model.layers):
+            if j in capture:
+                aux[j] = h
+            h = layer(h, meta, caches[j], backend)
+        if cfg.num_hidden_layers in capture:
+            aux[cfg.num_hidden_layers] = h
+        return h, aux
+
+    def compute_logits(self, h: torch.Tensor, rows: torch.Tensor | None = None) -> torch.Tensor:
+        """h (N, D) pre-norm -> logits (R, V) in fp32, for `rows` only if given."""
+        if rows is not None:
+            h = h[rows]
+        return self.lm_head(self.model.norm(h)).float()
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.model.embed_tokens.weight.dtype
+
+    def packed_names(self) -> dict[str, tuple[str, int, list[int]]]:
+        c = self.config
+        q, kv, inter = c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim, c.intermediate_size
+        return {
+            "q_proj": ("qkv_proj", 0, [q, kv, kv]),
+            "k_proj": ("qkv_proj", 1, [q, kv, kv]),
+            "v_proj": ("qkv_proj", 2, [q, kv, kv]),
+            "gate_proj": ("gate_up_proj", 0, [inter, inter]),
+            "up_proj": ("gate_up_proj", 1, [inter, inter]),
+        }
+
+
+def read_hf_config(model_dir: str | Path) -> dict[str, Any]:
+    path = Path(model_dir) / "config.json"
+    if not path.is_file():
+        raise AssetError(f"{model_dir}: not a model directory (no config.json)")
+    cfg = json.loads(path.read_text())
+    gen = Path(model_dir) / "generation_config.json"
+    if gen.is_file():  # generation_config's eos list (e.g. Llama-3's <|eot_id|>) wins over config's
+        eos = json.loads(gen.read_text()).get("eos_token_id")
+        if eos is not None:
+            cfg["eos_token_id"] = eos
+    return cfg
+
+
+def load_llama(model_dir: str | Path, dtype: str | torch.dtype = "fp32", device: str | torch.device = "cpu"
+               ) -> LlamaForCausalLM:
+    """Build from config.json and load safetensors weights; dtype is bf16/fp16/fp32 or a torch dtype."""
+    model_dir = Path(model_dir)
+    cfg = LlamaConfig.from_hf(read_hf_config(model_dir), where=str(model_dir / "config.json"))
+    torch_dtype = DTYPES[dtype] if isinstance(dtype, str) else dtype
+    with torch.device("meta"):
+        model = LlamaForCausalLM(cfg)
+    model = model.to_empty(device=device).to(torch_dtype)  # rotary tables are rebuilt in fp32 on the way
+    if cfg.tie_word_embeddings:
+        model.lm_head.weight = model.model.embed_tokens.weight
+    load_weights(model, model_dir, model.packed_names(), skip=("rotary_emb.inv_freq",))
+    return model.eval().requires_grad_(False)

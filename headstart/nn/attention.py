@@ -1,0 +1,95 @@
+"""Multi-head attention over a paged KV cache, with the per-step metadata passed explicitly.
+
+The module projects, normalises (Qwen3 q/k norm), rotates, and hands q/k/v to an attention
+*backend* together with the step's `AttentionMetadata`; the backend writes the new K/V into the
+cache pages and attends. Backends live in `headstart.inference` (torch SDPA, FlashInfer); this file
+only fixes the interface they implement.
+
+Token layout is flat: a step's N query tokens from B sequences are concatenated; sequence b owns
+rows qo_indptr[b]:qo_indptr[b+1] and its KV (cached + new) has length kv_lens[b]. Queries are the
+*last* q_len positions of their sequence (bottom-right aligned causal mask) unless a custom mask is
+given (trees: a query sees the prefix and its ancestors only).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import torch
+from torch import nn
+
+from headstart.nn.norm import RMSNorm
+from headstart.nn.rope import RotaryEmbedding
+
+KVPages = tuple[torch.Tensor, torch.Tensor]  # k, v: (num_pages, page_size, Hkv, Dh) each
+
+
+@dataclass
+class AttentionMetadata:
+    """Everything a backend needs for one step, built once by the scheduler and read by every layer."""
+
+    positions: torch.Tensor  # (N,) int64 absolute position of each query token
+    slot_mapping: torch.Tensor  # (N,) int64 flat cache slot (page * page_size + offset) for its K/V
+    qo_indptr: torch.Tensor  # (B+1,) int32 query row offsets per sequence
+    kv_lens: torch.Tensor  # (B,) int32 KV length per sequence, new tokens included
+    page_table: torch.Tensor  # (B, max_pages) int32 page ids per sequence (padded with 0)
+    page_size: int
+    q_lens_cpu: list[int]  # host copies: backends plan on them without a device sync
+    kv_lens_cpu: list[int]
+    # Optional per-sequence boolean masks (q_len, kv_len), True = attend; None = causal.
+    custom_masks: list[torch.Tensor | None] | None = None
+    # Backend-private per-step state (gather indices, planned FlashInfer wrappers, ...).
+    backend_state: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.q_lens_cpu)
+
+    @property
+    def is_decode(self) -> bool:
+        return all(q == 1 for q in self.q_lens_cpu) and self.custom_masks is None
+
+
+class AttentionBackend(Protocol):
+    name: str
+
+    def plan(self, meta: AttentionMetadata, num_q_heads: int, num_kv_heads: int, head_dim: int,
+             dtype: torch.dtype) -> None:
+        """Prepare per-step state once (called before the forward, once per model)."""
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: KVPages,
+                meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        """Write k/v (N, Hkv, Dh) into `cache` at meta.slot_mapping, attend; returns (N, Hq, Dh)."""
+
+
+class Attention(nn.Module):
+    def __init__(
+        self, *, hidden: int, num_heads: int, num_kv_heads: int, head_dim: int, rope: RotaryEmbedding,
+        qkv_bias: bool = False, qk_norm: bool = False, norm_eps: float = 1e-6, in_features: int | None = None,
+    ) -> None:
+        super().__init__()
+        if num_heads % num_kv_heads:
+            raise ValueError(f"num_attention_heads {num_heads} is not a multiple of num_key_value_heads {num_kv_heads}")
+        self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
+        self.q_size, self.kv_size = num_heads * head_dim, num_kv_heads * head_dim
+        self.scale = head_dim**-0.5
+        # q, k and v in one matmul; the loader maps HF's q_proj/k_proj/v_proj into its row blocks.
+        self.qkv_proj = nn.Linear(in_features or hidden, self.q_size + 2 * self.kv_size, bias=qkv_bias)
+        self.o_proj = nn.Linear(self.q_size, hidden, bias=False)
+        self.q_norm = RMSNorm(head_dim, norm_eps) if qk_norm else None
+        self.k_norm = RMSNorm(head_dim, norm_eps) if qk_norm else None
+        self.rope = rope
+
+    def forward(self, x: torch.Tensor, meta: AttentionMetadata, cache: KVPages,
+                backend: AttentionBackend) -> torch.Tensor:
+        n = x.shape[0]  # x: (N, Din)
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(n, self.num_heads, self.head_dim)  # (N, Hq, Dh)
+        k = k.view(n, self.num_kv_heads, self.head_dim)  # (N, Hkv, Dh)
+        v = v.view(n, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = self.rope(q, k, meta.positions)
+        o = backend.forward(q, k, v, cache, meta, self.scale)  # (N, Hq, Dh)
+        return self.o_proj(o.reshape(n, self.q_size))

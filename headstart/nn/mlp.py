@@ -1,0 +1,25 @@
+"""The gated (SwiGLU) MLP with gate and up projections fused into one matmul."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+_ACTIVATIONS = {"silu": F.silu, "gelu": F.gelu, "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh")}
+
+
+class GatedMLP(nn.Module):
+    def __init__(self, hidden: int, intermediate: int, act: str = "silu", bias: bool = False) -> None:
+        super().__init__()
+        if act not in _ACTIVATIONS:
+            raise ValueError(f"unsupported hidden_act {act!r}; supported: {sorted(_ACTIVATIONS)}")
+        self.intermediate = intermediate
+        # One [2I, D] matmul instead of two [I, D]: on CPU decode every kernel launch counts.
+        self.gate_up_proj = nn.Linear(hidden, 2 * intermediate, bias=bias)
+        self.down_proj = nn.Linear(intermediate, hidden, bias=bias)
+        self.act = _ACTIVATIONS[act]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # (N, D) -> (N, D)
+        gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)  # (N, I) each
+        return self.down_proj(self.act(gate) * up)

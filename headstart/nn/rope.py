@@ -1,0 +1,103 @@
+"""Rotary position embeddings: default, linear and Llama-3 scaling (one implementation).
+
+HF "rotate_half" convention: the head dimension is split in two halves (x1, x2) and rotated as
+(x1·cos − x2·sin, x2·cos + x1·sin) with frequencies repeated over both halves.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+
+@dataclass(kw_only=True)
+class RopeConfig:
+    head_dim: int
+    theta: float = 10000.0
+    max_positions: int = 4096
+    scaling: dict[str, Any] = field(default_factory=dict)  # HF rope_scaling / rope_parameters minus theta
+    partial_rotary_factor: float = 1.0
+
+    @classmethod
+    def from_hf(cls, cfg: dict[str, Any], head_dim: int) -> RopeConfig:
+        """Read both the transformers-4 (`rope_theta` + `rope_scaling`) and -5 (`rope_parameters`) spellings."""
+        params = dict(cfg.get("rope_parameters") or {})
+        scaling = dict(cfg.get("rope_scaling") or {})
+        theta = params.pop("rope_theta", cfg.get("rope_theta", 10000.0))
+        scaling.update(params)
+        kind = scaling.get("rope_type", scaling.get("type", "default"))
+        if kind not in ("default", "linear", "llama3"):
+            raise ValueError(f"unsupported RoPE scaling {kind!r}; supported: default, linear, llama3")
+        return cls(
+            head_dim=head_dim, theta=float(theta), max_positions=int(cfg.get("max_position_embeddings", 4096)),
+            scaling=scaling if kind != "default" else {},
+            partial_rotary_factor=float(cfg.get("partial_rotary_factor", 1.0)),
+        )
+
+
+def _inv_freq(cfg: RopeConfig) -> torch.Tensor:
+    dim = int(cfg.head_dim * cfg.partial_rotary_factor)
+    inv = 1.0 / (cfg.theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    kind = cfg.scaling.get("rope_type", cfg.scaling.get("type", "default"))
+    if kind == "linear":
+        inv = inv / cfg.scaling["factor"]
+    elif kind == "llama3":
+        factor = cfg.scaling["factor"]
+        low, high = cfg.scaling["low_freq_factor"], cfg.scaling["high_freq_factor"]
+        old_ctx = cfg.scaling["original_max_position_embeddings"]
+        low_wavelen, high_wavelen = old_ctx / low, old_ctx / high
+        wavelen = 2 * math.pi / inv
+        scaled = torch.where(wavelen > low_wavelen, inv / factor, inv)
+        smooth = (old_ctx / wavelen - low) / (high - low)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+        inv = torch.where(medium, smoothed, scaled)
+    return inv
+
+
+class RotaryEmbedding(nn.Module):
+    """Precomputed cos/sin tables indexed by absolute position (no per-step trigonometry)."""
+
+    def __init__(self, cfg: RopeConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.rot_dim = int(cfg.head_dim * cfg.partial_rotary_factor)
+        cos, sin = self._tables(None)  # None: the default device (meta inside a meta-device context)
+        self.register_buffer("cos", cos, persistent=False)
+        self.register_buffer("sin", sin, persistent=False)
+
+    def _tables(self, device: torch.device | None) -> tuple[torch.Tensor, torch.Tensor]:
+        inv = _inv_freq(self.cfg)
+        inv = inv if device is None else inv.to(device)
+        t = torch.arange(self.cfg.max_positions, dtype=torch.float32, device=device)
+        freqs = torch.outer(t, inv)  # (P, rot/2)
+        emb = torch.cat([freqs, freqs], dim=-1)  # (P, rot)
+        return emb.cos(), emb.sin()
+
+    def _apply(self, fn, recurse=True):  # noqa: ANN001 - nn.Module's signature
+        # Follow device moves, but keep the tables in fp32 when the model is cast to bf16/fp16, and
+        # recompute them when the module was built on the meta device.
+        super()._apply(fn, recurse)
+        if self.cos.device.type != "meta":
+            self.cos, self.sin = self._tables(self.cos.device)
+        return self
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """q (N, Hq, Dh), k (N, Hk, Dh), positions (N,) -> rotated q, k (same dtype)."""
+        cos = self.cos[positions].unsqueeze(1)  # (N, 1, rot)
+        sin = self.sin[positions].unsqueeze(1)
+        return _rotate(q, cos, sin, self.rot_dim), _rotate(k, cos, sin, self.rot_dim)
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rot: int) -> torch.Tensor:
+    # Tables are fp32; the rotation runs in the activation dtype, as HF does (bf16 parity).
+    cos, sin = cos.to(x.dtype), sin.to(x.dtype)
+    xr = x[..., :rot]
+    half = rot // 2
+    rotated = torch.cat([-xr[..., half:], xr[..., :half]], dim=-1)
+    out = xr * cos + rotated * sin
+    return out if rot == x.shape[-1] else torch.cat([out, x[..., rot:]], dim=-1)
