@@ -77,7 +77,7 @@ class Engine:
                 tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
         self.tokenizer = tokenizer
         cfg = self.model.config
-        self.max_model_len = cfg.max_position_embeddings
+        self.max_model_len = min(cfg.max_position_embeddings, cfg.sliding_window or cfg.max_position_embeddings)
         spec = KVCacheSpec(num_layers=cfg.num_hidden_layers, num_kv_heads=cfg.num_key_value_heads,
                            head_dim=cfg.head_dim, dtype=self.model.dtype)
         if num_pages is None:

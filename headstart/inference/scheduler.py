@@ -108,6 +108,8 @@ class Scheduler:
             if seq not in self.running:  # preempted below to make room for an earlier sequence
                 continue
             n = min(seq.total_len - seq.num_cached, budget)
+            if n == 0:  # nothing new to run (a caller has not appended its next token yet)
+                continue
             while not self.allocator.can_reserve(seq.id, seq.num_cached + n):
                 victim = self.running[-1]
                 self._preempt(victim)

@@ -46,6 +46,7 @@ class LlamaConfig:
     mlp_bias: bool = False
     qk_norm: bool = False  # Qwen3
     rope: RopeConfig | None = None
+    sliding_window: int | None = None  # Mistral: the engine caps the context at the window (no SWA kernel)
     eos_token_ids: tuple[int, ...] = ()
     bos_token_id: int | None = None
 
@@ -79,6 +80,7 @@ class LlamaConfig:
                 qk_norm=mt == "qwen3",
                 eos_token_ids=tuple(eos if isinstance(eos, list) else [] if eos is None else [eos]),
                 bos_token_id=cfg.get("bos_token_id"),
+                sliding_window=cfg.get("sliding_window") if cfg.get("use_sliding_window", True) else None,
             )
             out.rope = RopeConfig.from_hf(cfg, head_dim)
         except KeyError as e:

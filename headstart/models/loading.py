@@ -44,7 +44,7 @@ def load_weights(
     params = dict(model.named_parameters())
     filled: dict[str, int] = {}  # our name -> number of blocks written
     needed = {name: 1 for name in params}
-    for frag, (ours, _, sizes) in packed.items():
+    for ours, _, sizes in packed.values():
         for name in params:
             if f".{ours}." in f".{name}":
                 needed[name] = len(sizes)
