@@ -41,6 +41,29 @@ def build_parser() -> argparse.ArgumentParser:
     q.add_argument("--sample", type=int, default=None, help="index of the training conversation to show")
     q.add_argument("--json", action="store_true", help="print the numbers as JSON (no sample)")
     q.set_defaults(func=cmd_data_inspect)
+
+    p = verbs.add_parser("generate", help="generate completions with headstart's own engine")
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--prompt", action="append", help="a user message (chat template applied); repeatable")
+    src.add_argument("--prompts", help="JSONL: one {'prompt': ...} or {'messages': [...]} per line (+ id, category)")
+    p.add_argument("--model", default="smollm2-135m", help="embedded name or local HF model directory")
+    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--min-p", type=float, default=0.0)
+    p.add_argument("--repetition-penalty", type=float, default=1.0)
+    p.add_argument("--seed", type=int, default=0, help="seeds sampling (request i uses seed + i)")
+    p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    p.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], default="bf16")
+    p.add_argument("--batch-size", type=int, default=8, help="sequences decoded together")
+    p.add_argument("--device", default=None, help="cpu or cuda[:N] (default: cuda if available)")
+    p.add_argument("--backend", default="auto", choices=["auto", "torch", "flashinfer"])
+    p.add_argument("--kv-cache-gb", type=float, default=None, help="KV cache budget (default: sized to the batch)")
+    p.add_argument("--page-size", type=int, default=16)
+    p.add_argument("--raw", action="store_true", help="--prompt text is not wrapped in the chat template")
+    p.add_argument("--json", action="store_true", help="one JSON object per prompt, then a summary object")
+    p.set_defaults(func=cmd_generate)
     return parser
 
 
@@ -99,6 +122,70 @@ def cmd_data_inspect(args: argparse.Namespace) -> int:
     for reason, where in s.skipped_examples.items():
         print(f"  {reason}: e.g. {'; '.join(where)}")
     _print_sample(built, args.sample, mark_supervised)
+    return 0
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    import time
+
+    import torch
+
+    from headstart.data.sources import read_prompts
+    from headstart.inference import Engine, SamplingParams
+
+    if args.prompts:
+        read = read_prompts(args.prompts)
+        if read.skipped:
+            print(f"{args.prompts}: skipped {sum(read.skipped.values())} rows ({_reasons(dict(read.skipped))})",
+                  file=sys.stderr)
+        if not read.conversations:
+            raise HeadstartError(f"{args.prompts}: no usable prompts")
+        ids = [c["id"] for c in read.conversations]
+        prompts: list = [c["messages"] for c in read.conversations]
+    else:
+        ids = [str(i) for i in range(len(args.prompt))]
+        prompts = list(args.prompt)
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        params = [
+            SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+                           top_k=args.top_k, min_p=args.min_p, repetition_penalty=args.repetition_penalty,
+                           seed=args.seed + i, stop=args.stop)
+            for i in range(len(prompts))
+        ]
+        engine = Engine(args.model, dtype=args.dtype, device=device, backend=args.backend,
+                        kv_cache_gb=args.kv_cache_gb, page_size=args.page_size, max_batch_size=args.batch_size,
+                        seed=args.seed)
+        chat = not args.raw
+        stream = len(prompts) == 1 and not args.json and sys.stdout.isatty()
+        printed = [0]
+
+        def on_output(out: Any) -> None:
+            if stream:
+                print(out.text[printed[0]:], end="", flush=True)
+                printed[0] = len(out.text)
+            elif not args.json and out.finished:
+                print(f"--- [{ids[int(out.id)]}] ({len(out.token_ids)} tokens, {out.finish_reason})")
+                print(out.text, flush=True)
+
+        start = time.perf_counter()
+        outs = engine.generate(prompts, params, chat=chat, on_output=on_output,
+                               request_ids=[str(i) for i in range(len(prompts))])
+        seconds = time.perf_counter() - start
+    except ValueError as e:
+        raise HeadstartError(str(e)) from None
+    generated = sum(len(o.token_ids) for o in outs)
+    summary = {"tokens_per_s": round(generated / seconds, 2) if seconds else 0.0,
+               "generated_tokens": generated, "seconds": round(seconds, 3)}
+    if args.json:
+        for rid, o in zip(ids, outs):
+            print(json.dumps({"id": rid, "token_ids": o.token_ids, "text": o.text, "finish_reason": o.finish_reason}))
+        print(json.dumps(summary))
+    else:
+        if stream:
+            print()
+        print(f"{generated} tokens in {seconds:.2f}s: {summary['tokens_per_s']} tok/s "
+              f"({args.dtype}, batch {args.batch_size}, {engine.backend.name} attention on {device})", file=sys.stderr)
     return 0
 
 

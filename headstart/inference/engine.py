@@ -62,6 +62,7 @@ class Engine:
         max_batch_size: int = 32,
         max_batched_tokens: int = 2048,
         seed: int = 0,
+        fast_gemv: bool = True,
     ) -> None:
         self.device = torch.device(device)
         if isinstance(model, LlamaForCausalLM):
@@ -76,6 +77,8 @@ class Engine:
 
                 tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
         self.tokenizer = tokenizer
+        if fast_gemv and self.device.type == "cpu":
+            self.model.enable_gemv_kernels()
         cfg = self.model.config
         self.max_model_len = min(cfg.max_position_embeddings, cfg.sliding_window or cfg.max_position_embeddings)
         spec = KVCacheSpec(num_layers=cfg.num_hidden_layers, num_kv_heads=cfg.num_key_value_heads,

@@ -21,6 +21,7 @@ from headstart.errors import AssetError
 from headstart.models.loading import load_weights
 from headstart.nn.attention import AttentionBackend, AttentionMetadata, KVPages
 from headstart.nn.decoder import DecoderLayer, DecoderLayerConfig
+from headstart.nn.linear import Linear
 from headstart.nn.norm import RMSNorm
 from headstart.nn.rope import RopeConfig, RotaryEmbedding
 
@@ -113,7 +114,7 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         self.config = cfg
         self.model = LlamaBackbone(cfg)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
@@ -146,6 +147,10 @@ class LlamaForCausalLM(nn.Module):
         if rows is not None:
             h = h[rows]
         return self.lm_head(self.model.norm(h)).float()
+
+    def enable_gemv_kernels(self) -> int:
+        """Faster one-row matmuls for CPU batch-1 decode (see headstart.nn.linear); returns how many."""
+        return sum(m.enable_gemv() for m in self.modules() if isinstance(m, Linear))
 
     @property
     def dtype(self) -> torch.dtype:

@@ -19,6 +19,7 @@ from typing import Any, Protocol
 import torch
 from torch import nn
 
+from headstart.nn.linear import Linear
 from headstart.nn.norm import RMSNorm
 from headstart.nn.rope import RotaryEmbedding
 
@@ -75,8 +76,8 @@ class Attention(nn.Module):
         self.q_size, self.kv_size = num_heads * head_dim, num_kv_heads * head_dim
         self.scale = head_dim**-0.5
         # q, k and v in one matmul; the loader maps HF's q_proj/k_proj/v_proj into its row blocks.
-        self.qkv_proj = nn.Linear(in_features or hidden, self.q_size + 2 * self.kv_size, bias=qkv_bias)
-        self.o_proj = nn.Linear(self.q_size, hidden, bias=False)
+        self.qkv_proj = Linear(in_features or hidden, self.q_size + 2 * self.kv_size, bias=qkv_bias)
+        self.o_proj = Linear(self.q_size, hidden, bias=False)
         self.q_norm = RMSNorm(head_dim, norm_eps) if qk_norm else None
         self.k_norm = RMSNorm(head_dim, norm_eps) if qk_norm else None
         self.rope = rope

@@ -6,6 +6,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from headstart.nn.linear import Linear
+
 _ACTIVATIONS = {"silu": F.silu, "gelu": F.gelu, "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh")}
 
 
@@ -16,8 +18,8 @@ class GatedMLP(nn.Module):
             raise ValueError(f"unsupported hidden_act {act!r}; supported: {sorted(_ACTIVATIONS)}")
         self.intermediate = intermediate
         # One [2I, D] matmul instead of two [I, D]: on CPU decode every kernel launch counts.
-        self.gate_up_proj = nn.Linear(hidden, 2 * intermediate, bias=bias)
-        self.down_proj = nn.Linear(intermediate, hidden, bias=bias)
+        self.gate_up_proj = Linear(hidden, 2 * intermediate, bias=bias)
+        self.down_proj = Linear(intermediate, hidden, bias=bias)
         self.act = _ACTIVATIONS[act]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # (N, D) -> (N, D)
