@@ -31,7 +31,7 @@ def sharegpt_prompts(n: int, max_chars: int = 1200, skip: int = 0) -> list[list[
     return out
 
 
-def timed(fn: Callable[[], object]) -> tuple[object, float]:
+def timed(fn: Callable[..., object], *args: object) -> tuple[object, float]:
     start = time.perf_counter()
-    result = fn()
+    result = fn(*args)
     return result, time.perf_counter() - start

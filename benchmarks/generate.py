@@ -46,6 +46,15 @@ def ours_generate(engine: Engine, prompts: list[list[int]], batch: int, max_toke
     return outs
 
 
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--prompts", type=int, default=8)
@@ -64,7 +73,7 @@ def main() -> None:
     messages = sharegpt_prompts(args.prompts)
     print(f"SmolLM2-135M, {len(messages)} ShareGPT prompts, {args.max_tokens} new tokens each, greedy, "
           f"{torch.get_num_threads()} threads")
-    print(f"{'dtype':<6} {'batch':>5} {'HF tok/s':>10} {'ours tok/s':>11} {'ratio':>7}  same greedy tokens")
+    print(f"{'dtype':<6} {'batch':>5} {'HF tok/s':>10} {'ours tok/s':>11} {'ratio':>7}  same greedy outputs")
     for dtype in args.dtypes.split(","):
         hf = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=DTYPES[dtype]).eval()
         engine = Engine(str(model_dir), dtype=dtype, max_batch_size=max(int(b) for b in args.batches.split(",")))
@@ -73,12 +82,13 @@ def main() -> None:
         hf_generate(hf, tok, prompts[:1], 1, 4)
         ours_generate(engine, prompts[:1], 1, 4)
         for batch in [int(b) for b in args.batches.split(",")]:
-            ref, t_hf = timed(lambda: hf_generate(hf, tok, prompts, batch, args.max_tokens))
-            got, t_ours = timed(lambda: ours_generate(engine, prompts, batch, args.max_tokens))
+            ref, t_hf = timed(hf_generate, hf, tok, prompts, batch, args.max_tokens)
+            got, t_ours = timed(ours_generate, engine, prompts, batch, args.max_tokens)
             n = len(prompts) * args.max_tokens
             same = sum(a == b for a, b in zip(ref, got))
+            agree = sum(_common_prefix(a, b) for a, b in zip(ref, got)) / n
             print(f"{dtype:<6} {batch:>5} {n / t_hf:>10.1f} {n / t_ours:>11.1f} {t_hf / t_ours:>6.2f}x  "
-                  f"{same}/{len(prompts)}", flush=True)
+                  f"{same}/{len(prompts)} (tokens before the first divergence: {100 * agree:.0f}%)", flush=True)
         del hf, engine
 
 
