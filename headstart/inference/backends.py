@@ -13,18 +13,24 @@ from headstart.nn.attention import AttentionMetadata, KVPages
 
 @dataclass
 class _TorchPlan:
-    q_index: torch.Tensor | None  # (B, max_q) rows of q per padded query slot; None = decode fast path
+    pages: torch.Tensor  # (B, P) long page ids; keys are gathered a whole page at a time
+    kv_width: int  # keys per sequence after the gather (P * page_size, or kv_len for one sequence)
+    q_index: torch.Tensor | None  # (B, max_q) rows of q per padded query slot; None = decode path
     out_index: torch.Tensor | None  # (N,) flat padded slot of each real query row
-    kv_index: torch.Tensor  # (B, max_kv) flat cache slot per padded KV position
-    mask: torch.Tensor | None  # (B, 1, max_q, max_kv) bool, True = attend; None = no mask needed
-    is_causal: bool  # single fresh sequence: SDPA's own causal mask is exact
+    mask: torch.Tensor | None  # (B, 1, max_q, kv_width) bool, True = attend; None = nothing to mask
+    is_causal: bool  # a single fresh sequence: SDPA's own causal mask is exact
 
 
 class TorchAttention:
-    """Pages are gathered into a padded (B, max_kv) batch; one SDPA call per layer for the whole step.
+    """Pages are gathered into a padded batch, then one attention call per layer for the whole step.
 
     Masks: bottom-right aligned causal (query i of a sequence with q_len queries and kv_len keys sees
     keys j <= kv_len - q_len + i), or a per-sequence custom boolean mask (True = attend).
+
+    Decode steps (one query per sequence) in bf16/fp16 use two batched matmuls with grouped heads
+    unless the step is one short sequence: measured on the reference CPU, SDPA's bf16 kernel costs
+    1.6 ms for 8 sequences x 400 keys (manual: 0.42 ms) and 0.28 ms for one x 512 keys (manual:
+    0.14 ms), but wins for one sequence under ~128 keys (43 vs 86 us). fp32 SDPA wins everywhere.
     """
 
     name = "torch"
@@ -35,16 +41,16 @@ class TorchAttention:
             return
         device = meta.positions.device
         q_lens, kv_lens, ps = meta.q_lens_cpu, meta.kv_lens_cpu, meta.page_size
-        b, max_q, max_kv = len(q_lens), max(q_lens), max(kv_lens)
-        pos = torch.arange(max_kv, device=device)
-        table = meta.page_table.long()
-        kv_index = table.gather(1, (pos // ps).clamp(max=table.shape[1] - 1).expand(b, -1)) * ps + pos % ps
-        kv_valid = pos.unsqueeze(0) < meta.kv_lens.to(device).unsqueeze(1)  # (B, max_kv)
-        kv_index = torch.where(kv_valid, kv_index, torch.zeros_like(kv_index))
-        fresh_single = b == 1 and q_lens[0] == kv_lens[0] and meta.custom_masks is None
+        b, max_q = len(q_lens), max(q_lens)
+        n_pages = -(-max(kv_lens) // ps)
+        pages = meta.page_table[:, :n_pages].long().to(device)
+        kv_width = kv_lens[0] if b == 1 else n_pages * ps
+        pos = torch.arange(kv_width, device=device)
+        kv_valid = pos.unsqueeze(0) < meta.kv_lens.to(device).unsqueeze(1)  # (B, kv_width)
+        padded = b > 1 and min(kv_lens) < kv_width
         if max_q == 1 and meta.custom_masks is None:
-            mask = None if b == 1 or min(kv_lens) == max_kv else kv_valid[:, None, None, :]
-            meta.backend_state["torch"] = _TorchPlan(None, None, kv_index, mask, False)
+            mask = kv_valid[:, None, None, :] if padded else None
+            meta.backend_state["torch"] = _TorchPlan(pages, kv_width, None, None, mask, False)
             return
         qi = torch.arange(max_q, device=device)
         starts = meta.qo_indptr[:-1].long().to(device)
@@ -52,41 +58,58 @@ class TorchAttention:
         q_valid = qi.unsqueeze(0) < q_len_t.unsqueeze(1)  # (B, max_q)
         q_index = torch.where(q_valid, starts.unsqueeze(1) + qi, torch.zeros_like(qi))
         out_index = (torch.arange(b, device=device).unsqueeze(1) * max_q + qi).masked_select(q_valid)
+        fresh_single = b == 1 and q_lens[0] == kv_lens[0] and meta.custom_masks is None
         mask = None
         if not fresh_single:
             # Query i sits at absolute position kv_len - q_len + i.
             qpos = (meta.kv_lens.to(device) - q_len_t).unsqueeze(1) + qi  # (B, max_q)
-            mask = (pos.view(1, 1, -1) <= qpos.unsqueeze(-1)) & kv_valid.unsqueeze(1)  # (B, max_q, max_kv)
+            mask = (pos.view(1, 1, -1) <= qpos.unsqueeze(-1)) & kv_valid.unsqueeze(1)  # (B, max_q, kv_width)
             if meta.custom_masks is not None:
                 for s, m in enumerate(meta.custom_masks):
                     if m is not None:
                         mask[s, : q_lens[s], : kv_lens[s]] = m.to(device)
             mask[:, :, 0] |= ~q_valid  # padded query rows attend to one key: no NaN rows
             mask = mask.unsqueeze(1)
-        meta.backend_state["torch"] = _TorchPlan(q_index, out_index, kv_index, mask, fresh_single)
+        meta.backend_state["torch"] = _TorchPlan(pages, kv_width, q_index, out_index, mask, fresh_single)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: KVPages,
                 meta: AttentionMetadata, scale: float) -> torch.Tensor:
         kc, vc = cache  # (P, page, Hkv, Dh)
         hkv, dh = kc.shape[2], kc.shape[3]
-        k_flat, v_flat = kc.view(-1, hkv, dh), vc.view(-1, hkv, dh)
-        k_flat.index_copy_(0, meta.slot_mapping, k.to(kc.dtype))
-        v_flat.index_copy_(0, meta.slot_mapping, v.to(vc.dtype))
+        kc.view(-1, hkv, dh).index_copy_(0, meta.slot_mapping, k.to(kc.dtype))
+        vc.view(-1, hkv, dh).index_copy_(0, meta.slot_mapping, v.to(vc.dtype))
         plan: _TorchPlan = meta.backend_state["torch"]
-        keys = k_flat[plan.kv_index].transpose(1, 2)  # (B, Hkv, max_kv, Dh)
-        values = v_flat[plan.kv_index].transpose(1, 2)
-        if plan.q_index is None:
-            queries = q.unsqueeze(2)  # (B, Hq, 1, Dh)
-        else:
-            queries = q[plan.q_index].transpose(1, 2)  # (B, Hq, max_q, Dh)
+        b = plan.pages.shape[0]
+        keys = kc[plan.pages].view(b, -1, hkv, dh)[:, : plan.kv_width]  # (B, L, Hkv, Dh)
+        values = vc[plan.pages].view(b, -1, hkv, dh)[:, : plan.kv_width]
+        if plan.q_index is None and keys.dtype != torch.float32 and (b > 1 or plan.kv_width > 128):
+            return _decode_attention(q, keys, values, plan.mask, scale)
+        queries = q.unsqueeze(2) if plan.q_index is None else q[plan.q_index].transpose(1, 2)  # (B, Hq, max_q, Dh)
         out = F.scaled_dot_product_attention(
-            queries, keys, values, attn_mask=plan.mask, is_causal=plan.is_causal, scale=scale,
-            enable_gqa=queries.shape[1] != keys.shape[1],
+            queries, keys.transpose(1, 2), values.transpose(1, 2), attn_mask=plan.mask, is_causal=plan.is_causal,
+            scale=scale, enable_gqa=queries.shape[1] != hkv,
         )  # (B, Hq, max_q, Dh)
         out = out.transpose(1, 2)  # (B, max_q, Hq, Dh)
         if plan.q_index is None:
             return out.squeeze(1)
         return out.reshape(-1, out.shape[2], out.shape[3])[plan.out_index]
+
+
+def _decode_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor | None,
+                      scale: float) -> torch.Tensor:
+    """One query per sequence: q (B, Hq, Dh), keys/values (B, L, Hkv, Dh) -> (B, Hq, Dh).
+
+    Query heads are grouped by their KV head (GQA) so K/V are never repeated; softmax runs in fp32.
+    """
+    b, hq, dh = q.shape
+    hkv = keys.shape[2]
+    qg = q.view(b, hkv, hq // hkv, dh)  # (B, Hkv, G, Dh)
+    scores = torch.matmul(qg, keys.permute(0, 2, 3, 1)).float() * scale  # (B, Hkv, G, L)
+    if mask is not None:
+        scores = scores.masked_fill(~mask.view(b, 1, 1, -1), float("-inf"))
+    probs = scores.softmax(-1).to(values.dtype)
+    out = torch.matmul(probs, values.transpose(1, 2))  # (B, Hkv, G, Dh)
+    return out.reshape(b, hq, dh)
 
 
 class FlashInferAttention:
