@@ -9,7 +9,7 @@ from headstart.nn.attention import AttentionMetadata
 
 def _setup(q_lens, kv_lens, page_size=3, hq=4, hkv=2, d=8, masks=None, seed=0):
     g = torch.Generator().manual_seed(seed)
-    num_pages = 64
+    num_pages = 256
     kc = torch.zeros(num_pages, page_size, hkv, d)
     vc = torch.zeros_like(kc)
     perm = torch.randperm(num_pages, generator=g).tolist()  # pages scattered on purpose
