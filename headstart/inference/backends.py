@@ -15,22 +15,24 @@ from headstart.nn.attention import AttentionMetadata, KVPages
 class _TorchPlan:
     pages: torch.Tensor  # (B, P) long page ids; keys are gathered a whole page at a time
     kv_width: int  # keys per sequence after the gather (P * page_size, or kv_len for one sequence)
-    q_index: torch.Tensor | None  # (B, max_q) rows of q per padded query slot; None = decode path
-    out_index: torch.Tensor | None  # (N,) flat padded slot of each real query row
-    mask: torch.Tensor | None  # (B, 1, max_q, kv_width) bool, True = attend; None = nothing to mask
-    is_causal: bool  # a single fresh sequence: SDPA's own causal mask is exact
+    decode_mask: torch.Tensor | None  # decode steps: (B, 1, 1, kv_width) bool key-padding mask or None
+    # Other steps, per sequence: (first query row, q_len, kv_len, mask (q_len, kv_len) or None, causal)
+    per_seq: list[tuple[int, int, int, torch.Tensor | None, bool]] | None
 
 
 class TorchAttention:
-    """Pages are gathered into a padded batch, then one attention call per layer for the whole step.
+    """Gather the pages, then attend with scaled_dot_product_attention (or two matmuls for decode).
 
     Masks: bottom-right aligned causal (query i of a sequence with q_len queries and kv_len keys sees
     keys j <= kv_len - q_len + i), or a per-sequence custom boolean mask (True = attend).
 
-    Decode steps (one query per sequence) in bf16/fp16 use two batched matmuls with grouped heads
-    unless the step is one short sequence: measured on the reference CPU, SDPA's bf16 kernel costs
-    1.6 ms for 8 sequences x 400 keys (manual: 0.42 ms) and 0.28 ms for one x 512 keys (manual:
-    0.14 ms), but wins for one sequence under ~128 keys (43 vs 86 us). fp32 SDPA wins everywhere.
+    Decode steps (one query per sequence) are batched; in bf16/fp16 they use two batched matmuls with
+    grouped heads unless the step is one short sequence: measured on the reference CPU, SDPA's bf16
+    kernel costs 1.6 ms for 8 sequences x 400 keys (manual: 0.42 ms) and 0.28 ms for one x 512 keys
+    (manual: 0.14 ms), but wins for one sequence under ~128 keys (43 vs 86 us); fp32 SDPA wins
+    everywhere. Prefill, chunked prefill, verification and mixed steps attend per sequence: a fresh
+    prompt uses SDPA's own causal kernel with no mask tensor, which is what makes prefill fast (a
+    padded, masked bf16 batch ran at 470 tok/s, per-sequence causal calls at several times that).
     """
 
     name = "torch"
@@ -41,36 +43,30 @@ class TorchAttention:
             return
         device = meta.positions.device
         q_lens, kv_lens, ps = meta.q_lens_cpu, meta.kv_lens_cpu, meta.page_size
-        b, max_q = len(q_lens), max(q_lens)
+        b = len(q_lens)
         n_pages = -(-max(kv_lens) // ps)
         pages = meta.page_table[:, :n_pages].long().to(device)
         kv_width = kv_lens[0] if b == 1 else n_pages * ps
-        pos = torch.arange(kv_width, device=device)
-        kv_valid = pos.unsqueeze(0) < meta.kv_lens.to(device).unsqueeze(1)  # (B, kv_width)
-        padded = b > 1 and min(kv_lens) < kv_width
-        if max_q == 1 and meta.custom_masks is None:
-            mask = kv_valid[:, None, None, :] if padded else None
-            meta.backend_state["torch"] = _TorchPlan(pages, kv_width, None, None, mask, False)
+        if meta.is_decode:
+            mask = None
+            if b > 1 and min(kv_lens) < kv_width:
+                pos = torch.arange(kv_width, device=device)
+                mask = (pos.unsqueeze(0) < meta.kv_lens.to(device).unsqueeze(1))[:, None, None, :]
+            meta.backend_state["torch"] = _TorchPlan(pages, kv_width, mask, None)
             return
-        qi = torch.arange(max_q, device=device)
-        starts = meta.qo_indptr[:-1].long().to(device)
-        q_len_t = torch.tensor(q_lens, device=device)
-        q_valid = qi.unsqueeze(0) < q_len_t.unsqueeze(1)  # (B, max_q)
-        q_index = torch.where(q_valid, starts.unsqueeze(1) + qi, torch.zeros_like(qi))
-        out_index = (torch.arange(b, device=device).unsqueeze(1) * max_q + qi).masked_select(q_valid)
-        fresh_single = b == 1 and q_lens[0] == kv_lens[0] and meta.custom_masks is None
-        mask = None
-        if not fresh_single:
-            # Query i sits at absolute position kv_len - q_len + i.
-            qpos = (meta.kv_lens.to(device) - q_len_t).unsqueeze(1) + qi  # (B, max_q)
-            mask = (pos.view(1, 1, -1) <= qpos.unsqueeze(-1)) & kv_valid.unsqueeze(1)  # (B, max_q, kv_width)
-            if meta.custom_masks is not None:
-                for s, m in enumerate(meta.custom_masks):
-                    if m is not None:
-                        mask[s, : q_lens[s], : kv_lens[s]] = m.to(device)
-            mask[:, :, 0] |= ~q_valid  # padded query rows attend to one key: no NaN rows
-            mask = mask.unsqueeze(1)
-        meta.backend_state["torch"] = _TorchPlan(pages, kv_width, q_index, out_index, mask, fresh_single)
+        per_seq = []
+        row = 0
+        for s, (ql, kv) in enumerate(zip(q_lens, kv_lens)):
+            custom = meta.custom_masks[s] if meta.custom_masks is not None else None
+            mask = None
+            if custom is not None:
+                mask = custom.to(device)
+            elif 1 < ql < kv:  # a chunk or a verify block over a cache: bottom-right causal
+                qpos = torch.arange(ql, device=device).unsqueeze(1) + (kv - ql)
+                mask = torch.arange(kv, device=device).unsqueeze(0) <= qpos
+            per_seq.append((row, ql, kv, mask, custom is None and ql == kv and ql > 1))
+            row += ql
+        meta.backend_state["torch"] = _TorchPlan(pages, kv_width, None, per_seq)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: KVPages,
                 meta: AttentionMetadata, scale: float) -> torch.Tensor:
@@ -82,17 +78,24 @@ class TorchAttention:
         b = plan.pages.shape[0]
         keys = kc[plan.pages].view(b, -1, hkv, dh)[:, : plan.kv_width]  # (B, L, Hkv, Dh)
         values = vc[plan.pages].view(b, -1, hkv, dh)[:, : plan.kv_width]
-        if plan.q_index is None and keys.dtype != torch.float32 and (b > 1 or plan.kv_width > 128):
-            return _decode_attention(q, keys, values, plan.mask, scale)
-        queries = q.unsqueeze(2) if plan.q_index is None else q[plan.q_index].transpose(1, 2)  # (B, Hq, max_q, Dh)
-        out = F.scaled_dot_product_attention(
-            queries, keys.transpose(1, 2), values.transpose(1, 2), attn_mask=plan.mask, is_causal=plan.is_causal,
-            scale=scale, enable_gqa=queries.shape[1] != hkv,
-        )  # (B, Hq, max_q, Dh)
-        out = out.transpose(1, 2)  # (B, max_q, Hq, Dh)
-        if plan.q_index is None:
-            return out.squeeze(1)
-        return out.reshape(-1, out.shape[2], out.shape[3])[plan.out_index]
+        gqa = q.shape[1] != hkv
+        if plan.per_seq is None:
+            if keys.dtype != torch.float32 and (b > 1 or plan.kv_width > 128):
+                return _decode_attention(q, keys, values, plan.decode_mask, scale)
+            out = F.scaled_dot_product_attention(
+                q.unsqueeze(2), keys.transpose(1, 2), values.transpose(1, 2), attn_mask=plan.decode_mask,
+                scale=scale, enable_gqa=gqa,
+            )  # (B, Hq, 1, Dh)
+            return out.squeeze(2)
+        outs = []
+        for s, (row, ql, kv, mask, causal) in enumerate(plan.per_seq):
+            qs = q[row:row + ql].transpose(0, 1).unsqueeze(0)  # (1, Hq, q_len, Dh)
+            ks = keys[s, :kv].transpose(0, 1).unsqueeze(0)  # (1, Hkv, kv_len, Dh)
+            vs = values[s, :kv].transpose(0, 1).unsqueeze(0)
+            o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, is_causal=causal, scale=scale,
+                                               enable_gqa=gqa)  # (1, Hq, q_len, Dh)
+            outs.append(o[0].transpose(0, 1))
+        return torch.cat(outs) if len(outs) > 1 else outs[0]
 
 
 def _decode_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor | None,
