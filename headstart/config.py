@@ -22,6 +22,7 @@ from headstart.errors import ConfigError
 
 Dtype = Literal["bf16", "fp16", "fp32"]
 DataFormat = Literal["auto", "sharegpt", "messages", "prompt"]
+HeadType = Literal["mtp", "eagle1", "deepseek_mtp", "eagle3", "medusa", "draft_lm"]
 
 
 @dataclass(kw_only=True)
@@ -59,6 +60,24 @@ class DataConfig:
 
 
 @dataclass(kw_only=True)
+class HeadSection:
+    """Which draft head to train (headstart.heads; one line per family in the README)."""
+
+    type: HeadType = "mtp"
+    num_layers: int = 1  # decoder layers in the head (draft_lm: its depth)
+    aux_layer_ids: list[int] | None = None  # eagle3: target layers to fuse (None: 2, L//2, L-3)
+    draft_vocab_size: int | None = None  # eagle3 / medusa: reduced vocabulary size (None: full)
+    medusa_num_heads: int = 4
+    medusa_num_layers: int = 1
+    init_from_target: bool = True  # start from the target's last layer / final norm where shapes allow
+
+    def __post_init__(self) -> None:
+        _require(self.num_layers >= 1, "head.num_layers", f"must be >= 1, got {self.num_layers}")
+        _require(self.medusa_num_heads >= 1, "head.medusa_num_heads", "must be >= 1")
+        _require(self.draft_vocab_size is None or self.draft_vocab_size > 0, "head.draft_vocab_size", "must be > 0")
+
+
+@dataclass(kw_only=True)
 class Recipe:
     """A complete run: target, data and where results go."""
 
@@ -67,6 +86,7 @@ class Recipe:
     seed: int = 0  # seeds sampling, shuffling and initialisation
     target: TargetConfig = field(default_factory=TargetConfig)
     data: DataConfig = field(default_factory=DataConfig)
+    head: HeadSection = field(default_factory=HeadSection)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

@@ -9,6 +9,8 @@ the embedding output). `compute_logits(h, rows)` applies the final norm and lm_h
 
 from __future__ import annotations
 
+import dataclasses
+import hashlib
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -18,7 +20,7 @@ import torch
 from torch import nn
 
 from headstart.errors import AssetError
-from headstart.models.loading import load_weights
+from headstart.models.loading import load_weights, safetensors_files
 from headstart.nn.attention import AttentionBackend, AttentionMetadata, KVPages
 from headstart.nn.decoder import DecoderLayer, DecoderLayerConfig
 from headstart.nn.linear import Linear
@@ -113,6 +115,8 @@ class LlamaForCausalLM(nn.Module):
     def __init__(self, cfg: LlamaConfig) -> None:
         super().__init__()
         self.config = cfg
+        self.source_dir: Path | None = None  # set by load_llama; used for the weight fingerprint
+        self._fingerprint: str | None = None
         self.model = LlamaBackbone(cfg)
         self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
@@ -147,6 +151,24 @@ class LlamaForCausalLM(nn.Module):
         if rows is not None:
             h = h[rows]
         return self.lm_head(self.model.norm(h)).float()
+
+    def fingerprint(self) -> str:
+        """sha256 over the config and the weight files (computed once); identifies the target a head,
+        a manifest or a checkpoint was made with."""
+        if self._fingerprint is None:
+            h = hashlib.sha256(json.dumps(dataclasses.asdict(self.config), sort_keys=True, default=str).encode())
+            if self.source_dir is not None:
+                for f in safetensors_files(self.source_dir):
+                    h.update(f.name.encode())
+                    with open(f, "rb") as fh:
+                        while block := fh.read(1 << 24):
+                            h.update(block)
+            else:  # built in memory: hash the weights themselves
+                for name, t in sorted(self.state_dict().items()):
+                    h.update(name.encode())
+                    h.update(t.detach().float().cpu().numpy().tobytes())
+            self._fingerprint = h.hexdigest()
+        return self._fingerprint
 
     def enable_gemv_kernels(self) -> int:
         """Faster one-row matmuls for CPU batch-1 decode (see headstart.nn.linear); returns how many."""
@@ -193,4 +215,5 @@ def load_llama(model_dir: str | Path, dtype: str | torch.dtype = "fp32", device:
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
     load_weights(model, model_dir, model.packed_names(), skip=("rotary_emb.inv_freq",))
+    model.source_dir = model_dir
     return model.eval().requires_grad_(False)

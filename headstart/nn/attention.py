@@ -94,3 +94,42 @@ class Attention(nn.Module):
         q, k = self.rope(q, k, meta.positions)
         o = backend.forward(q, k, v, cache, meta, self.scale)  # (N, Hq, Dh)
         return self.o_proj(o.reshape(n, self.q_size))
+
+
+class PackedCausalAttention:
+    """Training backend: no KV cache; each packed sequence attends causally to itself.
+
+    The metadata is the same object the engine builds (qo_indptr, q_lens_cpu); slots and pages are
+    ignored. Heads run their training forward through it, so training and serving share every line
+    of the layer code and differ only in where keys come from.
+    """
+
+    name = "packed"
+
+    def plan(self, meta: AttentionMetadata, num_q_heads: int, num_kv_heads: int, head_dim: int,
+             dtype: torch.dtype) -> None:
+        return None
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: KVPages | None,
+                meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        outs, row = [], 0
+        gqa = q.shape[1] != k.shape[1]
+        for n in meta.q_lens_cpu:
+            qs, ks, vs = (t[row:row + n].transpose(0, 1).unsqueeze(0) for t in (q, k, v))  # (1, H, n, Dh)
+            o = torch.nn.functional.scaled_dot_product_attention(qs, ks, vs, is_causal=n > 1, scale=scale,
+                                                                 enable_gqa=gqa)
+            outs.append(o[0].transpose(0, 1))  # (n, Hq, Dh)
+            row += n
+        return torch.cat(outs) if len(outs) > 1 else outs[0]
+
+
+def packed_metadata(seq_lens: list[int], device: torch.device | str = "cpu") -> AttentionMetadata:
+    """Metadata for packed training sequences: positions restart at 0 in every sequence."""
+    positions = torch.cat([torch.arange(n, device=device) for n in seq_lens]) if seq_lens else torch.zeros(0)
+    indptr = torch.tensor([0] + list(seq_lens), device=device).cumsum(0).to(torch.int32)
+    lens = torch.tensor(seq_lens, dtype=torch.int32, device=device)
+    return AttentionMetadata(
+        positions=positions.long(), slot_mapping=torch.zeros(0, dtype=torch.long, device=device),
+        qo_indptr=indptr, kv_lens=lens, page_table=torch.zeros(len(seq_lens), 0, dtype=torch.int32, device=device),
+        page_size=1, q_lens_cpu=list(seq_lens), kv_lens_cpu=list(seq_lens),
+    )

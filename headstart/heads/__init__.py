@@ -1,0 +1,76 @@
+"""Draft heads: one file per family, one definition each.
+
+| type           | what                                                        | file            |
+|----------------|-------------------------------------------------------------|-----------------|
+| `mtp`          | EAGLE head with RMSNorm restored (pre-norm features)         | eagle.py        |
+| `eagle1`       | the original EAGLE head (post-norm features, no norms)       | eagle.py        |
+| `deepseek_mtp` | DeepSeek-V3 MTP module                                       | deepseek_mtp.py |
+| `eagle3`       | EAGLE-3: 3 fused target layers, reduced draft vocabulary     | eagle3.py       |
+| `medusa`       | k residual-MLP heads                                         | medusa.py       |
+| `draft_lm`     | a small standalone LM for draft-target decoding              | draft_lm.py     |
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from headstart.config import HeadSection
+from headstart.heads.base import (
+    HEAD_TYPES,
+    DraftHead,
+    HeadConfig,
+    PackedBatch,
+    Shifted,
+    check_compatible,
+    load_head_state,
+    read_head_config,
+    save_head,
+    shift_for_head,
+)
+from headstart.heads.deepseek_mtp import DeepSeekMTPHead
+from headstart.heads.draft_lm import DraftLM
+from headstart.heads.eagle import EagleHead
+from headstart.heads.eagle3 import Eagle3Head
+from headstart.heads.medusa import MedusaHead
+from headstart.heads.vocab import build_vocab_maps, draft_to_target
+from headstart.models.llama import LlamaForCausalLM
+
+FAMILIES: dict[str, type[DraftHead]] = {
+    "mtp": EagleHead, "eagle1": EagleHead, "deepseek_mtp": DeepSeekMTPHead, "eagle3": Eagle3Head,
+    "medusa": MedusaHead, "draft_lm": DraftLM,
+}
+
+
+def head_config_from_recipe(section: HeadSection) -> HeadConfig:
+    """The recipe's `head:` section -> a HeadConfig (dimensions still to be resolved on a target)."""
+    return HeadConfig(
+        head_type=section.type, num_layers=section.num_layers, aux_layer_ids=section.aux_layer_ids,
+        draft_vocab_size=section.draft_vocab_size, medusa_num_heads=section.medusa_num_heads,
+        medusa_num_layers=section.medusa_num_layers,
+    )
+
+
+def build_head(config: HeadConfig, target: LlamaForCausalLM, init_from_target: bool = True) -> DraftHead:
+    """A head tied to `target`, in the target's dtype and on its device."""
+    cfg = config.resolve(target)
+    weight = target.model.embed_tokens.weight
+    head = FAMILIES[cfg.head_type](cfg, target).to(device=weight.device, dtype=weight.dtype)
+    if init_from_target:
+        head.init_from_target(target)
+    return head
+
+
+def load_head(path: str | Path, target: LlamaForCausalLM) -> DraftHead:
+    """Load a native checkpoint; a head made for another target is refused with both values named."""
+    cfg = read_head_config(path)
+    check_compatible(cfg, target, where=str(path))
+    weight = target.model.embed_tokens.weight
+    head = FAMILIES[cfg.head_type](cfg, target).to(device=weight.device, dtype=weight.dtype)
+    load_head_state(head, path)
+    return head
+
+
+__all__ = [
+    "FAMILIES", "HEAD_TYPES", "DraftHead", "HeadConfig", "PackedBatch", "Shifted", "build_head",
+    "head_config_from_recipe", "build_vocab_maps", "draft_to_target", "load_head", "save_head", "shift_for_head",
+]

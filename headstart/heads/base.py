@@ -1,0 +1,315 @@
+"""What every draft head shares: the typed config, the frozen target parts, the shift by one, and
+the native checkpoint (DESIGN.md §4).
+
+Shift by one, implemented once (`shift_for_head`). For a sequence t_0..t_{T-1} with target hidden
+states h_0..h_{T-1}, head input row i is (h_i, t_{i+1}) at position i, for i = 0..T-2; its targets
+are h_{i+1} (features) and p_{i+1} = softmax(lm_head(norm(h_{i+1}))), and the token it predicts is
+t_{i+2}, supervised iff loss_mask[i+2]. Worked example, T = 4:
+
+    tokens    t0  t1  t2  t3          row 0: (h0, t1) @ pos 0 -> predicts t2, feature target h1
+    hidden    h0  h1  h2  h3          row 1: (h1, t2) @ pos 1 -> predicts t3, feature target h2
+    loss_mask m0  m1  m2  m3          row 2: (h2, t3) @ pos 2 -> no t4: token mask 0, target h3
+
+Frozen target parts (embedding, final norm, lm_head) are referenced, never registered as the
+head's submodules, so they are neither in `trainable_parameters()` nor in the saved checkpoint.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load_file, save_file
+from torch import nn
+
+from headstart.errors import AssetError
+from headstart.fileio import atomic_path
+from headstart.models.llama import LlamaForCausalLM
+from headstart.nn.attention import AttentionBackend, AttentionMetadata, KVPages
+from headstart.nn.decoder import DecoderLayerConfig
+from headstart.nn.rope import RotaryEmbedding
+
+HEAD_TYPES = ("mtp", "eagle1", "deepseek_mtp", "eagle3", "medusa", "draft_lm")
+HIDDEN_STATE_CONVENTION = {
+    "last_hidden": "output of the last decoder layer before the final norm",
+    "aux_layers": "hidden state entering decoder layer j (HF hidden_states[j]; j = 0 is the embedding output)",
+}
+
+# mtp and eagle1 are one code path; these flags are their only difference (DESIGN.md §5).
+EAGLE_FLAGS = {
+    "mtp": {"embed_norm": True, "hidden_norm": True, "layer_input_norm": True, "final_norm": True,
+            "postnorm_features": False, "fc_bias": False},
+    "eagle1": {"embed_norm": False, "hidden_norm": False, "layer_input_norm": False, "final_norm": False,
+               "postnorm_features": True, "fc_bias": True},
+}
+
+
+@dataclass(kw_only=True)
+class HeadConfig:
+    """A head's shape. Fields left None are filled from the target by `resolve`."""
+
+    head_type: str
+    num_layers: int = 1  # decoder layers (1 for mtp/eagle1/eagle3/deepseek_mtp; draft_lm: its depth)
+    intermediate_size: int | None = None  # None: the target's
+    aux_layer_ids: list[int] | None = None  # eagle3: layers whose entering hidden states are fused
+    draft_vocab_size: int | None = None  # eagle3 / medusa: a reduced vocabulary with its own lm_head
+    medusa_num_heads: int = 4
+    medusa_num_layers: int = 1  # residual blocks per Medusa head
+    share_target_embeddings: bool = True  # draft_lm: use the target's embedding and lm_head (same width)
+    hidden_size: int | None = None  # draft_lm may be narrower than the target; others use the target's
+    num_attention_heads: int | None = None
+    num_key_value_heads: int | None = None
+    head_dim: int | None = None
+    # EAGLE-family norm flags (see EAGLE_FLAGS); None = the family default.
+    embed_norm: bool | None = None
+    hidden_norm: bool | None = None
+    layer_input_norm: bool | None = None
+    final_norm: bool | None = None
+    postnorm_features: bool | None = None
+    fc_bias: bool | None = None
+    # Filled by resolve(): the target this head belongs to.
+    target: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.head_type not in HEAD_TYPES:
+            raise ValueError(f"unknown head type {self.head_type!r}; choose one of {', '.join(HEAD_TYPES)}")
+        if self.num_layers < 1:
+            raise ValueError(f"num_layers must be >= 1, got {self.num_layers}")
+        for name, value in EAGLE_FLAGS.get(self.head_type, {}).items():
+            if getattr(self, name) is None:
+                setattr(self, name, value)
+
+    def resolve(self, target: LlamaForCausalLM) -> HeadConfig:
+        """A copy with every dimension filled from the target, checked against it."""
+        t = target.config
+        cfg = dataclasses.replace(self)
+        if cfg.head_type != "draft_lm" or cfg.share_target_embeddings or cfg.hidden_size is None:
+            cfg.hidden_size = cfg.hidden_size or t.hidden_size
+        cfg.intermediate_size = cfg.intermediate_size or t.intermediate_size
+        cfg.num_attention_heads = cfg.num_attention_heads or t.num_attention_heads
+        cfg.num_key_value_heads = cfg.num_key_value_heads or t.num_key_value_heads
+        cfg.head_dim = cfg.head_dim or t.head_dim
+        if cfg.head_type == "eagle3" and cfg.aux_layer_ids is None:
+            n = t.num_hidden_layers
+            cfg.aux_layer_ids = [min(2, n - 1), n // 2, max(n - 3, 0)]
+        cfg.target = {
+            "model_type": t.model_type, "hidden_size": t.hidden_size, "vocab_size": t.vocab_size,
+            "num_hidden_layers": t.num_hidden_layers, "fingerprint": target.fingerprint(),
+        }
+        check_compatible(cfg, target, where="head config")
+        return cfg
+
+    def layer_config(self, target: LlamaForCausalLM, **overrides: Any) -> DecoderLayerConfig:
+        t = target.config
+        kw = dict(
+            hidden=self.hidden_size, intermediate=self.intermediate_size, num_heads=self.num_attention_heads,
+            num_kv_heads=self.num_key_value_heads, head_dim=self.head_dim, norm_eps=t.rms_norm_eps,
+            act=t.hidden_act, qkv_bias=t.attention_bias, qk_norm=t.qk_norm, mlp_bias=t.mlp_bias,
+        )
+        kw.update(overrides)
+        return DecoderLayerConfig(**kw)
+
+
+def check_compatible(cfg: HeadConfig, target: LlamaForCausalLM, where: str) -> None:
+    """A head made for another target is refused, naming both values."""
+    t = target.config
+    rec = cfg.target
+    for key, have in (("hidden_size", t.hidden_size), ("vocab_size", t.vocab_size),
+                      ("num_hidden_layers", t.num_hidden_layers)):
+        if key in rec and rec[key] != have:
+            raise AssetError(f"{where}: the head was made for a target with {key}={rec[key]}, this target has {have}")
+    if cfg.head_type != "draft_lm" and cfg.hidden_size not in (None, t.hidden_size):
+        raise AssetError(f"{where}: head hidden_size={cfg.hidden_size} but the target's is {t.hidden_size}")
+    for j in cfg.aux_layer_ids or []:
+        if not 0 <= j <= t.num_hidden_layers:
+            raise AssetError(
+                f"{where}: aux layer {j} is out of range for a target with {t.num_hidden_layers} layers "
+                f"(valid: 0..{t.num_hidden_layers})"
+            )
+    if cfg.draft_vocab_size is not None and not 0 < cfg.draft_vocab_size <= t.vocab_size:
+        raise AssetError(f"{where}: draft_vocab_size={cfg.draft_vocab_size} exceeds the target vocab {t.vocab_size}")
+
+
+@dataclass
+class PackedBatch:
+    """Packed training sequences as precompute stores them (DESIGN.md §4 shards)."""
+
+    input_ids: torch.Tensor  # (N,) long
+    seq_lens: list[int]
+    hidden: torch.Tensor | None = None  # (N, d) pre-norm last hidden state
+    aux_hidden: torch.Tensor | None = None  # (N, A, d) hidden states entering the aux layers
+    loss_mask: torch.Tensor | None = None  # (N,) 0/1
+
+
+@dataclass
+class Shifted:
+    """Head inputs and targets after the shift by one (see the module docstring)."""
+
+    tokens: torch.Tensor  # (M,) t_{i+1}
+    src_rows: torch.Tensor  # (M,) packed row i: where h_i (the input features) comes from
+    target_rows: torch.Tensor  # (M,) packed row i+1: h_{i+1}, p_{i+1}
+    next_tokens: torch.Tensor  # (M,) t_{i+2}, or -100 where there is none
+    token_mask: torch.Tensor  # (M,) loss_mask[i+2] (0 where t_{i+2} does not exist)
+    seq_lens: list[int]  # T-1 rows per sequence (sequences with T < 2 are dropped)
+
+
+def shift_for_head(input_ids: torch.Tensor, seq_lens: list[int], loss_mask: torch.Tensor | None = None) -> Shifted:
+    src, tgt, toks, nxt, mask, lens = [], [], [], [], [], []
+    start = 0
+    for n in seq_lens:
+        if n >= 2:
+            i = torch.arange(start, start + n - 1)
+            src.append(i)
+            tgt.append(i + 1)
+            toks.append(input_ids[i + 1])
+            has_next = torch.arange(n - 1) < n - 2
+            nxt_ids = torch.full((n - 1,), -100, dtype=torch.long)
+            nxt_ids[: n - 2] = input_ids[start + 2: start + n]
+            nxt.append(nxt_ids)
+            m = torch.zeros(n - 1, dtype=torch.long)
+            if n > 2:
+                m[: n - 2] = loss_mask[start + 2: start + n].long() if loss_mask is not None else 1
+            mask.append(m * has_next)
+            lens.append(n - 1)
+        start += n
+    if not lens:
+        raise ValueError("no sequence has at least 2 tokens: nothing to shift")
+    cat = torch.cat
+    return Shifted(cat(toks).long(), cat(src), cat(tgt), cat(nxt), cat(mask), lens)
+
+
+@dataclass
+class TargetParts:
+    """References to the frozen target pieces a head reads through (never the head's own state)."""
+
+    model: LlamaForCausalLM
+
+    @property
+    def embed(self) -> nn.Embedding:
+        return self.model.model.embed_tokens
+
+    @property
+    def norm(self) -> nn.Module:
+        return self.model.model.norm
+
+    @property
+    def lm_head(self) -> nn.Module:
+        return self.model.lm_head
+
+
+class DraftHead(nn.Module):
+    """Base class. Subclasses implement `target_features`, `forward_hidden`, `compute_logits`."""
+
+    def __init__(self, cfg: HeadConfig, target: LlamaForCausalLM) -> None:
+        super().__init__()
+        self.config = cfg
+        object.__setattr__(self, "target", TargetParts(target))  # not registered: frozen, not ours
+
+    # What precompute must capture for this head.
+    @property
+    def consumes(self) -> dict[str, Any]:
+        return {"last_hidden": True, "aux_layers": list(self.config.aux_layer_ids or [])}
+
+    def trainable_parameters(self) -> list[nn.Parameter]:
+        return [p for p in self.parameters() if p.requires_grad]
+
+    def kv_layers(self) -> int:
+        """Decoder layers that need a KV cache in the engine (0 for Medusa)."""
+        return self.config.num_layers
+
+    def make_rotary(self, target: LlamaForCausalLM) -> RotaryEmbedding:
+        return RotaryEmbedding(dataclasses.replace(target.config.rope, head_dim=self.config.head_dim))
+
+    def embed(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.target.embed(tokens)
+
+    def target_features(self, hidden: torch.Tensor | None, aux: torch.Tensor | None = None) -> torch.Tensor:
+        """Target states -> the head's feature space (N, d). Own outputs are fed back unchanged."""
+        raise NotImplementedError
+
+    def forward_hidden(self, tokens: torch.Tensor, features: torch.Tensor, meta: AttentionMetadata,
+                       caches: list[KVPages] | None, backend: AttentionBackend) -> torch.Tensor:
+        """tokens (N,), features (N, d) -> the head's output hidden state (N, d), before its final norm."""
+        raise NotImplementedError
+
+    def compute_logits(self, h: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def draft_step(self, tokens: torch.Tensor, features: torch.Tensor, meta: AttentionMetadata,
+                   caches: list[KVPages], backend: AttentionBackend) -> tuple[torch.Tensor, torch.Tensor]:
+        """One engine step through the paged KV cache -> (hidden (N, d), logits (N, V or V_draft))."""
+        cfg = self.config
+        backend.plan(meta, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, features.dtype
+                     if features.numel() else self.target.embed.weight.dtype)
+        h = self.forward_hidden(tokens, features, meta, caches, backend)
+        return h, self.compute_logits(h)
+
+    def train_forward(self, batch: PackedBatch) -> tuple[torch.Tensor, Shifted]:
+        """Packed sequences -> (head hidden (M, d) per shifted row, the Shifted rows)."""
+        from headstart.nn.attention import PackedCausalAttention, packed_metadata
+
+        shifted = shift_for_head(batch.input_ids, batch.seq_lens, batch.loss_mask)
+        aux = batch.aux_hidden[shifted.src_rows] if batch.aux_hidden is not None else None
+        hid = batch.hidden[shifted.src_rows] if batch.hidden is not None else None
+        features = self.target_features(hid, aux)
+        meta = packed_metadata(shifted.seq_lens, device=features.device)
+        h = self.forward_hidden(shifted.tokens.to(features.device), features, meta, None, PackedCausalAttention())
+        return h, shifted
+
+    def init_from_target(self, target: LlamaForCausalLM) -> None:
+        """Start from the target's weights where shapes allow (subclasses say which)."""
+
+
+def copy_layer(dst: nn.Module, src: nn.Module) -> None:
+    """Copy matching parameters (same name, same shape) from a target layer into a head layer."""
+    src_params = dict(src.named_parameters())
+    with torch.no_grad():
+        for name, p in dst.named_parameters():
+            if name in src_params and src_params[name].shape == p.shape:
+                p.copy_(src_params[name])
+
+
+# --------------------------------------------------------------------------- native checkpoint
+
+
+def save_head(head: DraftHead, path: str | Path) -> Path:
+    """`config.json` + `model.safetensors` (trainable weights and maps only), written atomically."""
+    path = Path(path)
+    cfg = dataclasses.asdict(head.config)
+    cfg["hidden_state_convention"] = HIDDEN_STATE_CONVENTION
+    cfg["format"] = "headstart-head/1"
+    state = {k: v.detach().contiguous().cpu() for k, v in head.state_dict().items()}
+    with atomic_path(path) as tmp:
+        tmp.mkdir()
+        (tmp / "config.json").write_text(json.dumps(cfg, indent=2))
+        save_file(state, str(tmp / "model.safetensors"))
+    return path
+
+
+def read_head_config(path: str | Path) -> HeadConfig:
+    path = Path(path)
+    f = path / "config.json"
+    if not f.is_file():
+        raise AssetError(f"{path}: not a head checkpoint (no config.json)")
+    raw = json.loads(f.read_text())
+    raw.pop("hidden_state_convention", None)
+    fmt = raw.pop("format", None)
+    if fmt != "headstart-head/1":
+        raise AssetError(f"{f}: unknown head checkpoint format {fmt!r} (expected 'headstart-head/1')")
+    known = {f.name for f in dataclasses.fields(HeadConfig)}
+    unknown = sorted(set(raw) - known)
+    if unknown:
+        raise AssetError(f"{f}: unknown keys {unknown}")
+    return HeadConfig(**raw)
+
+
+def load_head_state(head: DraftHead, path: str | Path) -> None:
+    f = Path(path) / "model.safetensors"
+    state = load_file(str(f))
+    missing, unexpected = head.load_state_dict(state, strict=False)
+    if missing or unexpected:
+        raise AssetError(f"{f}: tensors missing {missing} / unexpected {unexpected}")

@@ -1,0 +1,92 @@
+"""EAGLE-3: fused features from three target layers, a 2d-wide attention input, a reduced vocabulary.
+
+    f = fc(cat(a_low, a_mid, a_high))                      (N, 3d) -> (N, d); own outputs skip fc
+    x = cat(embed_norm(emb(t)), hidden_norm(f))            (N, 2d) attention input
+    y = f + attn(x);  y = y + mlp(post_norm(y))            residual stream is f (not the embedding)
+    logits = lm_head_draft(norm(y))                        (N, V_draft); target id = i + d2t[i]
+
+Names map to SGLang's LlamaForCausalLMEagle3 as embed_norm -> midlayer.input_layernorm,
+hidden_norm -> midlayer.hidden_norm, layers.0 -> midlayer.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from headstart.heads.base import DraftHead, HeadConfig, copy_layer
+from headstart.heads.vocab import draft_to_target
+from headstart.models.llama import LlamaForCausalLM
+from headstart.nn.attention import AttentionBackend, AttentionMetadata, KVPages
+from headstart.nn.decoder import DecoderLayer
+from headstart.nn.linear import Linear
+from headstart.nn.norm import RMSNorm
+
+
+class Eagle3Head(DraftHead):
+    def __init__(self, cfg: HeadConfig, target: LlamaForCausalLM) -> None:
+        super().__init__(cfg, target)
+        d, eps = cfg.hidden_size, target.config.rms_norm_eps
+        a = len(cfg.aux_layer_ids)
+        self.fc = Linear(a * d, d, bias=False)
+        self.embed_norm = RMSNorm(d, eps)
+        self.hidden_norm = RMSNorm(d, eps)
+        self.rotary = self.make_rotary(target)
+        first = cfg.layer_config(target, input_norm=False, attn_in_features=2 * d)
+        self.layers = nn.ModuleList(
+            DecoderLayer(first if i == 0 else cfg.layer_config(target), self.rotary) for i in range(cfg.num_layers)
+        )
+        self.norm = RMSNorm(d, eps)
+        vocab = target.config.vocab_size
+        vd = cfg.draft_vocab_size or vocab
+        self.lm_head = Linear(d, vd, bias=False) if cfg.draft_vocab_size else None
+        self.register_buffer("d2t", torch.zeros(vd, dtype=torch.int64))
+        self.register_buffer("t2d", torch.ones(vocab, dtype=torch.bool) if vd == vocab else
+                             torch.zeros(vocab, dtype=torch.bool))
+
+    @property
+    def draft_vocab_size(self) -> int:
+        return self.d2t.numel()
+
+    def set_vocab_maps(self, d2t: torch.Tensor, t2d: torch.Tensor) -> None:
+        """Install the draft vocabulary and re-initialise the draft lm_head from the target's rows."""
+        if d2t.numel() != self.draft_vocab_size or int(t2d.sum()) != d2t.numel():
+            raise ValueError(f"maps do not describe a {self.draft_vocab_size}-token draft vocabulary")
+        self.d2t.copy_(d2t)
+        self.t2d.copy_(t2d)
+        if self.lm_head is not None:
+            ids = draft_to_target(torch.arange(self.draft_vocab_size, device=d2t.device), d2t)
+            with torch.no_grad():
+                self.lm_head.weight.copy_(self.target.lm_head.weight[ids.to(self.target.lm_head.weight.device)])
+
+    def target_features(self, hidden: torch.Tensor | None, aux: torch.Tensor | None = None) -> torch.Tensor:
+        if aux is None:
+            raise ValueError(f"eagle3 needs the hidden states entering layers {self.config.aux_layer_ids}")
+        n, a, d = aux.shape  # (N, A, d)
+        return self.fc(aux.reshape(n, a * d).to(self.fc.weight.dtype))
+
+    def forward_hidden(self, tokens: torch.Tensor, features: torch.Tensor, meta: AttentionMetadata,
+                       caches: list[KVPages] | None, backend: AttentionBackend) -> torch.Tensor:
+        e = self.embed_norm(self.embed(tokens))
+        x = torch.cat([e, self.hidden_norm(features).to(e.dtype)], dim=-1)  # (N, 2d)
+        y = self.layers[0](x, meta, caches[0] if caches is not None else None, backend, residual=features)
+        for j, layer in enumerate(self.layers[1:], start=1):
+            y = layer(y, meta, caches[j] if caches is not None else None, backend)
+        return y
+
+    def compute_logits(self, h: torch.Tensor) -> torch.Tensor:
+        """(N, d) -> (N, V_draft) logits over the draft vocabulary (the full vocab without one)."""
+        head = self.lm_head if self.lm_head is not None else self.target.lm_head
+        return head(self.norm(h)).float()
+
+    def to_target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
+        return draft_to_target(draft_ids, self.d2t)
+
+    def init_from_target(self, target: LlamaForCausalLM) -> None:
+        """MLP and post-attention norm from the target's last layer (q/k/v read 2d here, so they
+        keep their random init), final norm from the target's, draft lm_head from its rows."""
+        copy_layer(self.layers[0], target.model.layers[-1])
+        with torch.no_grad():
+            self.norm.weight.copy_(target.model.norm.weight)
+        if self.lm_head is not None and int(self.t2d.sum()) == self.draft_vocab_size:
+            self.set_vocab_maps(self.d2t.clone(), self.t2d.clone())

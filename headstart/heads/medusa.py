@@ -1,0 +1,81 @@
+"""Medusa: k independent residual-MLP heads on the target's last (post-norm) hidden state, no KV cache.
+
+Head j (1..k) reads norm(h_i) at position i and predicts token t_{i+1+j} (the target's own lm_head
+predicts t_{i+1}):  z_j = block_j(norm(h_i)), block = n x [z + SiLU(W z + b)], logits_j = lm_head(z_j).
+The residual weights start at zero, so every head starts as the target's next-token prediction.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from headstart.heads.base import DraftHead, HeadConfig, PackedBatch, Shifted
+from headstart.heads.vocab import draft_to_target
+from headstart.models.llama import LlamaForCausalLM
+from headstart.nn.linear import Linear
+
+
+class ResBlock(nn.Module):
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.linear = Linear(d, d, bias=True)
+        nn.init.zeros_(self.linear.weight)
+        nn.init.zeros_(self.linear.bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + F.silu(self.linear(x))
+
+
+class MedusaHead(DraftHead):
+    def __init__(self, cfg: HeadConfig, target: LlamaForCausalLM) -> None:
+        super().__init__(cfg, target)
+        d = cfg.hidden_size
+        self.heads = nn.ModuleList(
+            nn.Sequential(*[ResBlock(d) for _ in range(cfg.medusa_num_layers)]) for _ in range(cfg.medusa_num_heads)
+        )
+        vocab = target.config.vocab_size
+        vd = cfg.draft_vocab_size or vocab
+        self.lm_head = Linear(d, vd, bias=False) if cfg.draft_vocab_size else None
+        self.register_buffer("d2t", torch.zeros(vd, dtype=torch.int64))
+
+    def kv_layers(self) -> int:
+        return 0
+
+    def target_features(self, hidden: torch.Tensor | None, aux: torch.Tensor | None = None) -> torch.Tensor:
+        if hidden is None:
+            raise ValueError("medusa needs the target's last hidden state")
+        return self.target.norm(hidden)
+
+    def forward_heads(self, features: torch.Tensor) -> torch.Tensor:
+        """(N, d) post-norm features -> (N, k, d), one state per head."""
+        return torch.stack([block(features) for block in self.heads], dim=1)
+
+    def compute_logits(self, h: torch.Tensor) -> torch.Tensor:
+        """(..., d) -> (..., V or V_draft)."""
+        head = self.lm_head if self.lm_head is not None else self.target.lm_head
+        return head(h).float()
+
+    def draft_step(self, tokens, features, meta=None, caches=None, backend=None):  # noqa: ANN001
+        """Medusa proposes from features alone: -> (states (N, k, d), logits (N, k, V))."""
+        z = self.forward_heads(features)
+        return z, self.compute_logits(z)
+
+    def train_forward(self, batch: PackedBatch) -> tuple[torch.Tensor, Shifted]:
+        """-> (states (N, k, d) for every packed row, rows without shift: row i predicts t_{i+1+j})."""
+        if batch.hidden is None:
+            raise ValueError("medusa needs the target's last hidden state")
+        feats = self.target_features(batch.hidden)
+        ids = batch.input_ids
+        return self.forward_heads(feats), Shifted(ids, torch.arange(ids.numel()), torch.arange(ids.numel()),
+                                                  ids, torch.ones_like(ids), list(batch.seq_lens))
+
+    def to_target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
+        return draft_to_target(draft_ids, self.d2t)
+
+    def init_from_target(self, target: LlamaForCausalLM) -> None:
+        if self.lm_head is not None:
+            ids = draft_to_target(torch.arange(self.d2t.numel()), self.d2t)
+            with torch.no_grad():
+                self.lm_head.weight.copy_(target.lm_head.weight[ids])
