@@ -19,11 +19,32 @@ import torch
 
 from headstart.inference.backends import make_backend
 from headstart.inference.kv_cache import KVCache, KVCacheSpec, PageAllocator, pages_for_budget
-from headstart.inference.sampler import SamplingParams, sample, token_logprobs
-from headstart.inference.scheduler import Scheduler, Sequence, Status
+from headstart.inference.rejection import verify_full_q, verify_greedy, verify_one_hot
+from headstart.inference.sampler import SamplingParams, processed_probs, sample, token_logprobs
+from headstart.inference.scheduler import Scheduler, ScheduledBatch, Sequence, Status, build_metadata
+from headstart.inference.spec import (
+    DraftModelProposer,
+    HeadChainProposer,
+    MedusaProposer,
+    SpecConfig,
+    SpecMetrics,
+)
 from headstart.models.llama import LlamaForCausalLM, load_llama
 
 Prompt = str | list[dict[str, str]] | list[int]
+
+
+def _draft_kv_spec(spec: SpecConfig, draft: Any) -> KVCacheSpec | None:
+    """The draft's KV cache shape (for the shared page budget); None for Medusa (no cache)."""
+    if spec.method == "medusa":
+        return None
+    if spec.method == "draft":
+        from headstart.inference.spec import _draft_model_fns
+
+        return _draft_model_fns(draft)[2]
+    c = draft.config
+    return KVCacheSpec(num_layers=draft.kv_layers(), num_kv_heads=c.num_key_value_heads, head_dim=c.head_dim,
+                       dtype=draft.target.embed.weight.dtype)
 
 
 @dataclass
@@ -36,6 +57,7 @@ class RequestOutput:
     finish_reason: str | None
     new_token_ids: list[int] = field(default_factory=list)  # produced by the last step
     logprobs: list[dict] = field(default_factory=list)
+    spec_metrics: dict[str, Any] | None = None  # acceptance metrics of this request (speculation on)
 
 
 @dataclass
@@ -63,6 +85,7 @@ class Engine:
         max_batched_tokens: int = 2048,
         seed: int = 0,
         fast_gemv: bool = True,
+        spec: SpecConfig | None = None,
     ) -> None:
         self.device = torch.device(device)
         if isinstance(model, LlamaForCausalLM):
@@ -81,17 +104,30 @@ class Engine:
             self.model.enable_gemv_kernels()
         cfg = self.model.config
         self.max_model_len = min(cfg.max_position_embeddings, cfg.sliding_window or cfg.max_position_embeddings)
-        spec = KVCacheSpec(num_layers=cfg.num_hidden_layers, num_kv_heads=cfg.num_key_value_heads,
-                           head_dim=cfg.head_dim, dtype=self.model.dtype)
+        kv_spec = KVCacheSpec(num_layers=cfg.num_hidden_layers, num_kv_heads=cfg.num_key_value_heads,
+                              head_dim=cfg.head_dim, dtype=self.model.dtype)
+        self.spec = spec
+        draft = self._resolve_draft(spec, dtype) if spec is not None else None
+        draft_spec = _draft_kv_spec(spec, draft) if draft is not None else None
+        specs = [kv_spec] + ([draft_spec] if draft_spec is not None else [])
         if num_pages is None:
             if kv_cache_gb is None:  # enough for max_batch_size full contexts, capped at 1 GiB
                 need = max_batch_size * -(-self.max_model_len // page_size)
-                num_pages = min(need, pages_for_budget(1.0, [spec], page_size))
+                num_pages = min(need, pages_for_budget(1.0, specs, page_size))
             else:
-                num_pages = pages_for_budget(kv_cache_gb, [spec], page_size)
+                num_pages = pages_for_budget(kv_cache_gb, specs, page_size)
         self.allocator = PageAllocator(num_pages, page_size)
-        self.cache = KVCache(spec, num_pages, page_size, self.device)
+        self.cache = KVCache(kv_spec, num_pages, page_size, self.device)
         self.backend = make_backend(backend, self.device)
+        self.proposer = None
+        if spec is not None:
+            if spec.method == "chain":
+                self.proposer = HeadChainProposer(spec, draft, self.allocator, self.device, self.backend)
+            elif spec.method == "medusa":
+                self.proposer = MedusaProposer(spec, draft, self.allocator, self.device)
+            else:
+                self.proposer = DraftModelProposer(spec, draft, self.allocator, self.device, self.backend)
+        self.spec_metrics = SpecMetrics()
         self.scheduler = Scheduler(self.allocator, max_batch_size, max_batched_tokens, self.device)
         self.stop_ids = set(cfg.eos_token_ids)
         if tokenizer is not None and tokenizer.eos_token_id is not None:
@@ -159,12 +195,21 @@ class Engine:
     def step(self) -> list[RequestOutput]:
         """Run one scheduled batch; returns an output for every sequence that produced a token."""
         t0 = time.perf_counter()
+        if self.proposer is not None:
+            seqs = self._spec_ready()
+            if seqs:
+                outputs = self._spec_step(seqs)
+                self.stats.steps += 1
+                self.stats.preemptions = self.scheduler.num_preemptions
+                self.stats.seconds += time.perf_counter() - t0
+                return outputs
         batch = self.scheduler.schedule()
         if batch is None:
             if self.scheduler.waiting:
                 raise RuntimeError("the scheduler cannot admit any request: the KV cache is too small")
             return []
-        h, _ = self.model(batch.input_ids, batch.meta, self.cache.layers, self.backend)
+        capture = self.proposer.capture() if self.proposer is not None else ()
+        h, aux = self.model(batch.input_ids, batch.meta, self.cache.layers, self.backend, capture=capture)
         for seq, n in zip(batch.seqs, batch.num_tokens):
             seq.num_cached += n
         outputs = []
@@ -187,12 +232,135 @@ class Engine:
                     seq.logprobs.append(entry)
                 self._check_stop(seq, tok)
                 outputs.append(self._output(seq, [tok]))
+        if self.proposer is not None:
+            t1 = time.perf_counter()
+            self._absorb_normal(batch, h, aux)
+            self.spec_metrics.draft_seconds += time.perf_counter() - t1
         self.stats.steps += 1
         self.stats.prefill_tokens += sum(n for n in batch.num_tokens if n > 1)
         self.stats.decode_tokens += len(batch.samplers)
         self.stats.preemptions = self.scheduler.num_preemptions
         self.stats.seconds += time.perf_counter() - t0
         return outputs
+
+    # ---------------------------------------------------------------------------- speculation
+
+    def _resolve_draft(self, spec: SpecConfig, dtype: str) -> Any:
+        """The proposer's model: a head (chain / medusa) or a draft LM, loaded if given as a path."""
+        from headstart.heads import DraftHead, load_head
+
+        if spec.method in ("chain", "medusa"):
+            head = spec.head
+            if head is None:
+                raise ValueError(f"--spec {spec.method} needs a head (a checkpoint directory)")
+            if not isinstance(head, DraftHead):
+                head = load_head(head, self.model)
+            kinds = ("medusa",) if spec.method == "medusa" else ("mtp", "eagle1", "deepseek_mtp", "eagle3")
+            if head.config.head_type not in kinds:
+                raise ValueError(f"--spec {spec.method} cannot use a {head.config.head_type!r} head "
+                                 f"(it takes {', '.join(kinds)})")
+            return head
+        draft = spec.draft
+        if draft is None:
+            raise ValueError("--spec draft needs a draft model (--draft NAME_OR_DIR or a DraftLM head)")
+        if isinstance(draft, (str, Path)):
+            from headstart.assets import resolve_model
+            from headstart.heads import DraftLM
+
+            path = Path(str(draft))
+            if (path / "config.json").is_file() and '"head_type"' in (path / "config.json").read_text():
+                head = load_head(path, self.model)
+                if not isinstance(head, DraftLM):
+                    raise ValueError(f"{path}: a {head.config.head_type!r} head is not a draft model")
+                return head
+            draft = load_llama(resolve_model(str(draft)), dtype=dtype, device=self.device)
+            if draft.config.vocab_size != self.model.config.vocab_size:
+                raise ValueError(f"the draft's vocab_size {draft.config.vocab_size} differs from the target's "
+                                 f"{self.model.config.vocab_size}: they must share a tokenizer")
+        return draft
+
+    def _spec_ready(self) -> list[Sequence] | None:
+        sched, k = self.scheduler, self.spec.k
+        if not sched.running or (sched.waiting and len(sched.running) < sched.max_batch_size):
+            return None
+        for s in sched.running:
+            if s.total_len - s.num_cached != 1 or not self.proposer.ready(s):
+                return None
+            if s.total_len + k + 1 > self.max_model_len:
+                return None
+        return sched.schedule_spec(lookahead=k + 1)
+
+    def _spec_step(self, seqs: list[Sequence]) -> list[RequestOutput]:
+        k = self.spec.k
+        t0 = time.perf_counter()
+        proposal = self.proposer.propose(seqs, k)
+        t1 = time.perf_counter()
+        items = [(s.id, s.num_cached, s.num_cached + k + 1) for s in seqs]
+        ids = [t for s, d in zip(seqs, proposal.drafts) for t in [s.token_ids[-1]] + d]
+        meta = build_metadata(self.allocator, items, self.device)
+        h, aux = self.model(torch.tensor(ids, device=self.device), meta, self.cache.layers, self.backend,
+                            capture=self.proposer.capture())
+        logits = self.model.compute_logits(h)  # (B * (k+1), V)
+        params = [s.params for s in seqs for _ in range(k + 1)]
+        histories = None
+        if any(p.repetition_penalty != 1.0 for p in params):
+            histories = [s.token_ids + d[:j] for s, d in zip(seqs, proposal.drafts) for j in range(k + 1)]
+        p = processed_probs(logits, params, histories)
+        outputs, absorb = [], []
+        for b, seq in enumerate(seqs):
+            n, drafts, pb = seq.num_cached, proposal.drafts[b], p[b * (k + 1):(b + 1) * (k + 1)]
+            if seq.params.greedy:
+                verdict = verify_greedy(drafts, pb)
+            elif proposal.q[b] is not None:
+                verdict = verify_full_q(drafts, proposal.q[b], pb, seq.generator)
+            else:
+                verdict = verify_one_hot(drafts, pb, seq.generator)
+            a = verdict.accepted
+            seq.spec_metrics.add(a, k)
+            self.spec_metrics.add(a, k)
+            seq.num_cached = n + 1 + a  # the pending token and the accepted drafts are in the cache
+            self.allocator.rollback(seq.id, self.allocator.length(seq.id) - seq.num_cached)
+            self.proposer.after_verify(seq, n, a)
+            new = []
+            for tok in verdict.tokens:
+                seq.output_ids.append(tok)
+                new.append(tok)
+                self._check_stop(seq, tok)
+                if seq.status is Status.FINISHED:
+                    break
+            outputs.append(self._output(seq, new))
+            if seq.status is Status.FINISHED:
+                self.proposer.forget(seq.id)
+            else:
+                absorb.append((seq, n, n + a + 1, b * (k + 1)))
+        t2 = time.perf_counter()
+        if absorb:
+            if isinstance(self.proposer, DraftModelProposer):
+                self.proposer.absorb([s for s, *_ in absorb])
+            else:
+                self.proposer.absorb(absorb, h, aux)
+        t3 = time.perf_counter()
+        self.spec_metrics.draft_seconds += (t1 - t0) + (t3 - t2)
+        self.spec_metrics.verify_seconds += t2 - t1
+        self.stats.decode_tokens += sum(len(o.new_token_ids) for o in outputs)
+        return outputs
+
+    def _absorb_normal(self, batch: ScheduledBatch, h: torch.Tensor, aux: dict[int, torch.Tensor]) -> None:
+        """After a normal step: bring the draft's cache up to the target's for every live sequence."""
+        items, row = [], 0
+        for seq, n in zip(batch.seqs, batch.num_tokens):
+            start = seq.num_cached - n
+            if seq.status is Status.FINISHED:
+                self.proposer.forget(seq.id)
+            else:
+                items.append((seq, start, seq.num_cached, row))
+            row += n
+        if not items:
+            return
+        if isinstance(self.proposer, DraftModelProposer):
+            self.proposer.absorb([s for s, *_ in items])
+        else:
+            self.proposer.absorb(items, h, aux)
 
     def _check_stop(self, seq: Sequence, tok: int) -> None:
         p = seq.params
@@ -217,8 +385,9 @@ class Engine:
             seq.text = self.tokenizer.decode(ids, skip_special_tokens=True)
 
     def _output(self, seq: Sequence, new: list[int]) -> RequestOutput:
+        metrics = seq.spec_metrics.summary() if self.proposer is not None else None
         return RequestOutput(seq.id, seq.prompt_ids, list(seq.output_ids), seq.text,
-                             seq.status is Status.FINISHED, seq.finish_reason, new, list(seq.logprobs))
+                             seq.status is Status.FINISHED, seq.finish_reason, new, list(seq.logprobs), metrics)
 
     # ------------------------------------------------------------------------------- generate
 

@@ -12,12 +12,19 @@ from __future__ import annotations
 import enum
 from collections import deque
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
 from headstart.inference.kv_cache import PageAllocator
 from headstart.inference.sampler import SamplingParams
 from headstart.nn.attention import AttentionMetadata
+
+
+def _new_metrics() -> Any:
+    from headstart.inference.spec import SpecMetrics
+
+    return SpecMetrics()
 
 
 class Status(enum.Enum):
@@ -39,6 +46,7 @@ class Sequence:
     text: str = ""  # detokenised output, cut at a stop string
     logprobs: list[dict] = field(default_factory=list)
     num_preemptions: int = 0
+    spec_metrics: Any = field(default_factory=lambda: _new_metrics())
 
     @property
     def token_ids(self) -> list[int]:
@@ -135,42 +143,78 @@ class Scheduler:
             return None
         return self._build(picked)
 
+    def schedule_spec(self, lookahead: int) -> list[Sequence] | None:
+        """The running sequences, if this step can speculate: nothing is waiting to be admitted and
+        each sequence has exactly one uncached token (the last sampled one). Reserves
+        total_len + lookahead slots per sequence, preempting the newest when out of pages."""
+        if not self.running or (self.waiting and len(self.running) < self.max_batch_size):
+            return None
+        if any(s.total_len - s.num_cached != 1 for s in self.running):
+            return None
+        picked = []
+        for seq in list(self.running):
+            if seq not in self.running:
+                continue
+            need = seq.total_len + lookahead
+            while not self.allocator.can_reserve(seq.id, need):
+                victim = self.running[-1]
+                self._preempt(victim)
+                if victim is seq:
+                    break
+            if seq.status is Status.RUNNING:
+                self.allocator.reserve(seq.id, need)
+                picked.append(seq)
+        return picked or None
+
     def _build(self, picked: list[tuple[Sequence, int]]) -> ScheduledBatch:
+        items = [(seq.id, seq.num_cached, seq.num_cached + n) for seq, n in picked]
+        meta = build_metadata(self.allocator, items, self.device)
         ids: list[int] = []
-        positions: list[int] = []
-        slots: list[int] = []
-        indptr = [0]
-        kv_lens: list[int] = []
-        tables: list[list[int]] = []
         sample_rows: list[int] = []
         samplers: list[Sequence] = []
+        row = 0
         for seq, n in picked:
             start, end = seq.num_cached, seq.num_cached + n
             ids.extend(seq.token_ids[start:end])
-            positions.extend(range(start, end))
-            slots.extend(self.allocator.slots(seq.id, start, end))
-            indptr.append(indptr[-1] + n)
-            kv_lens.append(end)
-            tables.append(self.allocator.page_table(seq.id))
+            row += n
             if end == seq.total_len:  # the chunk reaches the last known token: sample the next one
-                sample_rows.append(indptr[-1] - 1)
+                sample_rows.append(row - 1)
                 samplers.append(seq)
-        width = max(len(t) for t in tables)
-        table = torch.zeros(len(tables), width, dtype=torch.int32)
-        for b, t in enumerate(tables):
-            table[b, : len(t)] = torch.tensor(t, dtype=torch.int32)
-        dev = self.device
-        meta = AttentionMetadata(
-            positions=torch.tensor(positions, dtype=torch.long, device=dev),
-            slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),
-            qo_indptr=torch.tensor(indptr, dtype=torch.int32, device=dev),
-            kv_lens=torch.tensor(kv_lens, dtype=torch.int32, device=dev),
-            page_table=table.to(dev),
-            page_size=self.allocator.page_size,
-            q_lens_cpu=[n for _, n in picked],
-            kv_lens_cpu=kv_lens,
-        )
         return ScheduledBatch(
             [s for s, _ in picked], [n for _, n in picked], sample_rows, samplers, meta,
-            torch.tensor(ids, dtype=torch.long, device=dev),
+            torch.tensor(ids, dtype=torch.long, device=self.device),
         )
+
+
+def build_metadata(allocator: PageAllocator, items: list[tuple[str, int, int]], device: torch.device,
+                   custom_masks: list[torch.Tensor | None] | None = None) -> AttentionMetadata:
+    """Metadata for running positions [start, end) of each listed sequence over its cached prefix.
+
+    The slots must be reserved. Queries are the last end - start positions of a sequence whose KV
+    then holds `end` entries (positions 0..end-1).
+    """
+    positions: list[int] = []
+    slots: list[int] = []
+    indptr = [0]
+    tables = []
+    for seq_id, start, end in items:
+        positions.extend(range(start, end))
+        slots.extend(allocator.slots(seq_id, start, end))
+        indptr.append(indptr[-1] + end - start)
+        tables.append(allocator.page_table(seq_id))
+    width = max(len(t) for t in tables)
+    table = torch.zeros(len(tables), width, dtype=torch.int32)
+    for b, t in enumerate(tables):
+        table[b, : len(t)] = torch.tensor(t, dtype=torch.int32)
+    kv_lens = [end for _, _, end in items]
+    return AttentionMetadata(
+        positions=torch.tensor(positions, dtype=torch.long, device=device),
+        slot_mapping=torch.tensor(slots, dtype=torch.long, device=device),
+        qo_indptr=torch.tensor(indptr, dtype=torch.int32, device=device),
+        kv_lens=torch.tensor(kv_lens, dtype=torch.int32, device=device),
+        page_table=table.to(device),
+        page_size=allocator.page_size,
+        q_lens_cpu=[end - start for _, start, end in items],
+        kv_lens_cpu=kv_lens,
+        custom_masks=custom_masks,
+    )

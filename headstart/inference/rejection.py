@@ -1,0 +1,117 @@
+"""The lossless acceptance rules of speculative decoding (DESIGN.md §1), as pure functions.
+
+p = the target's processed distribution (temperature / top-k / top-p applied once, by the sampler),
+q = the draft's distribution. Uniforms are float64 draws from the request's own generator.
+
+- greedy:  accept x_i while x_i == argmax p_i; the bonus is argmax p at the stop point.
+- one-hot: (drafts chosen independently of the verifier's draws, e.g. argmax of q)
+           accept x with probability p(x); on rejection sample from p with x removed, renormalised.
+- full-q:  (drafts sampled from q) accept x if u <= min(1, p(x)/q(x)); on rejection sample from
+           norm(max(0, p - q)); if all k pass, the bonus is sampled from p_{k+1}.
+- tree:    one-hot per candidate: try the children in order; accept child c with probability p'(c),
+           p' = p with the already-rejected siblings removed and renormalised; if all fail, sample
+           from the final p'.
+Trap (tested to be detected): accepting with min(1, p/q) but subtracting q only at x in the residual.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class Verdict:
+    accepted: int  # draft tokens accepted (bonus excluded)
+    tokens: list[int]  # accepted drafts followed by the bonus / correction token
+
+
+def _uniform(gen: torch.Generator | None) -> float:
+    return float(torch.rand((), generator=gen, dtype=torch.float64))
+
+
+def _sample(probs: torch.Tensor, gen: torch.Generator | None) -> int:
+    """Inverse CDF with one float64 uniform; probs need not be normalised."""
+    cdf = probs.double().cumsum(0)
+    u = _uniform(gen) * float(cdf[-1])
+    idx = int(torch.searchsorted(cdf, torch.tensor([u], dtype=torch.float64), right=True)[0])
+    last = int(torch.nonzero(probs > 0)[-1])
+    return min(idx, last)
+
+
+def verify_greedy(drafts: list[int], p: torch.Tensor) -> Verdict:
+    """p (k+1, V): accept while draft == argmax; no random draw is consumed."""
+    best = p.argmax(-1).tolist()
+    a = 0
+    while a < len(drafts) and drafts[a] == best[a]:
+        a += 1
+    return Verdict(a, drafts[:a] + [best[a]])
+
+
+def verify_one_hot(drafts: list[int], p: torch.Tensor, gen: torch.Generator | None) -> Verdict:
+    for i, x in enumerate(drafts):
+        px = float(p[i, x])
+        if _uniform(gen) < px:
+            continue
+        residual = p[i].clone()
+        residual[x] = 0.0
+        return Verdict(i, drafts[:i] + [_sample(residual, gen)])
+    return Verdict(len(drafts), drafts + [_sample(p[len(drafts)], gen)])
+
+
+def verify_full_q(drafts: list[int], q: torch.Tensor, p: torch.Tensor, gen: torch.Generator | None) -> Verdict:
+    """q (k, V) the distributions the drafts were sampled from; p (k+1, V)."""
+    for i, x in enumerate(drafts):
+        px, qx = float(p[i, x]), float(q[i, x])
+        if qx > 0 and _uniform(gen) <= min(1.0, px / qx):
+            continue
+        residual = (p[i].double() - q[i].double()).clamp(min=0.0)
+        if float(residual.sum()) <= 0.0:  # p == q up to rounding: any draw from p is exact
+            residual = p[i].double()
+        return Verdict(i, drafts[:i] + [_sample(residual, gen)])
+    return Verdict(len(drafts), drafts + [_sample(p[len(drafts)], gen)])
+
+
+def verify_mixed_biased(drafts: list[int], q: torch.Tensor, p: torch.Tensor, gen: torch.Generator | None) -> Verdict:
+    """The biased rule (min(1, p/q) acceptance, residual with q removed at x only). Kept only so a
+    test can show that the distribution check catches it; never used by the engine."""
+    for i, x in enumerate(drafts):
+        px, qx = float(p[i, x]), float(q[i, x])
+        if qx > 0 and _uniform(gen) <= min(1.0, px / qx):
+            continue
+        residual = p[i].double().clone()
+        residual[x] = max(0.0, float(residual[x]) - qx)
+        return Verdict(i, drafts[:i] + [_sample(residual, gen)])
+    return Verdict(len(drafts), drafts + [_sample(p[len(drafts)], gen)])
+
+
+def verify_tree(children: list[list[int]], tokens: list[int], p: torch.Tensor, greedy: bool,
+                gen: torch.Generator | None) -> tuple[list[int], list[int]]:
+    """A draft tree verified in one pass.
+
+    children[n]: child node ids of node n in try order (node 0 is the root = the last committed
+    token); tokens[n]: the token of node n; p (num_nodes, V): the target distribution after node n.
+    Returns (accepted node path excluding the root, emitted tokens = their tokens + the bonus).
+    """
+    node, path = 0, []
+    while True:
+        pn = p[node].double().clone()
+        nxt = None
+        for c in children[node]:
+            x = tokens[c]
+            if greedy:
+                if int(pn.argmax()) == x:
+                    nxt = c
+                    break
+                continue
+            total = float(pn.sum())
+            if total > 0 and _uniform(gen) < float(pn[x]) / total:
+                nxt = c
+                break
+            pn[x] = 0.0  # p' : the rejected sibling removed (renormalised implicitly)
+        if nxt is None:
+            bonus = int(pn.argmax()) if greedy else _sample(pn if float(pn.sum()) > 0 else p[node].double(), gen)
+            return path, [tokens[n] for n in path] + [bonus]
+        path.append(nxt)
+        node = nxt
