@@ -1,0 +1,132 @@
+"""Speculative decoding in the engine: lossless greedy for every proposer (tiny fp32 targets, with
+continuous batching and preemption), stub proposers with known acceptance, seeded sampling."""
+
+import random
+
+import pytest
+import torch
+from tiny_models import make_hf_model
+
+from headstart.heads import HeadConfig, build_head
+from headstart.inference import Engine, SamplingParams
+from headstart.inference.spec import Proposal, SpecConfig, _Proposer
+from headstart.models.llama import load_llama
+
+KINDS = ["mtp", "eagle1", "deepseek_mtp", "eagle3", "medusa", "draft_lm"]
+
+
+@pytest.fixture(scope="module")
+def target(tmp_path_factory):
+    d = tmp_path_factory.mktemp("spec-target")
+    make_hf_model("llama", d, seed=4)
+    return load_llama(d, "fp32")
+
+
+def _prompts(n, seed=0):
+    rng = random.Random(seed)
+    return [[rng.randrange(2, 320) for _ in range(rng.randint(3, 20))] for _ in range(n)]
+
+
+def _spec(target, kind, k=3, **kw):
+    cfg = HeadConfig(head_type=kind, aux_layer_ids=[0, 1, 2] if kind == "eagle3" else None,
+                     num_layers=1 if kind == "draft_lm" else 1)
+    head = build_head(cfg, target)
+    method = {"medusa": "medusa", "draft_lm": "draft"}.get(kind, "chain")
+    if method == "draft":
+        return SpecConfig(method=method, k=k, draft=head, **kw)
+    return SpecConfig(method=method, k=k, head=head, **kw)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_greedy_is_lossless_for_every_proposer(target, kind):
+    prompts = _prompts(6)
+    params = [SamplingParams(max_tokens=m, ignore_eos=True) for m in (5, 20, 13, 1, 17, 9)]
+    ref = [o.token_ids for o in Engine(target, page_size=4).generate(prompts, params)]
+    eng = Engine(target, page_size=4, spec=_spec(target, kind))
+    outs = eng.generate(prompts, params)
+    assert [o.token_ids for o in outs] == ref
+    assert eng.allocator.num_free == eng.allocator.num_pages
+    s = eng.spec_metrics.summary()
+    assert s["steps"] > 0 and 1.0 <= s["tau"] <= 4.0
+    assert outs[1].spec_metrics["steps"] > 0
+
+
+def test_lossless_under_preemption_and_stop_tokens(target):
+    prompts = _prompts(12, seed=3)
+    params = [SamplingParams(max_tokens=16, ignore_eos=True, stop_token_ids=[7, 11]) for _ in prompts]
+    ref = [o.token_ids for o in Engine(target, page_size=2).generate(prompts, params)]
+    eng = Engine(target, page_size=2, num_pages=40, max_batch_size=12, spec=_spec(target, "mtp", k=4))
+    assert [o.token_ids for o in eng.generate(prompts, params)] == ref
+    assert eng.stats.preemptions > 0
+    assert eng.allocator.num_free == eng.allocator.num_pages
+
+
+class OracleProposer(_Proposer):
+    """Knows the target's greedy continuation; proposes the first `right` drafts correctly."""
+
+    method = "oracle"
+
+    def __init__(self, cfg, engine, continuations, right):
+        super().__init__(cfg, engine.allocator, engine.device, None)
+        self.continuations, self.right = continuations, right
+
+    def absorb(self, items, hidden, aux):
+        for seq, _, end, _ in items:
+            self.cached[seq.id] = end
+            self.carry[seq.id] = (torch.zeros(0), torch.zeros(0))
+
+    def propose(self, seqs, k):
+        drafts = []
+        for s in seqs:
+            truth = self.continuations[s.id][len(s.output_ids):] + [0] * k
+            drafts.append([t if j < self.right else (t + 1) % 320 for j, t in enumerate(truth[:k])])
+        return Proposal(drafts, [None] * len(seqs))
+
+    def after_verify(self, seq, n, accepted):
+        self.cached[seq.id] = n
+
+
+@pytest.mark.parametrize(("right", "tau"), [(3, 4.0), (0, 1.0), (1, 2.0), (2, 3.0)])
+def test_stub_proposers_give_the_expected_tau(target, right, tau):
+    prompts = _prompts(3, seed=5)
+    params = SamplingParams(max_tokens=37, ignore_eos=True)  # 1 sampled + 36 = whole steps of 1, 2, 3 or 4
+    ref = Engine(target, page_size=4).generate(prompts, params, request_ids=["a", "b", "c"])
+    eng = Engine(target, page_size=4, spec=_spec(target, "medusa"))
+    eng.proposer = OracleProposer(eng.spec, eng, {o.id: o.token_ids for o in ref}, right)
+    outs = eng.generate(prompts, params, request_ids=["a", "b", "c"])
+    assert [o.token_ids for o in outs] == [o.token_ids for o in ref]
+    s = eng.spec_metrics.summary()
+    # Every step accepts exactly `right` drafts and emits right + 1 tokens.
+    assert s["tau"] == pytest.approx(tau)
+    assert s["alpha"] == pytest.approx(right / 3)
+    assert s["accept_histogram"][right] == s["steps"]
+
+
+@pytest.mark.parametrize("draft_sampling", [False, True])
+def test_sampling_with_speculation_is_seeded(target, draft_sampling):
+    prompts = _prompts(3, seed=6)
+    params = [SamplingParams(max_tokens=12, temperature=0.9, top_k=50, seed=10 + i, ignore_eos=True)
+              for i in range(3)]
+
+    def run():
+        eng = Engine(target, page_size=4, spec=_spec(target, "mtp", draft_sampling=draft_sampling))
+        return [o.token_ids for o in eng.generate(prompts, params)], eng.spec_metrics.summary()
+
+    a, sa = run()
+    b, _ = run()
+    assert a == b and all(len(t) == 12 for t in a)
+    assert sa["steps"] > 0
+
+
+def test_spec_config_errors(target):
+    with pytest.raises(ValueError, match="unknown speculation method"):
+        SpecConfig(method="lookahead")
+    with pytest.raises(ValueError, match="k must be >= 1"):
+        SpecConfig(method="chain", k=0)
+    with pytest.raises(ValueError, match="needs a head"):
+        Engine(target, spec=SpecConfig(method="chain"))
+    medusa = build_head(HeadConfig(head_type="medusa", medusa_num_heads=2), target)
+    with pytest.raises(ValueError, match="cannot use a 'medusa' head"):
+        Engine(target, spec=SpecConfig(method="chain", head=medusa))
+    with pytest.raises(ValueError, match="exceeds the Medusa head count"):
+        Engine(target, spec=SpecConfig(method="medusa", head=medusa, k=3))
