@@ -63,7 +63,28 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--page-size", type=int, default=16)
     p.add_argument("--raw", action="store_true", help="--prompt text is not wrapped in the chat template")
     p.add_argument("--json", action="store_true", help="one JSON object per prompt, then a summary object")
+    p.add_argument("--spec", choices=["chain", "draft", "medusa", "tree"], default=None,
+                   help="speculative decoding: a head chain, a draft model, Medusa heads, or an EAGLE-2 tree")
+    p.add_argument("--head", default=None, help="head checkpoint directory (--spec chain / medusa / tree)")
+    p.add_argument("--draft", default=None, help="draft model: name, HF directory or draft_lm head (--spec draft)")
+    p.add_argument("--k", type=int, default=3, help="draft tokens per step")
+    p.add_argument("--draft-sampling", action="store_true",
+                   help="sample drafts from q and verify with the full-q rule (default: argmax + one-hot rule)")
+    p.add_argument("--tree-topk", type=int, default=4, help="--spec tree: children expanded per node")
+    p.add_argument("--tree-tokens", type=int, default=16, help="--spec tree: draft tokens verified per step")
+    p.add_argument("--tree-depth", type=int, default=5, help="--spec tree: draft depth")
     p.set_defaults(func=cmd_generate)
+
+    p = verbs.add_parser("head", help="create and inspect draft-head checkpoints")
+    head_verbs = p.add_subparsers(dest="head_verb", metavar="ACTION", required=True)
+    q = head_verbs.add_parser("init", help="build a head for a target (initialised from it) and save it")
+    q.add_argument("--model", default="smollm2-135m", help="the target: embedded name or local directory")
+    q.add_argument("--type", required=True, choices=["mtp", "eagle1", "deepseek_mtp", "eagle3", "medusa", "draft_lm"])
+    q.add_argument("--num-layers", type=int, default=1, help="decoder layers (draft_lm: its depth)")
+    q.add_argument("--medusa-heads", type=int, default=4)
+    q.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], default="fp32")
+    q.add_argument("--out", required=True, help="checkpoint directory to write")
+    q.set_defaults(func=cmd_head_init)
     return parser
 
 
@@ -153,9 +174,20 @@ def cmd_generate(args: argparse.Namespace) -> int:
                            seed=args.seed + i, stop=args.stop)
             for i in range(len(prompts))
         ]
+        spec = None
+        if args.spec == "tree":
+            from headstart.inference.spec import SpecConfig
+
+            spec = SpecConfig(method="tree", head=args.head, k=args.tree_depth, tree_topk=args.tree_topk,
+                              tree_tokens=args.tree_tokens)
+        elif args.spec is not None:
+            from headstart.inference.spec import SpecConfig
+
+            spec = SpecConfig(method=args.spec, k=args.k, head=args.head, draft=args.draft,
+                              draft_sampling=args.draft_sampling)
         engine = Engine(args.model, dtype=args.dtype, device=device, backend=args.backend,
                         kv_cache_gb=args.kv_cache_gb, page_size=args.page_size, max_batch_size=args.batch_size,
-                        seed=args.seed)
+                        seed=args.seed, spec=spec)
         chat = not args.raw
         stream = len(prompts) == 1 and not args.json and sys.stdout.isatty()
         printed = [0]
@@ -175,17 +207,47 @@ def cmd_generate(args: argparse.Namespace) -> int:
     except ValueError as e:
         raise HeadstartError(str(e)) from None
     generated = sum(len(o.token_ids) for o in outs)
-    summary = {"tokens_per_s": round(generated / seconds, 2) if seconds else 0.0,
-               "generated_tokens": generated, "seconds": round(seconds, 3)}
+    summary: dict[str, Any] = {"tokens_per_s": round(generated / seconds, 2) if seconds else 0.0,
+                               "generated_tokens": generated, "seconds": round(seconds, 3)}
+    if spec is not None:
+        summary.update(engine.spec_metrics.summary())
     if args.json:
         for rid, o in zip(ids, outs):
-            print(json.dumps({"id": rid, "token_ids": o.token_ids, "text": o.text, "finish_reason": o.finish_reason}))
+            row = {"id": rid, "token_ids": o.token_ids, "text": o.text, "finish_reason": o.finish_reason}
+            if o.spec_metrics is not None:
+                row["tau"] = o.spec_metrics["tau"]
+            print(json.dumps(row))
         print(json.dumps(summary))
     else:
         if stream:
             print()
         print(f"{generated} tokens in {seconds:.2f}s: {summary['tokens_per_s']} tok/s "
               f"({args.dtype}, batch {args.batch_size}, {engine.backend.name} attention on {device})", file=sys.stderr)
+        if spec is not None:
+            m = summary
+            if m["steps"]:
+                rate = " ".join(f"{x:.2f}" for x in m["accept_rate_per_pos"])
+                cond = " ".join(f"{x:.2f}" for x in m["cond_accept_per_pos"])
+                print(f"speculation ({args.spec}): tau {m['tau']:.3f}  alpha {m['alpha']:.3f}  steps {m['steps']}  "
+                      f"accept_rate_per_pos [{rate}]  cond_accept_per_pos [{cond}]  "
+                      f"accept_histogram {m['accept_histogram']}  draft {m['draft_seconds']:.2f}s  "
+                      f"verify {m['verify_seconds']:.2f}s", file=sys.stderr)
+            else:
+                print(f"speculation ({args.spec}): no decode-only step ran", file=sys.stderr)
+    return 0
+
+
+def cmd_head_init(args: argparse.Namespace) -> int:
+    from headstart.assets import resolve_model
+    from headstart.heads import HeadConfig, build_head, save_head
+    from headstart.models.llama import load_llama
+
+    target = load_llama(resolve_model(args.model), dtype=args.dtype)
+    cfg = HeadConfig(head_type=args.type, num_layers=args.num_layers, medusa_num_heads=args.medusa_heads)
+    head = build_head(cfg, target)
+    path = save_head(head, args.out)
+    n = sum(p.numel() for p in head.trainable_parameters())
+    print(f"{args.type} head for {args.model} ({n:,} trainable parameters, initialised from the target) -> {path}")
     return 0
 
 

@@ -130,3 +130,42 @@ def test_spec_config_errors(target):
         Engine(target, spec=SpecConfig(method="chain", head=medusa))
     with pytest.raises(ValueError, match="exceeds the Medusa head count"):
         Engine(target, spec=SpecConfig(method="medusa", head=medusa, k=3))
+
+
+@pytest.mark.parametrize("kind", ["mtp", "eagle3"])
+@pytest.mark.parametrize(("topk", "tokens", "depth"), [(2, 4, 3), (4, 16, 5), (1, 1, 1)])
+def test_tree_greedy_is_lossless(target, kind, topk, tokens, depth):
+    prompts = _prompts(5, seed=8)
+    params = [SamplingParams(max_tokens=m, ignore_eos=True) for m in (18, 3, 11, 20, 7)]
+    ref = [o.token_ids for o in Engine(target, page_size=4).generate(prompts, params)]
+    spec = _spec(target, kind)
+    eng = Engine(target, page_size=4, spec=SpecConfig(method="tree", head=spec.head, k=depth, tree_topk=topk,
+                                                      tree_tokens=tokens))
+    assert [o.token_ids for o in eng.generate(prompts, params)] == ref
+    assert eng.allocator.num_free == eng.allocator.num_pages
+    s = eng.spec_metrics.summary()
+    assert len(s["accept_rate_per_pos"]) == depth and s["steps"] > 0
+
+
+def test_tree_sampling_is_seeded(target):
+    prompts = _prompts(3, seed=9)
+    params = [SamplingParams(max_tokens=10, temperature=1.0, seed=i, ignore_eos=True) for i in range(3)]
+    head = _spec(target, "mtp").head
+
+    def run():
+        eng = Engine(target, page_size=4, spec=SpecConfig(method="tree", head=head, k=3, tree_topk=3, tree_tokens=6))
+        return [o.token_ids for o in eng.generate(prompts, params)]
+
+    assert run() == run()
+
+
+def test_tree_mask_and_rerank():
+    from headstart.inference.spec import Tree
+
+    # root -> 1 -> 3 ; root -> 2
+    tree = Tree(tokens=[5, 6, 7, 8], parents=[-1, 0, 0, 1], depths=[0, 1, 1, 2], children=[[1, 2], [3], [], []])
+    m = tree.mask(prefix=2)
+    assert m.shape == (4, 6)
+    assert m[3].tolist() == [True, True, True, True, False, True]  # prefix, root, node 1, itself
+    assert m[2].tolist() == [True, True, True, False, True, False]
+    assert tree.ancestors(3) == [1, 3]

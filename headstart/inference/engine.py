@@ -19,15 +19,16 @@ import torch
 
 from headstart.inference.backends import make_backend
 from headstart.inference.kv_cache import KVCache, KVCacheSpec, PageAllocator, pages_for_budget
-from headstart.inference.rejection import verify_full_q, verify_greedy, verify_one_hot
+from headstart.inference.rejection import verify_full_q, verify_greedy, verify_one_hot, verify_tree
 from headstart.inference.sampler import SamplingParams, processed_probs, sample, token_logprobs
-from headstart.inference.scheduler import Scheduler, ScheduledBatch, Sequence, Status, build_metadata
+from headstart.inference.scheduler import ScheduledBatch, Scheduler, Sequence, Status, build_metadata
 from headstart.inference.spec import (
     DraftModelProposer,
     HeadChainProposer,
     MedusaProposer,
     SpecConfig,
     SpecMetrics,
+    TreeProposer,
 )
 from headstart.models.llama import LlamaForCausalLM, load_llama
 
@@ -123,11 +124,13 @@ class Engine:
         if spec is not None:
             if spec.method == "chain":
                 self.proposer = HeadChainProposer(spec, draft, self.allocator, self.device, self.backend)
+            elif spec.method == "tree":
+                self.proposer = TreeProposer(spec, draft, self.allocator, self.device, self.backend)
             elif spec.method == "medusa":
                 self.proposer = MedusaProposer(spec, draft, self.allocator, self.device)
             else:
                 self.proposer = DraftModelProposer(spec, draft, self.allocator, self.device, self.backend)
-        self.spec_metrics = SpecMetrics()
+        self.spec_metrics = SpecMetrics(positions=spec.k if spec is not None and spec.method == "tree" else None)
         self.scheduler = Scheduler(self.allocator, max_batch_size, max_batched_tokens, self.device)
         self.stop_ids = set(cfg.eos_token_ids)
         if tokenizer is not None and tokenizer.eos_token_id is not None:
@@ -179,6 +182,7 @@ class Engine:
             gen = torch.Generator(device="cpu")
             gen.manual_seed(params.seed if params.seed is not None else self.seed * 1_000_003 + len(self._seqs))
         seq = Sequence(rid, ids, params, gen)
+        seq.spec_metrics.positions = self.spec_metrics.positions
         self._seqs[rid] = seq
         self.scheduler.add(seq)
         return rid
@@ -249,7 +253,7 @@ class Engine:
         """The proposer's model: a head (chain / medusa) or a draft LM, loaded if given as a path."""
         from headstart.heads import DraftHead, load_head
 
-        if spec.method in ("chain", "medusa"):
+        if spec.method in ("chain", "medusa", "tree"):
             head = spec.head
             if head is None:
                 raise ValueError(f"--spec {spec.method} needs a head (a checkpoint directory)")
@@ -280,17 +284,19 @@ class Engine:
         return draft
 
     def _spec_ready(self) -> list[Sequence] | None:
-        sched, k = self.scheduler, self.spec.k
+        sched, look = self.scheduler, self.spec.lookahead
         if not sched.running or (sched.waiting and len(sched.running) < sched.max_batch_size):
             return None
         for s in sched.running:
             if s.total_len - s.num_cached != 1 or not self.proposer.ready(s):
                 return None
-            if s.total_len + k + 1 > self.max_model_len:
+            if s.total_len + look > self.max_model_len:
                 return None
-        return sched.schedule_spec(lookahead=k + 1)
+        return sched.schedule_spec(lookahead=look)
 
     def _spec_step(self, seqs: list[Sequence]) -> list[RequestOutput]:
+        if isinstance(self.proposer, TreeProposer):
+            return self._tree_step(seqs)
         k = self.spec.k
         t0 = time.perf_counter()
         proposal = self.proposer.propose(seqs, k)
@@ -332,13 +338,76 @@ class Engine:
             if seq.status is Status.FINISHED:
                 self.proposer.forget(seq.id)
             else:
-                absorb.append((seq, n, n + a + 1, b * (k + 1)))
+                absorb.append((seq, n, n + a + 1, list(range(b * (k + 1), b * (k + 1) + a + 1))))
         t2 = time.perf_counter()
         if absorb:
             if isinstance(self.proposer, DraftModelProposer):
                 self.proposer.absorb([s for s, *_ in absorb])
             else:
                 self.proposer.absorb(absorb, h, aux)
+        t3 = time.perf_counter()
+        self.spec_metrics.draft_seconds += (t1 - t0) + (t3 - t2)
+        self.spec_metrics.verify_seconds += t2 - t1
+        self.stats.decode_tokens += sum(len(o.new_token_ids) for o in outputs)
+        return outputs
+
+    def _tree_step(self, seqs: list[Sequence]) -> list[RequestOutput]:
+        """EAGLE-2: draft a tree per sequence, verify every node in one target pass under a tree mask,
+        accept a path with the tree rule, then move the path's K/V to contiguous positions."""
+        t0 = time.perf_counter()
+        trees = self.proposer.propose_trees(seqs)
+        t1 = time.perf_counter()
+        items, masks, positions, ids = [], [], [], []
+        for s, tree in zip(seqs, trees):
+            n, m = s.num_cached, len(tree.tokens)
+            items.append((s.id, n, n + m))
+            masks.append(tree.mask(n))
+            positions.append([n + d for d in tree.depths])
+            ids.extend(tree.tokens)
+        meta = build_metadata(self.allocator, items, self.device, custom_masks=masks, positions_override=positions)
+        h, aux = self.model(torch.tensor(ids, device=self.device), meta, self.cache.layers, self.backend,
+                            capture=self.proposer.capture())
+        logits = self.model.compute_logits(h)
+        params = [s.params for s, t in zip(seqs, trees) for _ in t.tokens]
+        histories = None
+        if any(p.repetition_penalty != 1.0 for p in params):
+            histories = [s.token_ids + [t.tokens[a] for a in t.ancestors(i)] for s, t in zip(seqs, trees)
+                         for i in range(len(t.tokens))]
+        p = processed_probs(logits, params, histories)
+        outputs, absorb, row = [], [], 0
+        for seq, tree in zip(seqs, trees):
+            n, m = seq.num_cached, len(tree.tokens)
+            path, emitted = verify_tree(tree.children, tree.tokens, p[row:row + m], seq.params.greedy, seq.generator)
+            a = len(path)
+            seq.spec_metrics.add(a, m - 1)
+            self.spec_metrics.add(a, m - 1)
+            if path:  # compaction: node j of the path moves from KV index n + node to n + j + 1
+                src = self.allocator.slots(seq.id, n, n + m)
+                from_slots = torch.tensor([src[node] for node in path], device=self.device)
+                to_slots = torch.tensor(src[1:a + 1], device=self.device)
+                for kc, vc in self.cache.layers:
+                    for c in (kc, vc):
+                        flat = c.view(-1, c.shape[2], c.shape[3])
+                        flat.index_copy_(0, to_slots, flat[from_slots])
+            seq.num_cached = n + 1 + a
+            self.allocator.rollback(seq.id, self.allocator.length(seq.id) - seq.num_cached)
+            self.proposer.after_verify(seq, n, a)
+            new = []
+            for tok in emitted:
+                seq.output_ids.append(tok)
+                new.append(tok)
+                self._check_stop(seq, tok)
+                if seq.status is Status.FINISHED:
+                    break
+            outputs.append(self._output(seq, new))
+            if seq.status is Status.FINISHED:
+                self.proposer.forget(seq.id)
+            else:
+                absorb.append((seq, n, n + a + 1, [row] + [row + node for node in path]))
+            row += m
+        t2 = time.perf_counter()
+        if absorb:
+            self.proposer.absorb(absorb, h, aux)
         t3 = time.perf_counter()
         self.spec_metrics.draft_seconds += (t1 - t0) + (t3 - t2)
         self.spec_metrics.verify_seconds += t2 - t1
@@ -353,7 +422,7 @@ class Engine:
             if seq.status is Status.FINISHED:
                 self.proposer.forget(seq.id)
             else:
-                items.append((seq, start, seq.num_cached, row))
+                items.append((seq, start, seq.num_cached, list(range(row, row + n))))
             row += n
         if not items:
             return

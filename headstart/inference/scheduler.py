@@ -187,18 +187,20 @@ class Scheduler:
 
 
 def build_metadata(allocator: PageAllocator, items: list[tuple[str, int, int]], device: torch.device,
-                   custom_masks: list[torch.Tensor | None] | None = None) -> AttentionMetadata:
-    """Metadata for running positions [start, end) of each listed sequence over its cached prefix.
+                   custom_masks: list[torch.Tensor | None] | None = None,
+                   positions_override: list[list[int]] | None = None) -> AttentionMetadata:
+    """Metadata for running KV indices [start, end) of each listed sequence over its cached prefix.
 
-    The slots must be reserved. Queries are the last end - start positions of a sequence whose KV
-    then holds `end` entries (positions 0..end-1).
+    The slots must be reserved. Queries are the last end - start KV entries of a sequence whose KV
+    then holds `end` entries. RoPE positions equal the KV indices unless overridden (tree nodes sit
+    at KV index n + node but RoPE position n + depth).
     """
     positions: list[int] = []
     slots: list[int] = []
     indptr = [0]
     tables = []
-    for seq_id, start, end in items:
-        positions.extend(range(start, end))
+    for b, (seq_id, start, end) in enumerate(items):
+        positions.extend(positions_override[b] if positions_override is not None else range(start, end))
         slots.extend(allocator.slots(seq_id, start, end))
         indptr.append(indptr[-1] + end - start)
         tables.append(allocator.page_table(seq_id))

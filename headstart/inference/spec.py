@@ -24,7 +24,7 @@ from headstart.inference.kv_cache import KVCache, KVCacheSpec, PageAllocator
 from headstart.inference.sampler import processed_probs
 from headstart.inference.scheduler import Sequence, build_metadata
 
-SpecMethod = Literal["chain", "draft", "medusa"]
+SpecMethod = Literal["chain", "draft", "medusa", "tree"]
 
 
 @dataclass(kw_only=True)
@@ -34,12 +34,23 @@ class SpecConfig:
     head: Any = None  # a DraftHead (chain: mtp/eagle1/deepseek_mtp/eagle3; medusa), or a checkpoint dir
     draft: Any = None  # method "draft": a DraftLM head, a LlamaForCausalLM, or a model name / directory
     draft_sampling: bool = False  # sample drafts from q and verify with the full-q rule (else argmax + one-hot)
+    tree_topk: int = 4  # tree: children per expanded node, and nodes expanded per depth
+    tree_tokens: int = 16  # tree: draft tokens kept after reranking (verified in one pass); k is the depth
 
     def __post_init__(self) -> None:
-        if self.method not in ("chain", "draft", "medusa"):
-            raise ValueError(f"unknown speculation method {self.method!r}; choose chain, draft or medusa")
+        if self.method not in ("chain", "draft", "medusa", "tree"):
+            raise ValueError(f"unknown speculation method {self.method!r}; choose chain, draft, medusa or tree")
         if self.k < 1:
             raise ValueError(f"k must be >= 1, got {self.k}")
+        if self.method == "tree" and (self.tree_topk < 1 or self.tree_tokens < 1):
+            raise ValueError("tree_topk and tree_tokens must be >= 1")
+
+    @property
+    def lookahead(self) -> int:
+        """KV slots reserved beyond the sequence for one speculative step."""
+        if self.method == "tree":
+            return 1 + max(self.tree_tokens, self.tree_topk * self.k)
+        return self.k + 1
 
 
 @dataclass
@@ -47,7 +58,8 @@ class SpecMetrics:
     """Acceptance metrics with the names of DESIGN.md §1 (accepted counts exclude the bonus)."""
 
     accepted: list[int] = field(default_factory=list)  # a per verify step
-    drafted: list[int] = field(default_factory=list)  # d per verify step
+    drafted: list[int] = field(default_factory=list)  # d per verify step (tree: nodes verified)
+    positions: int | None = None  # longest acceptable run (tree: its depth); default: max drafted
     draft_seconds: float = 0.0
     verify_seconds: float = 0.0
 
@@ -63,7 +75,7 @@ class SpecMetrics:
 
     def summary(self) -> dict[str, Any]:
         n = len(self.accepted)
-        k = max(self.drafted, default=0)
+        k = self.positions or max(self.drafted, default=0)
         if n == 0:
             return {"steps": 0, "tau": None, "alpha": None, "accept_rate_per_pos": [], "cond_accept_per_pos": [],
                     "accept_histogram": []}
@@ -166,20 +178,21 @@ class HeadChainProposer(_Proposer):
         stacked = torch.stack([aux[j][rows] for j in ids], dim=1) if ids else None
         return self.head.target_features(hidden[rows], stacked)
 
-    def absorb(self, items: list[tuple[Sequence, int, int, int]], hidden: torch.Tensor,
+    def absorb(self, items: list[tuple[Sequence, int, int, list[int]]], hidden: torch.Tensor,
                aux: dict[int, torch.Tensor]) -> None:
-        """items: (seq, start, end, first hidden row): the target computed positions [start, end) of
-        seq at hidden rows first..first+end-start. Head rows start..end-1 are (h_i, t_{i+1})."""
+        """items: (seq, start, end, rows): the target computed positions [start, end) of seq, whose
+        hidden states are rows `rows` of `hidden`. Head rows start..end-1 are (h_i, t_{i+1})."""
         work = []
         for seq, start, end, first in items:
             if start == 0:
                 self.forget(seq.id)
             if self.cached.get(seq.id, 0) != start:
-                raise RuntimeError(f"{seq.id}: head cache has {self.cached.get(seq.id, 0)} rows, target step starts at {start}")
+                raise RuntimeError(f"{seq.id}: the head cache has {self.cached.get(seq.id, 0)} rows but the "
+                                   f"target step starts at {start}")
             work.append((seq, start, end, first))
         if not work:
             return
-        rows = torch.cat([torch.arange(f, f + e - s) for _, s, e, f in work]).to(hidden.device)
+        rows = torch.tensor([r for *_, rs in work for r in rs], device=hidden.device)
         tokens = torch.tensor([t for seq, s, e, _ in work for t in seq.token_ids[s + 1:e + 1]], device=self.device)
         feats = self._features(hidden, aux, rows)
         meta = build_metadata(self.allocator, [(seq.id, s, e) for seq, s, e, _ in work], self.device)
@@ -321,11 +334,11 @@ class MedusaProposer(_Proposer):
             raise ValueError(f"k={config.k} exceeds the Medusa head count {head.config.medusa_num_heads}")
         self.head = head
 
-    def absorb(self, items: list[tuple[Sequence, int, int, int]], hidden: torch.Tensor,
+    def absorb(self, items: list[tuple[Sequence, int, int, list[int]]], hidden: torch.Tensor,
                aux: dict[int, torch.Tensor]) -> None:
-        for seq, start, end, first in items:
+        for seq, _, end, rows in items:
             self.cached[seq.id] = end
-            self.carry[seq.id] = (hidden[first + end - start - 1].unsqueeze(0), torch.zeros(0))
+            self.carry[seq.id] = (hidden[rows[-1]].unsqueeze(0), torch.zeros(0))
 
     def propose(self, seqs: list[Sequence], k: int) -> Proposal:
         feats = self.head.target_features(torch.cat([self.carry[s.id][0] for s in seqs]))
@@ -349,6 +362,124 @@ class MedusaProposer(_Proposer):
 
     def after_verify(self, seq: Sequence, n: int, accepted: int) -> None:
         self.cached[seq.id] = n
+
+
+@dataclass
+class Tree:
+    """A draft tree for one sequence. Node 0 is the root (the pending token t_n); nodes are in
+    verification order (by depth). children[i] lists node i's children in the order they are tried."""
+
+    tokens: list[int]
+    parents: list[int]
+    depths: list[int]
+    children: list[list[int]]
+
+    def ancestors(self, i: int) -> list[int]:
+        out = []
+        while i > 0:
+            out.append(i)
+            i = self.parents[i]
+        return out[::-1]
+
+    def mask(self, prefix: int) -> torch.Tensor:
+        """(M+1, prefix+M+1) bool: node i sees the prefix, the root, its ancestors and itself."""
+        m = len(self.tokens)
+        mask = torch.zeros(m, prefix + m, dtype=torch.bool)
+        mask[:, : prefix + 1] = True
+        for i in range(1, m):
+            for a in self.ancestors(i):
+                mask[i, prefix + a] = True
+        return mask
+
+
+class TreeProposer(HeadChainProposer):
+    """EAGLE-2 dynamic trees over a chain head: expand the top-k children of the best `tree_topk`
+    nodes per depth (by cumulative draft log-prob), then keep the best `tree_tokens` nodes overall.
+    Head rows for expanded nodes attend to the prefix and their ancestors (tree mask)."""
+
+    method = "tree"
+
+    def propose_trees(self, seqs: list[Sequence]) -> list[Tree]:
+        cfg = self.config
+        topk, depth_limit = cfg.tree_topk, cfg.k
+        n = [s.num_cached for s in seqs]
+        # Per sequence: candidate nodes (token, parent, depth, score); node 0 is the root.
+        tok = [[s.token_ids[-1]] for s in seqs]
+        par = [[-1] for _ in seqs]
+        dep = [[0] for _ in seqs]
+        score = [[0.0] for _ in seqs]
+        head_row: list[dict[int, int]] = [{} for _ in seqs]  # node -> head KV index (expanded nodes)
+        frontier = [[(0, self.carry[s.id][0][0], self.carry[s.id][1][0])] for s in seqs]
+        for d in range(1, depth_limit + 1):
+            chosen: list[list[int]] = []
+            for b in range(len(seqs)):
+                new = []
+                for node, _, logits in frontier[b]:
+                    lp = torch.log_softmax(logits.float(), -1)
+                    vals, ids = lp.topk(min(topk, lp.numel()))
+                    tids = self.to_target(ids).tolist()
+                    for v, t in zip(vals.tolist(), tids):
+                        tok[b].append(t)
+                        par[b].append(node)
+                        dep[b].append(d)
+                        score[b].append(score[b][node] + v)
+                        new.append(len(tok[b]) - 1)
+                new.sort(key=lambda i: -score[b][i])
+                chosen.append(new[:topk])
+            if d == depth_limit:
+                break
+            # Run the head on the chosen nodes: row (parent's output, token) at RoPE position n + d - 1.
+            items, masks, positions, feats, tokens = [], [], [], [], []
+            for b, s in enumerate(seqs):
+                base = n[b] + len(head_row[b])
+                rows = chosen[b]
+                for j, node in enumerate(rows):
+                    head_row[b][node] = base + j
+                kv_len = base + len(rows)
+                mask = torch.zeros(len(rows), kv_len, dtype=torch.bool)
+                mask[:, : n[b]] = True
+                for j, node in enumerate(rows):
+                    a = node
+                    while a > 0:
+                        mask[j, head_row[b][a]] = True
+                        a = par[b][a]
+                items.append((s.id, base, kv_len))
+                masks.append(mask)
+                positions.append([n[b] + d - 1] * len(rows))
+                parent_feat = {nd: f for nd, f, _ in frontier[b]}
+                feats.extend(parent_feat[par[b][node]] for node in rows)
+                tokens.extend(tok[b][node] for node in rows)
+            meta = build_metadata(self.allocator, items, self.device, custom_masks=masks,
+                                  positions_override=positions)
+            with torch.inference_mode():
+                self._plan(meta)
+                h = self.head.forward_hidden(torch.tensor(tokens, device=self.device), torch.stack(feats), meta,
+                                             self.cache.layers, self.backend)
+                logits = self.head.compute_logits(h)
+            row = 0
+            for b in range(len(seqs)):
+                frontier[b] = [(node, h[row + j], logits[row + j]) for j, node in enumerate(chosen[b])]
+                row += len(chosen[b])
+        return [self._rerank(tok[b], par[b], dep[b], score[b]) for b in range(len(seqs))]
+
+    def _rerank(self, tok: list[int], par: list[int], dep: list[int], score: list[float]) -> Tree:
+        budget = self.config.tree_tokens
+        best = sorted(range(1, len(tok)), key=lambda i: -score[i])[:budget]
+        keep = set(best)
+        for i in best:  # ancestors score at least as high, but ties could drop one: keep them all
+            a = par[i]
+            while a > 0:
+                keep.add(a)
+                a = par[a]
+        order = [0] + sorted(keep, key=lambda i: (dep[i], -score[i]))
+        new_id = {old: j for j, old in enumerate(order)}
+        children: list[list[int]] = [[] for _ in order]
+        for old in order[1:]:
+            children[new_id[par[old]]].append(new_id[old])
+        for c in children:
+            c.sort(key=lambda j: -score[order[j]])
+        return Tree([tok[i] for i in order], [new_id[par[i]] if i else -1 for i in order], [dep[i] for i in order],
+                    children)
 
 
 def _draft_model_fns(draft: Any) -> tuple[Any, Any, KVCacheSpec]:
