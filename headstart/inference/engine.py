@@ -91,6 +91,10 @@ class Engine:
         self.device = torch.device(device)
         if isinstance(model, LlamaForCausalLM):
             self.model = model
+            if tokenizer is None and model.source_dir is not None and (model.source_dir / "tokenizer.json").exists():
+                from transformers import AutoTokenizer
+
+                tokenizer = AutoTokenizer.from_pretrained(str(model.source_dir))
         else:
             from headstart.assets import resolve_model
 
