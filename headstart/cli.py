@@ -75,6 +75,22 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tree-depth", type=int, default=5, help="--spec tree: draft depth")
     p.set_defaults(func=cmd_generate)
 
+    p = verbs.add_parser(
+        "precompute", help="store the target's hidden states for a recipe (or: precompute verify|inspect DIR)",
+        description="headstart precompute RECIPE [--resume] | precompute verify DIR | precompute inspect DIR",
+    )
+    p.add_argument("what", nargs="+", metavar="RECIPE | verify DIR | inspect DIR")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
+    p.add_argument("--resume", action="store_true", help="continue an interrupted run in the same output dir")
+    p.add_argument("--no-checksums", action="store_true", help="verify: sizes and shapes only (faster)")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_precompute)
+
+    p = verbs.add_parser("regenerate", help="rewrite a recipe's assistant turns with the target itself")
+    _add_recipe_args(p)
+    p.add_argument("--resume", action="store_true", help="continue an interrupted run")
+    p.set_defaults(func=cmd_regenerate)
+
     p = verbs.add_parser("head", help="create and inspect draft-head checkpoints")
     head_verbs = p.add_subparsers(dest="head_verb", metavar="ACTION", required=True)
     q = head_verbs.add_parser("init", help="build a head for a target (initialised from it) and save it")
@@ -234,6 +250,52 @@ def cmd_generate(args: argparse.Namespace) -> int:
                       f"verify {m['verify_seconds']:.2f}s", file=sys.stderr)
             else:
                 print(f"speculation ({args.spec}): no decode-only step ran", file=sys.stderr)
+    return 0
+
+
+def cmd_precompute(args: argparse.Namespace) -> int:
+    from headstart.precompute import read_manifest, run_precompute, summary, verify
+
+    action = args.what[0]
+    if action in ("verify", "inspect"):
+        if len(args.what) != 2:
+            raise HeadstartError(f"usage: headstart precompute {action} DIR")
+        directory = args.what[1]
+        manifest = verify(directory, checksums=not args.no_checksums) if action == "verify" else \
+            read_manifest(directory)
+        info = summary(manifest)
+        if args.json:
+            print(json.dumps(info, indent=2))
+        elif action == "verify":
+            print(f"{directory}: OK ({info['shards']} shards, {info['sequences']:,} sequences, "
+                  f"{info['tokens']:,} tokens{', checksums verified' if not args.no_checksums else ''})")
+        else:
+            err = f", fp8 relative error {info['fp8_rel_error']:.4f}" if info["fp8_rel_error"] is not None else ""
+            print(f"{directory}\n  sequences {info['sequences']:,}  tokens {info['tokens']:,}  "
+                  f"shards {info['shards']}\n"
+                  f"  storage {info['dtype']}  {info['bytes_per_token']:.1f} bytes/token  "
+                  f"({info['bytes'] / 1e6:.1f} MB){err}\n  hidden size {info['hidden_size']}  "
+                  f"aux layers {info['aux_layers']}")
+            for k, v in info["fingerprints"].items():
+                print(f"  {k + ' fingerprint':<22} {v}")
+        return 0
+    if len(args.what) != 1:
+        raise HeadstartError("usage: headstart precompute RECIPE [--resume] [--set key=value]")
+    from headstart.config import load_recipe
+
+    recipe = load_recipe(action, args.overrides)
+    manifest = run_precompute(recipe, resume=args.resume, progress=not args.json)
+    if args.json and manifest is not None:
+        print(json.dumps(summary(manifest), indent=2))
+    return 0
+
+
+def cmd_regenerate(args: argparse.Namespace) -> int:
+    from headstart.config import load_recipe
+    from headstart.precompute.regenerate import run_regenerate
+
+    recipe = load_recipe(args.recipe, args.overrides)
+    run_regenerate(recipe, resume=args.resume)
     return 0
 
 

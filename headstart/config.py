@@ -78,6 +78,39 @@ class HeadSection:
 
 
 @dataclass(kw_only=True)
+class PrecomputeConfig:
+    """Target hidden states on disk (headstart precompute)."""
+
+    output_dir: str | None = None  # default: <output_dir>/precompute
+    storage: Literal["bf16", "fp8"] = "bf16"  # fp8 = e4m3 with a per-token fp32 scale (half the disk)
+    shard_tokens: int = 262144  # a shard closes once it holds at least this many tokens
+    batch_tokens: int = 4096  # tokens per target forward
+    split: Literal["train", "heldout", "all"] = "train"
+    backend: Literal["engine", "hf"] = "engine"  # hf: transformers (device_map="auto") for huge targets
+
+    def __post_init__(self) -> None:
+        _require(self.shard_tokens >= 1, "precompute.shard_tokens", "must be >= 1")
+        _require(self.batch_tokens >= 1, "precompute.batch_tokens", "must be >= 1")
+
+
+@dataclass(kw_only=True)
+class RegenerateConfig:
+    """Rewrite the assistant turns with the target itself (headstart regenerate)."""
+
+    output: str | None = None  # default: <output_dir>/regenerated.jsonl
+    temperature: float = 0.0
+    top_p: float = 1.0
+    max_tokens: int = 512  # per assistant turn
+    batch_size: int = 16  # conversations decoded together
+
+    def __post_init__(self) -> None:
+        _require(self.temperature >= 0, "regenerate.temperature", "must be >= 0")
+        _require(0 < self.top_p <= 1, "regenerate.top_p", "must be in (0, 1]")
+        _require(self.max_tokens >= 1, "regenerate.max_tokens", "must be >= 1")
+        _require(self.batch_size >= 1, "regenerate.batch_size", "must be >= 1")
+
+
+@dataclass(kw_only=True)
 class Recipe:
     """A complete run: target, data and where results go."""
 
@@ -87,6 +120,8 @@ class Recipe:
     target: TargetConfig = field(default_factory=TargetConfig)
     data: DataConfig = field(default_factory=DataConfig)
     head: HeadSection = field(default_factory=HeadSection)
+    precompute: PrecomputeConfig = field(default_factory=PrecomputeConfig)
+    regenerate: RegenerateConfig = field(default_factory=RegenerateConfig)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

@@ -1,0 +1,124 @@
+"""`headstart regenerate`: rewrite every assistant turn of a dataset with the target itself.
+
+User and system turns are kept; assistant turn k is regenerated from the conversation so far (with
+the earlier turns already regenerated), so heads learn the target's own distribution. Conversations
+run through the engine together (continuous batching), turn by turn. Finished conversations are
+appended to `<output>.partial` (flushed per chunk); `--resume` keeps its complete lines and skips
+those ids; the file is renamed to `<output>` when everything is done. Sampling seeds derive from
+the recipe seed and the conversation id, so a resumed run writes what an uninterrupted one would.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+from headstart.config import Recipe
+from headstart.errors import DataError
+
+_ROLE_OUT = {"user": "human", "assistant": "gpt", "system": "system"}
+
+
+def output_path(recipe: Recipe) -> Path:
+    return Path(recipe.regenerate.output or Path(recipe.output_dir) / "regenerated.jsonl")
+
+
+def _seed(base: int, conv_id: str, turn: int) -> int:
+    return int.from_bytes(hashlib.sha256(f"{base}:{conv_id}:{turn}".encode()).digest()[:4], "big")
+
+
+def _done_ids(partial: Path) -> set[str]:
+    """Ids already written; a torn last line (killed mid-write) is cut off the file."""
+    if not partial.exists():
+        return set()
+    data = partial.read_bytes()
+    keep = data[: data.rfind(b"\n") + 1]
+    ids = set()
+    for line in keep.decode("utf-8").splitlines():
+        ids.add(json.loads(line)["id"])
+    if len(keep) != len(data):
+        with open(partial, "r+b") as f:
+            f.truncate(len(keep))
+    return ids
+
+
+def run_regenerate(recipe: Recipe, resume: bool = False, progress: bool = True) -> Path:
+    from tqdm import tqdm
+
+    from headstart.assets import resolve_data
+    from headstart.data.sources import read_conversations
+    from headstart.inference import Engine, SamplingParams
+
+    cfg = recipe.regenerate
+    out = output_path(recipe)
+    partial = out.with_name(out.name + ".partial")
+    run_file = out.with_name(out.name + ".run.json")
+    if out.exists():
+        raise DataError(f"{out} already exists; remove it or set regenerate.output")
+    engine = Engine(recipe.target.model, dtype=recipe.target.dtype, max_batch_size=cfg.batch_size, seed=recipe.seed)
+    provenance = {"model": recipe.target.model, "target_fingerprint": engine.model.fingerprint(),
+                  "temperature": cfg.temperature, "top_p": cfg.top_p, "max_tokens": cfg.max_tokens,
+                  "seed": recipe.seed, "source": recipe.data.source}
+    if partial.exists():
+        if not resume:
+            raise DataError(f"{partial} holds an unfinished run; pass --resume to continue it")
+        prev = json.loads(run_file.read_text()) if run_file.exists() else {}
+        diff = [k for k, v in provenance.items() if prev.get(k) != v]
+        if diff:
+            raise DataError(f"{partial} was made with a different {', '.join(diff)}; refusing to resume")
+    else:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        run_file.write_text(json.dumps(provenance, indent=2))
+    done = _done_ids(partial)
+    read = read_conversations(resolve_data(recipe.data.source), recipe.data.format, recipe.data.limit)
+    todo = [c for c in read.conversations if c["id"] not in done]
+    bar = tqdm(total=len(read.conversations), initial=len(read.conversations) - len(todo), unit="conv",
+               desc="regenerate", disable=not progress)
+    chunk = cfg.batch_size * 4
+    with open(partial, "a", encoding="utf-8") as f:
+        for i in range(0, len(todo), chunk):
+            rows = _regenerate_chunk(engine, todo[i:i + chunk], cfg, recipe.seed, provenance, SamplingParams)
+            for row in rows:
+                f.write(json.dumps(row, ensure_ascii=False) + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+            bar.update(len(rows))
+    bar.close()
+    os.replace(partial, out)
+    if progress:
+        print(f"regenerate: {len(read.conversations):,} conversations -> {out} "
+              f"({sum(read.skipped.values())} source rows skipped)")
+    return out
+
+
+def _regenerate_chunk(engine: Any, convs: list[dict[str, Any]], cfg: Any, seed: int, provenance: dict[str, Any],
+                      sampling_params: Any) -> list[dict[str, Any]]:
+    """Regenerate a chunk of conversations, all turn-k replies of the chunk in one engine call."""
+    state = [{"conv": c, "out": [], "pos": 0, "reasons": []} for c in convs]
+    while True:
+        pending, prompts, params = [], [], []
+        for st in state:
+            msgs = st["conv"]["messages"]
+            while st["pos"] < len(msgs) and msgs[st["pos"]]["role"] != "assistant":
+                st["out"].append(msgs[st["pos"]])
+                st["pos"] += 1
+            if st["pos"] < len(msgs):
+                turn = sum(m["role"] == "assistant" for m in st["out"])
+                pending.append(st)
+                prompts.append(list(st["out"]))
+                params.append(sampling_params(max_tokens=cfg.max_tokens, temperature=cfg.temperature, top_p=cfg.top_p,
+                                              seed=_seed(seed, st["conv"]["id"], turn)))
+        if not pending:
+            break
+        for st, res in zip(pending, engine.generate(prompts, params)):
+            st["out"].append({"role": "assistant", "content": res.text})
+            st["reasons"].append(res.finish_reason)
+            st["pos"] += 1
+    return [{
+        "id": st["conv"]["id"],
+        "conversations": [{"from": _ROLE_OUT[m["role"]], "value": m["content"]} for m in st["out"]],
+        "regenerated": {**provenance, "finish_reasons": st["reasons"]},
+    } for st in state]

@@ -1,0 +1,206 @@
+"""Precompute: shards + manifest written with the serving forward, verify/inspect, fp8, resume after
+SIGKILL with identical bytes, refusal of mismatched runs, damaged shards, 2-process (gloo) runs."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import make_tokenizer, write_jsonl
+from tiny_models import make_hf_model
+
+from headstart.cli import main
+from headstart.config import load_recipe
+from headstart.errors import DataError
+from headstart.precompute import iter_shards, read_manifest, run_precompute, summary, verify
+from headstart.precompute.run import plan_batches, plan_shards
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    d = tmp_path_factory.mktemp("pc-model")
+    tok = make_tokenizer("chatml")
+    make_hf_model("llama", d, seed=2, vocab_size=len(tok))
+    tok.save_pretrained(d)
+    return d
+
+
+def _conversations(n, seed=0):
+    import random
+
+    rng = random.Random(seed)
+    words = ["hello", "speculative", "decoding", "heads", "draft", "target", "tokens", "fast", "the", "a"]
+    rows = []
+    for i in range(n):
+        turns = []
+        for _ in range(rng.randint(1, 3)):
+            turns.append({"from": "human", "value": " ".join(rng.choice(words) for _ in range(rng.randint(2, 12)))})
+            turns.append({"from": "gpt", "value": " ".join(rng.choice(words) for _ in range(rng.randint(2, 30)))})
+        rows.append({"id": f"c{i}", "conversations": turns})
+    return rows
+
+
+def _recipe(tmp_path, model_dir, name="r", n=40, **pc):
+    data = write_jsonl(tmp_path / f"{name}.jsonl", _conversations(n))
+    pc_lines = "".join(f"  {k}: {v}\n" for k, v in {"shard_tokens": 600, "batch_tokens": 256, **pc}.items())
+    text = (f"output_dir: {tmp_path / name}\ntarget:\n  model: {model_dir}\n  dtype: fp32\n"
+            f"data:\n  source: {data}\n  max_length: 128\n  heldout_fraction: 0.1\nprecompute:\n{pc_lines}")
+    p = tmp_path / f"{name}.yaml"
+    p.write_text(text)
+    return p
+
+
+def test_plans_are_deterministic():
+    assert plan_shards([5, 5, 5, 5, 5], 10) == [(0, 2), (2, 4), (4, 5)]
+    assert plan_shards([20, 1], 10) == [(0, 1), (1, 2)]
+    assert plan_batches([3, 3, 3, 9, 1], 6) == [(0, 2), (2, 3), (3, 4), (4, 5)]
+
+
+def test_precompute_writes_verified_shards_with_serving_hidden_states(tmp_path, model_dir):
+    recipe = load_recipe(_recipe(tmp_path, model_dir))
+    manifest = run_precompute(recipe, progress=False)
+    out = tmp_path / "r" / "precompute"
+    assert (out / "manifest.json").exists() and len(manifest["shards"]) > 2
+    verify(out)
+    info = summary(manifest)
+    d = manifest["target"]["hidden_size"]
+    # bf16 last hidden: 2·d bytes, + 4 (int32 id) + 1 (mask) per token, + offsets and headers.
+    assert 2 * d + 5 <= info["bytes_per_token"] < 2 * d + 5 + 8
+    assert manifest["captured"] == {"last_hidden": True, "aux_layers": []}
+    # The stored states are the model's own pre-norm last hidden states.
+    from headstart.models.llama import load_llama
+    from headstart.nn.attention import PackedCausalAttention, packed_metadata
+
+    model = load_llama(model_dir, "fp32")
+    shard = next(iter_shards(out))
+    with torch.no_grad():
+        h, _ = model(shard.input_ids, packed_metadata(shard.seq_lens), [None] * 2, PackedCausalAttention())
+    torch.testing.assert_close(shard.hidden.float(), h.bfloat16().float(), rtol=0.02, atol=0.02)
+    # Only the training split, in order, is stored; loss masks come through.
+    assert manifest["dataset"]["split"] == "train" and shard.loss_mask.sum() > 0
+
+
+def test_fp8_halves_the_disk_and_reports_its_error(tmp_path, model_dir):
+    recipe = load_recipe(_recipe(tmp_path, model_dir, storage="fp8"))
+    manifest = run_precompute(recipe, progress=False)
+    d = manifest["target"]["hidden_size"]
+    assert d + 9 <= manifest["bytes_per_token"] < d + 9 + 8  # e4m3 values + fp32 scale + id + mask
+    assert 0 < manifest["fp8_rel_error"] < 0.06
+    verify(tmp_path / "r" / "precompute")
+
+
+def test_eagle3_recipe_captures_aux_layers(tmp_path, model_dir):
+    recipe = load_recipe(_recipe(tmp_path, model_dir), ["head.type=eagle3", "head.aux_layer_ids=[0, 1, 2]"])
+    manifest = run_precompute(recipe, progress=False)
+    assert manifest["captured"]["aux_layers"] == [0, 1, 2]
+    shard = next(iter_shards(tmp_path / "r" / "precompute"))
+    assert shard.aux_hidden.shape == (shard.input_ids.numel(), 3, manifest["target"]["hidden_size"])
+
+
+def test_refuses_mismatched_or_foreign_output_dirs(tmp_path, model_dir):
+    path = _recipe(tmp_path, model_dir)
+    run_precompute(load_recipe(path), progress=False)
+    with pytest.raises(DataError, match="already holds shards of this run; pass --resume"):
+        run_precompute(load_recipe(path), progress=False)
+    with pytest.raises(DataError, match="different config fingerprint"):
+        run_precompute(load_recipe(path, ["precompute.storage=fp8"]), resume=True, progress=False)
+    with pytest.raises(DataError, match="different dataset, config fingerprint"):
+        run_precompute(load_recipe(path, ["data.max_length=100"]), resume=True, progress=False)
+    foreign = tmp_path / "foreign"
+    foreign.mkdir()
+    (foreign / "shard-00000.safetensors").write_bytes(b"x")
+    with pytest.raises(DataError, match="holds shards of another run"):
+        run_precompute(load_recipe(path, [f"precompute.output_dir={foreign}"]), progress=False)
+
+
+def test_damaged_shards_are_named(tmp_path, model_dir):
+    run_precompute(load_recipe(_recipe(tmp_path, model_dir)), progress=False)
+    out = tmp_path / "r" / "precompute"
+    victim = out / "shard-00001.safetensors"
+    data = victim.read_bytes()
+    victim.write_bytes(data[: len(data) // 2])
+    with pytest.raises(DataError, match="shard-00001.safetensors: .* bytes on disk, the manifest says"):
+        verify(out)
+    with pytest.raises(DataError, match="shard-00001"):
+        list(iter_shards(out))  # training refuses it too
+    victim.write_bytes(data[:-1] + bytes([data[-1] ^ 1]))
+    with pytest.raises(DataError, match="sha256 differs"):
+        verify(out)
+    victim.write_bytes(data)
+    verify(out)
+    (out / "shard-00099.safetensors").write_bytes(b"stray")
+    with pytest.raises(DataError, match=r"disagrees with the files .*shard-00099"):
+        verify(out)
+
+
+def test_cli_verify_inspect_json(tmp_path, model_dir, capsys):
+    path = _recipe(tmp_path, model_dir)
+    assert main(["precompute", str(path), "--json"]) == 0
+    capsys.readouterr()
+    out = tmp_path / "r" / "precompute"
+    assert main(["precompute", "verify", str(out)]) == 0
+    assert "OK" in capsys.readouterr().out
+    assert main(["precompute", "inspect", str(out), "--json"]) == 0
+    info = json.loads(capsys.readouterr().out)
+    assert {"sequences", "tokens", "bytes_per_token", "dtype", "shards"} <= set(info)
+    assert main(["precompute", "inspect", str(tmp_path / "nothing")]) == 2
+
+
+def _cli(args, env_extra=None, **kw):
+    env = {**os.environ, "OMP_NUM_THREADS": "1", **(env_extra or {})}
+    return subprocess.Popen([sys.executable, "-m", "headstart.cli", *args], env=env, cwd=ROOT,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, **kw)
+
+
+def _shard_bytes(d: Path) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in sorted(d.glob("shard-*.safetensors"))}
+
+
+def test_sigkill_then_resume_gives_identical_bytes(tmp_path, model_dir):
+    ref_path = _recipe(tmp_path, model_dir, name="ref", n=120, shard_tokens=300, batch_tokens=64)
+    assert _cli(["precompute", str(ref_path)]).wait() == 0
+    ref = _shard_bytes(tmp_path / "ref" / "precompute")
+    assert len(ref) >= 6
+    path = _recipe(tmp_path, model_dir, name="killed", n=120, shard_tokens=300, batch_tokens=64)
+    out = tmp_path / "killed" / "precompute"
+    proc = _cli(["precompute", str(path)])
+    deadline = time.time() + 120
+    while len(list(out.glob("shard-*.safetensors"))) < 2 and time.time() < deadline and proc.poll() is None:
+        time.sleep(0.01)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    written = len(list(out.glob("shard-*.safetensors")))
+    assert 0 < written < len(ref), "the run was not interrupted mid-way"
+    assert not (out / "manifest.json").exists()
+    with pytest.raises(DataError, match="unfinished"):
+        read_manifest(out)
+    assert _cli(["precompute", str(path)]).wait() != 0  # without --resume: refused
+    assert _cli(["precompute", str(path), "--resume"]).wait() == 0
+    assert _shard_bytes(out) == ref
+    a, b = read_manifest(out), read_manifest(tmp_path / "ref" / "precompute")
+    assert a["shards"] == b["shards"]
+    for key in ("target", "template", "config"):  # the dataset files differ only by name here
+        assert a["fingerprints"][key] == b["fingerprints"][key]
+
+
+def test_two_gloo_processes_equal_one(tmp_path, model_dir):
+    one = _recipe(tmp_path, model_dir, name="one", n=60)
+    assert _cli(["precompute", str(one)]).wait() == 0
+    two = _recipe(tmp_path, model_dir, name="two", n=60)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+         "-m", "headstart.cli", "precompute", str(two)],
+        env={**os.environ, "OMP_NUM_THREADS": "1"}, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+    )
+    _, err = proc.communicate(timeout=300)
+    assert proc.returncode == 0, err.decode()[-2000:]
+    assert _shard_bytes(tmp_path / "two" / "precompute") == _shard_bytes(tmp_path / "one" / "precompute")
+    assert read_manifest(tmp_path / "two" / "precompute")["shards"] == \
+        read_manifest(tmp_path / "one" / "precompute")["shards"]
