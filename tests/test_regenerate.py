@@ -1,0 +1,64 @@
+"""Regeneration: assistant turns rewritten by the target through the engine, user turns kept,
+provenance recorded; an interrupted run resumes to exactly what an uninterrupted one writes."""
+
+import json
+
+import pytest
+from conftest import make_tokenizer, write_jsonl
+from tiny_models import make_hf_model
+
+from headstart.config import load_recipe
+from headstart.errors import DataError
+from headstart.precompute.regenerate import run_regenerate
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    d = tmp_path_factory.mktemp("regen-model")
+    tok = make_tokenizer("chatml")
+    make_hf_model("llama", d, seed=3, vocab_size=len(tok))
+    tok.save_pretrained(d)
+    return d
+
+
+def _recipe(tmp_path, model_dir, name, temperature=0.0):
+    rows = [{"id": f"c{i}", "conversations": [
+        {"from": "system", "value": "Be brief."},
+        {"from": "human", "value": f"question {i}"}, {"from": "gpt", "value": "old answer"},
+        {"from": "human", "value": "and then?"}, {"from": "gpt", "value": "old answer two"}]} for i in range(9)]
+    rows.append({"id": "bad", "conversations": [{"from": "gpt", "value": "orphan"}]})
+    src = write_jsonl(tmp_path / "src.jsonl", rows)
+    p = tmp_path / f"{name}.yaml"
+    p.write_text(f"output_dir: {tmp_path / name}\ntarget:\n  model: {model_dir}\n  dtype: fp32\n"
+                 f"data:\n  source: {src}\nregenerate:\n  max_tokens: 6\n  batch_size: 2\n"
+                 f"  temperature: {temperature}\n")
+    return load_recipe(p)
+
+
+def test_regenerate_rewrites_assistant_turns(tmp_path, model_dir):
+    out = run_regenerate(_recipe(tmp_path, model_dir, "a"), progress=False)
+    rows = [json.loads(x) for x in out.read_text().splitlines()]
+    assert len(rows) == 9  # the orphan reply was skipped by the data layer
+    for r in rows:
+        roles = [t["from"] for t in r["conversations"]]
+        assert roles == ["system", "human", "gpt", "human", "gpt"]
+        assert r["conversations"][3]["value"] == "and then?"
+        assert all(t["value"] != "old answer" for t in r["conversations"] if t["from"] == "gpt")
+        assert r["regenerated"]["max_tokens"] == 6 and len(r["regenerated"]["finish_reasons"]) == 2
+    with pytest.raises(DataError, match="already exists"):
+        run_regenerate(_recipe(tmp_path, model_dir, "a"), progress=False)
+
+
+def test_interrupted_regeneration_resumes_exactly(tmp_path, model_dir):
+    full = run_regenerate(_recipe(tmp_path, model_dir, "full", temperature=0.8), progress=False).read_text()
+    recipe = _recipe(tmp_path, model_dir, "part", temperature=0.8)
+    out = run_regenerate(recipe, progress=False)
+    lines = out.read_text().splitlines(keepends=True)
+    # Simulate a kill: the output was never renamed, and its last line was torn mid-write.
+    out.unlink()
+    partial = out.with_name(out.name + ".partial")
+    partial.write_text("".join(lines[:4]) + lines[4][:10])
+    with pytest.raises(DataError, match="pass --resume"):
+        run_regenerate(recipe, progress=False)
+    out = run_regenerate(recipe, resume=True, progress=False)
+    assert out.read_text() == full
