@@ -32,12 +32,19 @@ test-fast: setup
 assets: setup
 	$(BIN)/headstart assets
 
+QS := runs/quickstart
 quickstart: setup
 	$(BIN)/headstart assets
 	$(BIN)/headstart data inspect recipes/smollm2-135m-mtp.yaml --limit 200
+	$(BIN)/headstart generate --prompt "Write a haiku about the sea" --max-tokens 48
+	$(BIN)/headstart head init --type mtp --out $(QS)/mtp-init
+	$(BIN)/headstart generate --prompt "Write a haiku about the sea" --max-tokens 48 --spec chain --head $(QS)/mtp-init --k 3
+	$(BIN)/headstart precompute recipes/smollm2-135m-mtp.yaml --resume --set data.limit=64 --set output_dir=$(QS)
+	$(BIN)/headstart precompute verify $(QS)/precompute
+	$(BIN)/headstart precompute inspect $(QS)/precompute
 	@echo
-	@echo "quickstart: assets and the data layer are in place. Not built yet: precompute, train,"
-	@echo "validate and export (see the open issues); this target runs them once they exist."
+	@echo "quickstart: assets, data, generation, speculation (untrained head: expect tau near 1) and"
+	@echo "precompute ran on the embedded defaults. Not built yet: train, validate, export (open issues)."
 
 lint: setup
 	$(BIN)/ruff check headstart tests

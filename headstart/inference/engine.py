@@ -328,20 +328,8 @@ class Engine:
             a = verdict.accepted
             seq.spec_metrics.add(a, k)
             self.spec_metrics.add(a, k)
-            seq.num_cached = n + 1 + a  # the pending token and the accepted drafts are in the cache
-            self.allocator.rollback(seq.id, self.allocator.length(seq.id) - seq.num_cached)
-            self.proposer.after_verify(seq, n, a)
-            new = []
-            for tok in verdict.tokens:
-                seq.output_ids.append(tok)
-                new.append(tok)
-                self._check_stop(seq, tok)
-                if seq.status is Status.FINISHED:
-                    break
-            outputs.append(self._output(seq, new))
-            if seq.status is Status.FINISHED:
-                self.proposer.forget(seq.id)
-            else:
+            outputs.append(self._commit(seq, n, a, verdict.tokens))
+            if seq.status is not Status.FINISHED:
                 absorb.append((seq, n, n + a + 1, list(range(b * (k + 1), b * (k + 1) + a + 1))))
         t2 = time.perf_counter()
         if absorb:
@@ -393,20 +381,8 @@ class Engine:
                     for c in (kc, vc):
                         flat = c.view(-1, c.shape[2], c.shape[3])
                         flat.index_copy_(0, to_slots, flat[from_slots])
-            seq.num_cached = n + 1 + a
-            self.allocator.rollback(seq.id, self.allocator.length(seq.id) - seq.num_cached)
-            self.proposer.after_verify(seq, n, a)
-            new = []
-            for tok in emitted:
-                seq.output_ids.append(tok)
-                new.append(tok)
-                self._check_stop(seq, tok)
-                if seq.status is Status.FINISHED:
-                    break
-            outputs.append(self._output(seq, new))
-            if seq.status is Status.FINISHED:
-                self.proposer.forget(seq.id)
-            else:
+            outputs.append(self._commit(seq, n, a, emitted))
+            if seq.status is not Status.FINISHED:
                 absorb.append((seq, n, n + a + 1, [row] + [row + node for node in path]))
             row += m
         t2 = time.perf_counter()
@@ -417,6 +393,22 @@ class Engine:
         self.spec_metrics.verify_seconds += t2 - t1
         self.stats.decode_tokens += sum(len(o.new_token_ids) for o in outputs)
         return outputs
+
+    def _commit(self, seq: Sequence, n: int, a: int, tokens: list[int]) -> RequestOutput:
+        """After verification: keep the pending token and the a accepted drafts in the caches, drop
+        the rest, emit the tokens (up to a stop condition)."""
+        seq.num_cached = n + 1 + a
+        self.allocator.rollback(seq.id, self.allocator.length(seq.id) - seq.num_cached)
+        self.proposer.after_verify(seq, n, a)
+        new = []
+        for tok in tokens:
+            seq.output_ids.append(tok)
+            new.append(tok)
+            self._check_stop(seq, tok)
+            if seq.status is Status.FINISHED:
+                self.proposer.forget(seq.id)
+                break
+        return self._output(seq, new)
 
     def _absorb_normal(self, batch: ScheduledBatch, h: torch.Tensor, aux: dict[int, torch.Tensor]) -> None:
         """After a normal step: bring the draft's cache up to the target's for every live sequence."""
