@@ -51,11 +51,12 @@ def test_greedy_is_lossless_for_every_proposer(target, kind):
     assert outs[1].spec_metrics["steps"] > 0
 
 
-def test_lossless_under_preemption_and_stop_tokens(target):
+@pytest.mark.parametrize("kind", ["mtp", "draft_lm", "medusa"])
+def test_lossless_under_preemption_and_stop_tokens(target, kind):
     prompts = _prompts(12, seed=3)
     params = [SamplingParams(max_tokens=16, ignore_eos=True, stop_token_ids=[7, 11]) for _ in prompts]
     ref = [o.token_ids for o in Engine(target, page_size=2).generate(prompts, params)]
-    eng = Engine(target, page_size=2, num_pages=40, max_batch_size=12, spec=_spec(target, "mtp", k=4))
+    eng = Engine(target, page_size=2, num_pages=40, max_batch_size=12, spec=_spec(target, kind, k=3))
     assert [o.token_ids for o in eng.generate(prompts, params)] == ref
     assert eng.stats.preemptions > 0
     assert eng.allocator.num_free == eng.allocator.num_pages

@@ -415,9 +415,10 @@ class Engine:
         items, row = [], 0
         for seq, n in zip(batch.seqs, batch.num_tokens):
             start = seq.num_cached - n
-            if seq.status is Status.FINISHED:
+            if seq.status is Status.FINISHED or start == 0:
+                # Finished, or (re)prefilled from scratch after a preemption released its pages.
                 self.proposer.forget(seq.id)
-            else:
+            if seq.status is not Status.FINISHED:
                 items.append((seq, start, seq.num_cached, list(range(row, row + n))))
             row += n
         if not items:
