@@ -42,6 +42,8 @@ class AttentionMetadata:
     custom_masks: list[torch.Tensor | None] | None = None
     # Backend-private per-step state (gather indices, planned FlashInfer wrappers, ...).
     backend_state: dict[str, Any] = field(default_factory=dict)
+    # Per-step tensors derived once and shared by every layer (e.g. RoPE cos/sin for `positions`).
+    step_cache: dict[Any, Any] = field(default_factory=dict)
 
     @property
     def num_seqs(self) -> int:
@@ -91,7 +93,7 @@ class Attention(nn.Module):
         v = v.view(n, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rope(q, k, meta.positions)
+        q, k = self.rope(q, k, meta.positions, meta.step_cache)
         o = backend.forward(q, k, v, cache, meta, self.scale)  # (N, Hq, Dh)
         return self.o_proj(o.reshape(n, self.q_size))
 

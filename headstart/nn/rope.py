@@ -86,16 +86,31 @@ class RotaryEmbedding(nn.Module):
             self.cos, self.sin = self._tables(self.cos.device)
         return self
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """q (N, Hq, Dh), k (N, Hk, Dh), positions (N,) -> rotated q, k (same dtype)."""
-        cos = self.cos[positions].unsqueeze(1)  # (N, 1, rot)
-        sin = self.sin[positions].unsqueeze(1)
-        return _rotate(q, cos, sin, self.rot_dim), _rotate(k, cos, sin, self.rot_dim)
+    def tables(self, positions: torch.Tensor, dtype: torch.dtype,
+               cache: dict | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin (N, 1, rot) for these positions in `dtype`; memoised in `cache` (one step's dict)
+        so the 30 layers of a model gather and cast them once per step, not once per layer."""
+        key = ("rope", id(self), dtype)
+        if cache is not None and key in cache:
+            return cache[key]
+        # Tables are fp32; the rotation runs in the activation dtype, as HF does (bf16 parity).
+        out = (self.cos[positions].unsqueeze(1).to(dtype), self.sin[positions].unsqueeze(1).to(dtype))
+        if cache is not None:
+            cache[key] = out
+        return out
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor,
+                cache: dict | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """q (N, Hq, Dh), k (N, Hk, Dh), positions (N,) -> rotated q, k (same dtype).
+
+        q and k are rotated in one pass (concatenated over heads): half the small ops per layer."""
+        cos, sin = self.tables(positions, q.dtype, cache)
+        hq = q.shape[1]
+        qk = _rotate(torch.cat([q, k], dim=1), cos, sin, self.rot_dim)
+        return qk[:, :hq], qk[:, hq:]
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rot: int) -> torch.Tensor:
-    # Tables are fp32; the rotation runs in the activation dtype, as HF does (bf16 parity).
-    cos, sin = cos.to(x.dtype), sin.to(x.dtype)
     xr = x[..., :rot]
     half = rot // 2
     rotated = torch.cat([-xr[..., half:], xr[..., :half]], dim=-1)
