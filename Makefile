@@ -39,7 +39,8 @@ quickstart: setup
 	$(BIN)/headstart generate --prompt "Write a haiku about the sea" --max-tokens 48
 	$(BIN)/headstart head init --type mtp --out $(QS)/mtp-init
 	$(BIN)/headstart generate --prompt "Write a haiku about the sea" --max-tokens 48 --spec chain --head $(QS)/mtp-init --k 3
-	$(BIN)/headstart precompute recipes/smollm2-135m-mtp.yaml --resume --set data.limit=64 --set output_dir=$(QS)
+	rm -rf $(QS)/precompute  # a fresh small run each time (a changed recipe would be refused on resume)
+	$(BIN)/headstart precompute recipes/smollm2-135m-mtp.yaml --set data.limit=64 --set output_dir=$(QS)
 	$(BIN)/headstart precompute verify $(QS)/precompute
 	$(BIN)/headstart precompute inspect $(QS)/precompute
 	@echo

@@ -45,6 +45,9 @@ class DataConfig:
     max_length: int = 2048  # tokens per rendered conversation; longer ones are truncated (and counted)
     limit: int | None = None  # read only the first N rows of the source (None: all)
     heldout_fraction: float = 0.02  # share of conversations, chosen by a hash of their id, held out
+    # What the split hashes: the whole id, or its prefix before a trailing "_<digits>" so that the
+    # chunks of one chat (ShareGPT's "X_0", "X_1", ...) land on the same side.
+    split_key: Literal["id", "id_prefix"] = "id"
     num_proc: int | None = None  # worker processes for tokenisation (None: by dataset size and cores)
 
     def __post_init__(self) -> None:

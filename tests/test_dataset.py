@@ -115,3 +115,20 @@ def test_template_failures_are_counted_not_fatal(tmp_path, tiny_model_dir):
     ])
     built = build_dataset(DataConfig(source=str(p), heldout_fraction=0.0), str(d), progress=False)
     assert built.stats.conversations == 1 and built.stats.skipped == {"template_error": 1}
+
+
+def test_split_by_id_prefix_keeps_chunks_together(tmp_path, tiny_model_dir):
+    from headstart.data.dataset import split_key
+
+    assert split_key("QWJhYvA_12", "id_prefix") == "QWJhYvA" and split_key("QWJhYvA_12") == "QWJhYvA_12"
+    assert split_key("no_suffix_x", "id_prefix") == "no_suffix_x" and split_key("_3", "id_prefix") == "_3"
+    rows = [{"id": f"chat{c}_{k}", "conversations": [{"from": "human", "value": f"q {c} {k}"},
+                                                     {"from": "gpt", "value": "a"}]}
+            for c in range(12) for k in range(3)]
+    src = write_jsonl(tmp_path / "chunks.jsonl", rows)
+    built = build_dataset(DataConfig(source=str(src), heldout_fraction=0.4, split_key="id_prefix"),
+                          str(tiny_model_dir), progress=False)
+    held = {i.rsplit("_", 1)[0] for i in built.heldout["id"]}
+    train = {i.rsplit("_", 1)[0] for i in built.train["id"]}
+    assert held and train and held.isdisjoint(train)
+    assert len(built.heldout) == 3 * len(held)

@@ -62,6 +62,15 @@ def load_tokenizer(model: str | Path) -> Any:
     return AutoTokenizer.from_pretrained(str(resolve_model(model)))
 
 
+def split_key(conversation_id: str, mode: str = "id") -> str:
+    """The string the split hashes: the id, or (id_prefix) the id without a trailing "_<digits>"."""
+    if mode == "id_prefix":
+        head, sep, tail = conversation_id.rpartition("_")
+        if sep and head and tail.isdigit():
+            return head
+    return conversation_id
+
+
 def is_heldout(conversation_id: str, fraction: float) -> bool:
     """Deterministic by id: the same conversation lands on the same side in every run."""
     h = int.from_bytes(hashlib.sha256(conversation_id.encode("utf-8")).digest()[:8], "big")
@@ -133,7 +142,7 @@ def build_dataset(cfg: DataConfig, model: str | Path, progress: bool = True) -> 
     if cfg.source in DATASETS:  # report the cut-off tail of the packaged file, not of our clean cache
         base["unparsed_tail_bytes"] = prepare_data(cfg.source).bytes_unparsed
     processed = datasets.load_from_disk(str(out_dir / "processed"))
-    heldout_flags = [is_heldout(i, cfg.heldout_fraction) for i in processed["id"]]
+    heldout_flags = [is_heldout(split_key(i, cfg.split_key), cfg.heldout_fraction) for i in processed["id"]]
     train_idx = [i for i, h in enumerate(heldout_flags) if not h]
     held_idx = [i for i, h in enumerate(heldout_flags) if h]
     train, heldout = processed.select(train_idx), processed.select(held_idx)

@@ -139,7 +139,8 @@ class HFForward:
 
 def _fingerprints(recipe: Recipe, target_fp: str, data_fp: str, template: str, aux: list[int]) -> dict[str, str]:
     cfg = {"max_length": recipe.data.max_length, "split": recipe.precompute.split,
-           "heldout_fraction": recipe.data.heldout_fraction, "storage": recipe.precompute.storage,
+           "heldout_fraction": recipe.data.heldout_fraction, "split_key": recipe.data.split_key,
+           "storage": recipe.precompute.storage,
            "shard_tokens": recipe.precompute.shard_tokens, "batch_tokens": recipe.precompute.batch_tokens,
            "aux_layers": aux, "dtype": recipe.target.dtype, "backend": recipe.precompute.backend}
     return {
