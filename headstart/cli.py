@@ -169,6 +169,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
     from headstart.data.sources import read_prompts
     from headstart.inference import Engine, SamplingParams
+    from headstart.inference.spec import SpecConfig
 
     if args.prompts:
         read = read_prompts(args.prompts)
@@ -192,13 +193,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
         ]
         spec = None
         if args.spec == "tree":
-            from headstart.inference.spec import SpecConfig
-
             spec = SpecConfig(method="tree", head=args.head, k=args.tree_depth, tree_topk=args.tree_topk,
                               tree_tokens=args.tree_tokens)
         elif args.spec is not None:
-            from headstart.inference.spec import SpecConfig
-
             spec = SpecConfig(method=args.spec, k=args.k, head=args.head, draft=args.draft,
                               draft_sampling=args.draft_sampling)
         engine = Engine(args.model, dtype=args.dtype, device=device, backend=args.backend,

@@ -161,7 +161,7 @@ def test_tree_sampling_is_seeded(target):
 
 
 def test_tree_mask_and_rerank():
-    from headstart.inference.spec import Tree
+    from headstart.inference.tree import Tree
 
     # root -> 1 -> 3 ; root -> 2
     tree = Tree(tokens=[5, 6, 7, 8], parents=[-1, 0, 0, 1], depths=[0, 1, 1, 2], children=[[1, 2], [3], [], []])

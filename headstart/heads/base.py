@@ -221,6 +221,15 @@ class DraftHead(nn.Module):
         """Decoder layers that need a KV cache in the engine (0 for Medusa)."""
         return self.config.num_layers
 
+    @property
+    def dtype(self) -> torch.dtype:
+        return next(self.parameters()).dtype
+
+    def plan(self, meta: AttentionMetadata, backend: AttentionBackend) -> None:
+        """Let the backend prepare this step for the head's attention shape (once per step)."""
+        cfg = self.config
+        backend.plan(meta, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, self.dtype)
+
     def make_rotary(self, target: LlamaForCausalLM) -> RotaryEmbedding:
         return RotaryEmbedding(dataclasses.replace(target.config.rope, head_dim=self.config.head_dim))
 
@@ -242,9 +251,7 @@ class DraftHead(nn.Module):
     def draft_step(self, tokens: torch.Tensor, features: torch.Tensor, meta: AttentionMetadata,
                    caches: list[KVPages], backend: AttentionBackend) -> tuple[torch.Tensor, torch.Tensor]:
         """One engine step through the paged KV cache -> (hidden (N, d), logits (N, V or V_draft))."""
-        cfg = self.config
-        backend.plan(meta, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, features.dtype
-                     if features.numel() else self.target.embed.weight.dtype)
+        self.plan(meta, backend)
         h = self.forward_hidden(tokens, features, meta, caches, backend)
         return h, self.compute_logits(h)
 

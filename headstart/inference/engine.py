@@ -28,24 +28,12 @@ from headstart.inference.spec import (
     MedusaProposer,
     SpecConfig,
     SpecMetrics,
-    TreeProposer,
+    draft_kv_spec,
 )
+from headstart.inference.tree import TreeProposer
 from headstart.models.llama import LlamaForCausalLM, load_llama
 
 Prompt = str | list[dict[str, str]] | list[int]
-
-
-def _draft_kv_spec(spec: SpecConfig, draft: Any) -> KVCacheSpec | None:
-    """The draft's KV cache shape (for the shared page budget); None for Medusa (no cache)."""
-    if spec.method == "medusa":
-        return None
-    if spec.method == "draft":
-        from headstart.inference.spec import _draft_model_fns
-
-        return _draft_model_fns(draft)[2]
-    c = draft.config
-    return KVCacheSpec(num_layers=draft.kv_layers(), num_kv_heads=c.num_key_value_heads, head_dim=c.head_dim,
-                       dtype=draft.target.embed.weight.dtype)
 
 
 @dataclass
@@ -113,7 +101,7 @@ class Engine:
                               head_dim=cfg.head_dim, dtype=self.model.dtype)
         self.spec = spec
         draft = self._resolve_draft(spec, dtype) if spec is not None else None
-        draft_spec = _draft_kv_spec(spec, draft) if draft is not None else None
+        draft_spec = draft_kv_spec(draft) if draft is not None else None
         specs = [kv_spec] + ([draft_spec] if draft_spec is not None else [])
         if num_pages is None:
             if kv_cache_gb is None:  # enough for max_batch_size full contexts, capped at 1 GiB
@@ -331,17 +319,7 @@ class Engine:
             outputs.append(self._commit(seq, n, a, verdict.tokens))
             if seq.status is not Status.FINISHED:
                 absorb.append((seq, n, n + a + 1, list(range(b * (k + 1), b * (k + 1) + a + 1))))
-        t2 = time.perf_counter()
-        if absorb:
-            if isinstance(self.proposer, DraftModelProposer):
-                self.proposer.absorb([s for s, *_ in absorb])
-            else:
-                self.proposer.absorb(absorb, h, aux)
-        t3 = time.perf_counter()
-        self.spec_metrics.draft_seconds += (t1 - t0) + (t3 - t2)
-        self.spec_metrics.verify_seconds += t2 - t1
-        self.stats.decode_tokens += sum(len(o.new_token_ids) for o in outputs)
-        return outputs
+        return self._finish_spec_step(outputs, absorb, h, aux, t0, t1)
 
     def _tree_step(self, seqs: list[Sequence]) -> list[RequestOutput]:
         """EAGLE-2: draft a tree per sequence, verify every node in one target pass under a tree mask,
@@ -385,6 +363,11 @@ class Engine:
             if seq.status is not Status.FINISHED:
                 absorb.append((seq, n, n + a + 1, [row] + [row + node for node in path]))
             row += m
+        return self._finish_spec_step(outputs, absorb, h, aux, t0, t1)
+
+    def _finish_spec_step(self, outputs: list[RequestOutput], absorb: list, h: torch.Tensor,
+                          aux: dict[int, torch.Tensor], t0: float, t1: float) -> list[RequestOutput]:
+        """Re-run the draft over the accepted spans and book the step's draft / verify time."""
         t2 = time.perf_counter()
         if absorb:
             self.proposer.absorb(absorb, h, aux)
@@ -421,11 +404,7 @@ class Engine:
             if seq.status is not Status.FINISHED:
                 items.append((seq, start, seq.num_cached, list(range(row, row + n))))
             row += n
-        if not items:
-            return
-        if isinstance(self.proposer, DraftModelProposer):
-            self.proposer.absorb([s for s, *_ in items])
-        else:
+        if items:
             self.proposer.absorb(items, h, aux)
 
     def _check_stop(self, seq: Sequence, tok: int) -> None:
