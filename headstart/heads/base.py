@@ -16,6 +16,7 @@ head's submodules, so they are neither in `trainable_parameters()` nor in the sa
 
 from __future__ import annotations
 
+import abc
 import dataclasses
 import json
 from dataclasses import dataclass, field
@@ -201,7 +202,7 @@ class TargetParts:
         return self.model.lm_head
 
 
-class DraftHead(nn.Module):
+class DraftHead(nn.Module, abc.ABC):
     """Base class. Subclasses implement `target_features`, `forward_hidden`, `compute_logits`."""
 
     def __init__(self, cfg: HeadConfig, target: LlamaForCausalLM) -> None:
@@ -236,17 +237,18 @@ class DraftHead(nn.Module):
     def embed(self, tokens: torch.Tensor) -> torch.Tensor:
         return self.target.embed(tokens)
 
+    @abc.abstractmethod
     def target_features(self, hidden: torch.Tensor | None, aux: torch.Tensor | None = None) -> torch.Tensor:
         """Target states -> the head's feature space (N, d). Own outputs are fed back unchanged."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def forward_hidden(self, tokens: torch.Tensor, features: torch.Tensor, meta: AttentionMetadata,
                        caches: list[KVPages] | None, backend: AttentionBackend) -> torch.Tensor:
         """tokens (N,), features (N, d) -> the head's output hidden state (N, d), before its final norm."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def compute_logits(self, h: torch.Tensor) -> torch.Tensor:
-        raise NotImplementedError
+        """(..., d) -> logits (..., V or V_draft) in fp32."""
 
     def draft_step(self, tokens: torch.Tensor, features: torch.Tensor, meta: AttentionMetadata,
                    caches: list[KVPages], backend: AttentionBackend) -> tuple[torch.Tensor, torch.Tensor]:
@@ -269,6 +271,24 @@ class DraftHead(nn.Module):
 
     def init_from_target(self, target: LlamaForCausalLM) -> None:
         """Start from the target's weights where shapes allow (subclasses say which)."""
+
+
+def init_from_last_layers(layers: nn.ModuleList, target: LlamaForCausalLM) -> None:
+    """Head decoder layers start as copies of the target's last layers (where shapes match)."""
+    n = len(target.model.layers)
+    for i, layer in enumerate(layers):
+        copy_layer(layer, target.model.layers[n - len(layers) + i])
+
+
+def init_fusion_as_identity(fusion: nn.Linear) -> None:
+    """A (d, 2d) fusion of cat(embedding, features) that starts as `features`: embedding half zero,
+    feature half identity, no bias."""
+    d = fusion.weight.shape[0]
+    with torch.no_grad():
+        fusion.weight.zero_()
+        fusion.weight[:, d:] = torch.eye(d, dtype=fusion.weight.dtype)
+        if fusion.bias is not None:
+            fusion.bias.zero_()
 
 
 def copy_layer(dst: nn.Module, src: nn.Module) -> None:

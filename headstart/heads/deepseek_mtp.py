@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from headstart.errors import AssetError
-from headstart.heads.base import DraftHead, HeadConfig, copy_layer
+from headstart.heads.base import DraftHead, HeadConfig, init_from_last_layers, init_fusion_as_identity
 from headstart.models.llama import SUPPORTED_MODEL_TYPES, LlamaForCausalLM
 from headstart.nn.attention import AttentionBackend, AttentionMetadata, KVPages
 from headstart.nn.decoder import DecoderLayer
@@ -60,11 +60,7 @@ class DeepSeekMTPHead(DraftHead):
         return self.target.lm_head(self.shared_head.norm(h)).float()
 
     def init_from_target(self, target: LlamaForCausalLM) -> None:
-        n = len(target.model.layers)
-        for i, layer in enumerate(self.layers):
-            copy_layer(layer, target.model.layers[n - len(self.layers) + i])
+        init_from_last_layers(self.layers, target)
+        init_fusion_as_identity(self.eh_proj)
         with torch.no_grad():
-            d = self.config.hidden_size
-            self.eh_proj.weight.zero_()
-            self.eh_proj.weight[:, d:] = torch.eye(d, dtype=self.eh_proj.weight.dtype)
             self.shared_head.norm.weight.copy_(target.model.norm.weight)

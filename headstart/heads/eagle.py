@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from headstart.heads.base import DraftHead, HeadConfig, copy_layer
+from headstart.heads.base import DraftHead, HeadConfig, init_from_last_layers, init_fusion_as_identity
 from headstart.models.llama import LlamaForCausalLM
 from headstart.nn.attention import AttentionBackend, AttentionMetadata, KVPages
 from headstart.nn.decoder import DecoderLayer
@@ -61,14 +61,8 @@ class EagleHead(DraftHead):
     def init_from_target(self, target: LlamaForCausalLM) -> None:
         """Decoder layers from the target's last layers, final norm from the target's, and fc set so
         that x = features at the start (embedding half zero, feature half identity)."""
-        n = len(target.model.layers)
-        for i, layer in enumerate(self.layers):
-            copy_layer(layer, target.model.layers[n - len(self.layers) + i])
-        with torch.no_grad():
-            d = self.config.hidden_size
-            self.fc.weight.zero_()
-            self.fc.weight[:, d:] = torch.eye(d, dtype=self.fc.weight.dtype)
-            if self.fc.bias is not None:
-                self.fc.bias.zero_()
-            if self.norm is not None:
+        init_from_last_layers(self.layers, target)
+        init_fusion_as_identity(self.fc)
+        if self.norm is not None:
+            with torch.no_grad():
                 self.norm.weight.copy_(target.model.norm.weight)

@@ -57,8 +57,12 @@ class MedusaHead(DraftHead):
         head = self.lm_head if self.lm_head is not None else self.target.lm_head
         return head(h).float()
 
+    def forward_hidden(self, tokens, features, meta=None, caches=None, backend=None):  # noqa: ANN001
+        """Medusa reads features alone (no tokens, no cache): -> (N, k, d), one state per head."""
+        return self.forward_heads(features)
+
     def draft_step(self, tokens, features, meta=None, caches=None, backend=None):  # noqa: ANN001
-        """Medusa proposes from features alone: -> (states (N, k, d), logits (N, k, V))."""
+        """-> (states (N, k, d), logits (N, k, V)); nothing to plan, there is no attention."""
         z = self.forward_heads(features)
         return z, self.compute_logits(z)
 
