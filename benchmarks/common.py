@@ -2,33 +2,23 @@
 
 from __future__ import annotations
 
-import json
 import time
 from collections.abc import Callable
 
-from headstart.assets import prepare_data
-from headstart.data.sources import normalise
+from headstart.assets import resolve_data
+from headstart.data.sources import read_conversations
 
 
 def sharegpt_prompts(n: int, max_chars: int = 1200, skip: int = 0) -> list[list[dict[str, str]]]:
-    """The first user turn of the first n usable ShareGPT conversations, as chat messages."""
-    out = []
-    with open(prepare_data("sharegpt").path, encoding="utf-8") as f:
-        for line in f:
-            try:
-                conv = normalise(json.loads(line))
-            except Exception:
-                continue
-            first = next(m for m in conv["messages"] if m["role"] == "user")
-            if len(first["content"]) > max_chars:
-                continue
-            if skip:
-                skip -= 1
-                continue
-            out.append([first])
-            if len(out) == n:
-                break
-    return out
+    """The first user turn of the first n usable ShareGPT conversations (after `skip`), as chat messages."""
+    firsts = []
+    for conv in read_conversations(resolve_data("sharegpt"), limit=max(2000, 50 * (n + skip))).conversations:
+        first = next(m for m in conv["messages"] if m["role"] == "user")
+        if len(first["content"]) <= max_chars:
+            firsts.append([first])
+    if len(firsts) < n + skip:
+        raise ValueError(f"only {len(firsts)} ShareGPT prompts of <= {max_chars} characters in the rows read")
+    return firsts[skip:skip + n]
 
 
 def timed(fn: Callable[..., object], *args: object) -> tuple[object, float]:

@@ -142,13 +142,25 @@ def _skip_ws(text: str, pos: int) -> int:
 
 
 def iter_jsonl(path: Path) -> Iterator[tuple[int, Any | None, str | None]]:
-    """Yield (line_number, object, error) for each non-blank line; error names the JSON problem."""
-    text = read_utf8(path)
-    # Split on "\n" only: str.splitlines() also breaks on U+2028, U+0085, ... inside JSON strings.
-    for lineno, line in enumerate(text.split("\n"), start=1):
-        if not line.strip():
-            continue
-        try:
-            yield lineno, json.loads(line), None
-        except json.JSONDecodeError as e:
-            yield lineno, None, f"invalid JSON ({e.msg} at column {e.colno})"
+    """Yield (line_number, object, error) for each non-blank line; error names the JSON problem.
+
+    Streams the file (a reader that stops after `limit` rows reads only those), splitting on "\n"
+    only: str.splitlines() would also break on U+2028, U+0085, ... inside JSON strings. A non-UTF-8
+    line is an error naming its byte offset and line."""
+    offset = 0
+    with open(path, "rb") as f:
+        for lineno, raw in enumerate(f, start=1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise DataError(
+                    f"{path}: not UTF-8 text (byte {offset + e.start}, line {lineno}: "
+                    f"{raw[e.start:e.start + 4]!r}); convert the file to UTF-8"
+                ) from None
+            offset += len(raw)
+            if not line.strip():
+                continue
+            try:
+                yield lineno, json.loads(line), None
+            except json.JSONDecodeError as e:
+                yield lineno, None, f"invalid JSON ({e.msg} at column {e.colno})"

@@ -82,6 +82,18 @@ def tiny_model_dir(tmp_path_factory) -> Path:
     return d
 
 
+@pytest.fixture(scope="session")
+def chat_model_dir(tmp_path_factory) -> Path:
+    """A tiny random Llama with the ChatML tiny tokenizer: a complete local model directory."""
+    from tiny_models import make_hf_model
+
+    d = tmp_path_factory.mktemp("chat-model")
+    tok = make_tokenizer("chatml")
+    make_hf_model("llama", d, seed=2, vocab_size=len(tok))
+    tok.save_pretrained(d)
+    return d
+
+
 @pytest.fixture(autouse=True)
 def _isolated_cache(request, tmp_path, monkeypatch):
     if request.node.get_closest_marker("real") is None:

@@ -73,3 +73,10 @@ def test_atomic_path_directory_replaces(tmp_path):
             tmp.mkdir()
             (tmp / "f").write_text(text)
     assert (final / "f").read_text() == "two"
+
+
+def test_jsonl_non_utf8_names_byte_and_line(tmp_path):
+    p = tmp_path / "latin1.jsonl"
+    p.write_bytes(b'{"prompt": "ok"}\n{"prompt": "caf\xe9"}\n')
+    with pytest.raises(DataError, match=r"latin1.jsonl: not UTF-8 text \(byte 32, line 2"):
+        list(iter_jsonl(p))

@@ -11,8 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import make_tokenizer, write_jsonl
-from tiny_models import make_hf_model
+from conftest import write_jsonl
 
 from headstart.cli import main
 from headstart.config import load_recipe
@@ -23,13 +22,9 @@ from headstart.precompute.run import plan_batches, plan_shards
 ROOT = Path(__file__).resolve().parents[1]
 
 
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    d = tmp_path_factory.mktemp("pc-model")
-    tok = make_tokenizer("chatml")
-    make_hf_model("llama", d, seed=2, vocab_size=len(tok))
-    tok.save_pretrained(d)
-    return d
+@pytest.fixture
+def model_dir(chat_model_dir):
+    return chat_model_dir
 
 
 def _conversations(n, seed=0):

@@ -4,21 +4,16 @@ provenance recorded; an interrupted run resumes to exactly what an uninterrupted
 import json
 
 import pytest
-from conftest import make_tokenizer, write_jsonl
-from tiny_models import make_hf_model
+from conftest import write_jsonl
 
 from headstart.config import load_recipe
 from headstart.errors import DataError
 from headstart.precompute.regenerate import run_regenerate
 
 
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    d = tmp_path_factory.mktemp("regen-model")
-    tok = make_tokenizer("chatml")
-    make_hf_model("llama", d, seed=3, vocab_size=len(tok))
-    tok.save_pretrained(d)
-    return d
+@pytest.fixture
+def model_dir(chat_model_dir):
+    return chat_model_dir
 
 
 def _recipe(tmp_path, model_dir, name, temperature=0.0):

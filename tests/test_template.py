@@ -1,7 +1,6 @@
 """The assistant-only loss mask is exact: supervised tokens are the assistant content and its
 end-of-turn token, nothing else, on ChatML (tiny and real SmolLM2) and on other templates."""
 
-import json
 
 import pytest
 from conftest import END_OF_TURN, TEMPLATES, make_tokenizer
@@ -132,22 +131,15 @@ def test_exact_on_smollm2_and_real_sharegpt():
     """The real SmolLM2 ChatML template and tokenizer over real multi-turn ShareGPT conversations."""
     from transformers import AutoTokenizer
 
-    from headstart.assets import prepare_data, resolve_model
-    from headstart.data.sources import normalise
+    from headstart.assets import resolve_data, resolve_model
+    from headstart.data.sources import read_conversations
 
     tok = AutoTokenizer.from_pretrained(resolve_model("smollm2-135m"))
     renderer = ChatRenderer(tok)
     checked = turns = 0
-    with open(prepare_data("sharegpt").path, encoding="utf-8") as f:
-        for line in f:
-            try:
-                conv = normalise(json.loads(line))
-            except Exception:
-                continue
-            r = renderer.render(conv["messages"])
-            _check_exact(tok, "chatml", conv["messages"], r)
-            checked += 1
-            turns += sum(m["role"] == "assistant" for m in conv["messages"])
-            if checked == 60:
-                break
+    for conv in read_conversations(resolve_data("sharegpt"), limit=100).conversations[:60]:
+        r = renderer.render(conv["messages"])
+        _check_exact(tok, "chatml", conv["messages"], r)
+        checked += 1
+        turns += sum(m["role"] == "assistant" for m in conv["messages"])
     assert checked == 60 and turns > 60  # multi-turn conversations are among them
