@@ -128,6 +128,8 @@ def sample(
     histories: list[list[int]] | None = None,
 ) -> torch.Tensor:
     """logits (B, V) -> next tokens (B,). Greedy rows take the argmax and consume no random draw."""
+    if all(p.greedy and p.repetition_penalty == 1.0 for p in params):
+        return logits.argmax(-1)  # the common decode case: no one-hot distribution to build
     probs = processed_probs(logits, params, histories)
     tokens = probs.argmax(-1)
     rows = [b for b, p in enumerate(params) if not p.greedy]
