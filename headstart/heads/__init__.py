@@ -22,6 +22,7 @@ from headstart.heads.base import (
     PackedBatch,
     Shifted,
     check_compatible,
+    is_head_checkpoint,
     load_head_state,
     read_head_config,
     save_head,
@@ -72,5 +73,6 @@ def load_head(path: str | Path, target: LlamaForCausalLM) -> DraftHead:
 
 __all__ = [
     "FAMILIES", "HEAD_TYPES", "DraftHead", "HeadConfig", "PackedBatch", "Shifted", "build_head",
-    "head_config_from_recipe", "build_vocab_maps", "draft_to_target", "load_head", "save_head", "shift_for_head",
+    "head_config_from_recipe", "build_vocab_maps", "draft_to_target", "is_head_checkpoint", "load_head",
+    "save_head", "shift_for_head",
 ]

@@ -317,6 +317,17 @@ def save_head(head: DraftHead, path: str | Path) -> Path:
     return path
 
 
+def is_head_checkpoint(path: str | Path) -> bool:
+    """True for a native head checkpoint directory (as opposed to an HF model directory)."""
+    f = Path(path) / "config.json"
+    if not f.is_file():
+        return False
+    try:
+        return json.loads(f.read_text()).get("format") == "headstart-head/1"
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        return False
+
+
 def read_head_config(path: str | Path) -> HeadConfig:
     path = Path(path)
     f = path / "config.json"

@@ -243,7 +243,7 @@ class Engine:
 
     def _resolve_draft(self, spec: SpecConfig, dtype: str) -> Any:
         """The proposer's model: a head (chain / medusa) or a draft LM, loaded if given as a path."""
-        from headstart.heads import DraftHead, load_head
+        from headstart.heads import DraftHead, is_head_checkpoint, load_head
 
         if spec.method in ("chain", "medusa", "tree"):
             head = spec.head
@@ -264,7 +264,7 @@ class Engine:
             from headstart.heads import DraftLM
 
             path = Path(str(draft))
-            if (path / "config.json").is_file() and '"head_type"' in (path / "config.json").read_text():
+            if is_head_checkpoint(path):
                 head = load_head(path, self.model)
                 if not isinstance(head, DraftLM):
                     raise ValueError(f"{path}: a {head.config.head_type!r} head is not a draft model")
