@@ -99,7 +99,8 @@ def build_parser() -> argparse.ArgumentParser:
     q.add_argument("--num-layers", type=int, default=1, help="decoder layers (draft_lm: its depth)")
     q.add_argument("--medusa-heads", type=int, default=4)
     q.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], default="fp32")
-    q.add_argument("--out", required=True, help="checkpoint directory to write")
+    q.add_argument("--out", required=True, help="checkpoint directory to write (a new or empty directory)")
+    q.add_argument("--force", action="store_true", help="replace --out if it is an existing head checkpoint")
     q.set_defaults(func=cmd_head_init)
     return parser
 
@@ -299,12 +300,14 @@ def cmd_regenerate(args: argparse.Namespace) -> int:
 def cmd_head_init(args: argparse.Namespace) -> int:
     from headstart.assets import resolve_model
     from headstart.heads import HeadConfig, build_head, save_head
+    from headstart.heads.base import check_head_output
     from headstart.models.llama import load_llama
 
+    check_head_output(args.out, overwrite=args.force)  # before the target loads: a wrong --out costs nothing
     target = load_llama(resolve_model(args.model), dtype=args.dtype)
     cfg = HeadConfig(head_type=args.type, num_layers=args.num_layers, medusa_num_heads=args.medusa_heads)
     head = build_head(cfg, target)
-    path = save_head(head, args.out)
+    path = save_head(head, args.out, overwrite=args.force)
     n = sum(p.numel() for p in head.trainable_parameters())
     print(f"{args.type} head for {args.model} ({n:,} trainable parameters, initialised from the target) -> {path}")
     return 0

@@ -15,3 +15,7 @@ class AssetError(HeadstartError):
 
 class DataError(HeadstartError):
     """Input data is unreadable, or yields nothing to train on."""
+
+
+class OutputError(HeadstartError):
+    """An output path cannot be written, or would replace something the writer did not create."""

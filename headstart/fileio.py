@@ -12,31 +12,65 @@ import hashlib
 import json
 import os
 import shutil
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from headstart.errors import DataError
+from headstart.errors import DataError, OutputError
 
 
 @contextlib.contextmanager
-def atomic_path(final: Path) -> Iterator[Path]:
+def atomic_path(final: Path, *, replaces: Callable[[Path], bool] | None = None, hint: str = "") -> Iterator[Path]:
     """Yield a temporary sibling path; on success rename it to `final` (file or directory).
 
+    A writer never deletes what it did not create. An existing file is replaced (that is what an
+    atomic rewrite is for), but an existing directory only when it is empty or when `replaces(final)`
+    recognises it as a previous output of the same kind; anything else is refused before any work
+    is done, with `hint` (e.g. "pass --force") appended. The path is resolved first, so `x/..` names
+    `x`'s parent, and `.`, `..`, the filesystem root and symbolic links are never targets.
     On an exception the temporary is removed and `final` is untouched.
     """
-    final = Path(final)
-    final.parent.mkdir(parents=True, exist_ok=True)
+    final = check_output_path(final, replaces=replaces, hint=hint)
+    try:
+        final.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise OutputError(f"{final.parent}: cannot create the output directory ({e.strerror})") from None
     tmp = final.with_name(f".{final.name}.tmp-{os.getpid()}")
     _remove(tmp)
+    old = final.with_name(f".{final.name}.old-{os.getpid()}")
     try:
         yield tmp
-        if final.exists() and final.is_dir():
-            shutil.rmtree(final)
+        # Checked again: the directory may have appeared while the output was being built.
+        check_output_path(final, replaces=replaces, hint=hint)
+        if final.is_dir():
+            if tmp.is_dir() or tmp.is_symlink() or not tmp.exists():
+                os.replace(final, old)  # empty or recognised: moved aside, deleted only after the swap
+            else:
+                raise OutputError(f"{final}: is a directory; a file was to be written there")
+        elif final.exists() and tmp.is_dir():
+            raise OutputError(f"{final}: is a file; a directory was to be written there")
         os.replace(tmp, final)
     finally:
         _remove(tmp)
+        _remove(old)
+
+
+def check_output_path(path: str | Path, *, replaces: Callable[[Path], bool] | None = None, hint: str = "") -> Path:
+    """Resolve an output path and refuse targets a writer must never replace (see `atomic_path`)."""
+    raw = str(path)
+    if raw.rstrip("/").rsplit("/", 1)[-1] in ("", ".", ".."):
+        raise OutputError(f"{raw!r}: '.' and '..' are not output paths; name a new directory, e.g. runs/my-head")
+    given = Path(raw).expanduser()
+    if given.is_symlink():
+        raise OutputError(f"{raw}: is a symbolic link; give the real path of a new output")
+    final = given.resolve()
+    if final == Path(final.anchor):
+        raise OutputError(f"{raw}: the filesystem root is not an output path")
+    if final.is_dir() and any(final.iterdir()) and not (replaces is not None and replaces(final)):
+        msg = f"{final}: exists and is not empty; refusing to replace a directory this writer did not create"
+        raise OutputError(msg + (f" ({hint})" if hint else "; choose a new path"))
+    return final
 
 
 def atomic_write_text(path: Path, text: str) -> None:

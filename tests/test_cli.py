@@ -68,3 +68,24 @@ def test_quickstart_recipe_inspect_on_real_data(capsys):
     assert stats["rows_read"] == 200
     assert stats["conversations"] + sum(stats["skipped"].values()) == 200
     assert stats["supervised_tokens"] > 10_000 and stats["unparsed_tail_bytes"] > 0
+
+
+def test_head_init_never_deletes_a_user_directory(chat_model_dir, tmp_path, capsys):
+    runs = tmp_path / "runs" / "x"
+    victim = runs / "victim"
+    victim.mkdir(parents=True)
+    (victim / "notes.txt").write_text("precious")
+    (runs / "sibling.txt").write_text("keep")
+    init = ["head", "init", "--type", "mtp", "--model", str(chat_model_dir), "--out"]
+    for out in (victim, f"{victim}/..", "."):
+        assert main(init + [str(out)]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("headstart: error:") and "Traceback" not in err
+    assert (victim / "notes.txt").read_text() == "precious" and (runs / "sibling.txt").read_text() == "keep"
+    head = tmp_path / "head"
+    assert main(init + [str(head)]) == 0
+    assert main(init + [str(head)]) == 2
+    assert "pass --force" in capsys.readouterr().err
+    assert main(init + [str(head), "--force"]) == 0  # a recognised head checkpoint may be replaced
+    assert main(init + [str(victim), "--force"]) == 2  # --force never replaces what is not a head
+    assert (victim / "notes.txt").read_text() == "precious"

@@ -2,7 +2,9 @@ import json
 
 import pytest
 
-from headstart.errors import DataError
+from pathlib import Path
+
+from headstart.errors import DataError, OutputError
 from headstart.fileio import atomic_path, iter_jsonl, read_json_array, read_utf8
 
 
@@ -66,13 +68,63 @@ def test_atomic_path_file_and_failure(tmp_path):
     assert [p.name for p in final.parent.iterdir()] == ["out.txt"]
 
 
-def test_atomic_path_directory_replaces(tmp_path):
+def _write_dir(final, text, **kw):
+    with atomic_path(final, **kw) as tmp:
+        tmp.mkdir()
+        (tmp / "f").write_text(text)
+
+
+def test_atomic_path_replaces_only_what_it_recognises(tmp_path):
     final = tmp_path / "d"
-    for text in ("one", "two"):
-        with atomic_path(final) as tmp:
-            tmp.mkdir()
-            (tmp / "f").write_text(text)
+    ours = lambda p: (p / "f").is_file()  # noqa: E731
+    _write_dir(final, "one", replaces=ours)
+    _write_dir(final, "two", replaces=ours)
     assert (final / "f").read_text() == "two"
+    with pytest.raises(OutputError, match="exists and is not empty"):
+        _write_dir(final, "three")  # no recogniser: an existing non-empty directory is never replaced
+    assert (final / "f").read_text() == "two"
+    victim = tmp_path / "victim"
+    victim.mkdir()
+    (victim / "precious").write_text("user data")
+    with pytest.raises(OutputError, match="pass --force"):
+        _write_dir(victim, "x", replaces=ours, hint="pass --force")
+    assert (victim / "precious").read_text() == "user data"
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    _write_dir(empty, "ok")  # an empty directory holds nothing to lose
+    assert (empty / "f").read_text() == "ok"
+
+
+def test_atomic_path_resolves_and_refuses_dot_dotdot_root_links(tmp_path, monkeypatch):
+    runs = tmp_path / "runs" / "x"
+    (runs / "victim").mkdir(parents=True)
+    (runs / "sibling.txt").write_text("keep")
+    for bad in (runs / "victim" / "..", str(runs / "victim") + "/../", ".", "..", "/"):
+        with pytest.raises(OutputError):
+            _write_dir(Path(bad) if not isinstance(bad, str) else bad, "x")
+    assert (runs / "sibling.txt").read_text() == "keep" and (runs / "victim").is_dir()
+    link = tmp_path / "link"
+    link.symlink_to(runs)
+    with pytest.raises(OutputError, match="symbolic link"):
+        _write_dir(link, "x")
+    monkeypatch.chdir(runs)
+    with pytest.raises(OutputError):
+        _write_dir("victim/..", "x", replaces=lambda p: True)  # resolved to runs/x, and '..' is refused
+    assert sorted(p.name for p in runs.iterdir()) == ["sibling.txt", "victim"]
+
+
+def test_atomic_path_kind_mismatch_is_refused(tmp_path):
+    d = tmp_path / "d"
+    d.mkdir()
+    with pytest.raises(OutputError, match="is a directory"):
+        with atomic_path(d) as tmp:
+            tmp.write_text("file")
+    assert d.is_dir()
+    f = tmp_path / "f"
+    f.write_text("keep")
+    with pytest.raises(OutputError, match="is a file"):
+        _write_dir(f, "x")
+    assert f.read_text() == "keep"
 
 
 def test_jsonl_non_utf8_names_byte_and_line(tmp_path):

@@ -222,7 +222,8 @@ def _process(cfg: DataConfig, source: Path, model_dir: Path, out_dir: Path, prog
         "supervised_tokens": supervised,
         "truncated": int(sum(kept["truncated"])),
     }
-    with atomic_path(out_dir) as tmp:
+    # A damaged entry of this cache (same fingerprint, same layout) is rebuilt in place.
+    with atomic_path(out_dir, replaces=lambda p: (p / "processed").is_dir() or (p / "stats.json").is_file()) as tmp:
         kept.save_to_disk(str(tmp / "processed"))
         atomic_write_text(tmp / "stats.json", json.dumps(stats, indent=2))
 

@@ -28,7 +28,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from headstart.errors import AssetError
-from headstart.fileio import atomic_path
+from headstart.fileio import atomic_path, check_output_path
 from headstart.models.llama import LlamaForCausalLM
 from headstart.nn.attention import AttentionBackend, AttentionMetadata, KVPages
 from headstart.nn.decoder import DecoderLayerConfig
@@ -303,18 +303,30 @@ def copy_layer(dst: nn.Module, src: nn.Module) -> None:
 # --------------------------------------------------------------------------- native checkpoint
 
 
-def save_head(head: DraftHead, path: str | Path) -> Path:
-    """`config.json` + `model.safetensors` (trainable weights and maps only), written atomically."""
-    path = Path(path)
+def save_head(head: DraftHead, path: str | Path, *, overwrite: bool = False) -> Path:
+    """`config.json` + `model.safetensors` (trainable weights and maps only), written atomically.
+
+    An existing directory is replaced only when it is a head checkpoint and `overwrite` is set."""
     cfg = dataclasses.asdict(head.config)
     cfg["hidden_state_convention"] = HIDDEN_STATE_CONVENTION
     cfg["format"] = "headstart-head/1"
     state = {k: v.detach().contiguous().cpu() for k, v in head.state_dict().items()}
-    with atomic_path(path) as tmp:
+    with atomic_path(Path(path), **_head_output_rules(path, overwrite)) as tmp:
+        path = Path(path).resolve()
         tmp.mkdir()
         (tmp / "config.json").write_text(json.dumps(cfg, indent=2))
         save_file(state, str(tmp / "model.safetensors"))
     return path
+
+
+def check_head_output(path: str | Path, *, overwrite: bool = False) -> Path:
+    """Refuse a head output path before any work is done (the rules of `save_head`)."""
+    return check_output_path(path, **_head_output_rules(path, overwrite))
+
+
+def _head_output_rules(path: str | Path, overwrite: bool) -> dict:
+    hint = "it is a head checkpoint: pass --force to replace it" if is_head_checkpoint(path) else ""
+    return {"replaces": is_head_checkpoint if overwrite else None, "hint": hint}
 
 
 def is_head_checkpoint(path: str | Path) -> bool:
