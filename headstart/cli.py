@@ -55,7 +55,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--repetition-penalty", type=float, default=1.0)
     p.add_argument("--seed", type=int, default=0, help="seeds sampling (request i uses seed + i)")
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
-    p.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], default="bf16")
+    p.add_argument("--dtype", choices=["auto", "bf16", "fp16", "fp32"], default="auto",
+                   help="auto: bf16 where the device computes it natively, else fp32")
     p.add_argument("--batch-size", type=int, default=8, help="sequences decoded together")
     p.add_argument("--device", default=None, help="cpu or cuda[:N] (default: cuda if available)")
     p.add_argument("--backend", default="auto", choices=["auto", "torch", "flashinfer"])
@@ -90,6 +91,12 @@ def build_parser() -> argparse.ArgumentParser:
     _add_recipe_args(p)
     p.add_argument("--resume", action="store_true", help="continue an interrupted run")
     p.set_defaults(func=cmd_regenerate)
+
+    p = verbs.add_parser("train", help="fit the recipe's head (shards or online), validating with the engine")
+    _add_recipe_args(p)
+    p.add_argument("--resume", action="store_true", help="continue from output_dir/checkpoints/last.ckpt")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar (logs only)")
+    p.set_defaults(func=cmd_train)
 
     p = verbs.add_parser("head", help="create and inspect draft-head checkpoints")
     head_verbs = p.add_subparsers(dest="head_verb", metavar="ACTION", required=True)
@@ -199,6 +206,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
         elif args.spec is not None:
             spec = SpecConfig(method=args.spec, k=args.k, head=args.head, draft=args.draft,
                               draft_sampling=args.draft_sampling)
+        from headstart.hardware import resolve_dtype
+
+        args.dtype = resolve_dtype(args.dtype, device)
         engine = Engine(args.model, dtype=args.dtype, device=device, backend=args.backend,
                         kv_cache_gb=args.kv_cache_gb, page_size=args.page_size, max_batch_size=args.batch_size,
                         seed=args.seed, spec=spec)
@@ -294,6 +304,19 @@ def cmd_regenerate(args: argparse.Namespace) -> int:
 
     recipe = load_recipe(args.recipe, args.overrides)
     run_regenerate(recipe, resume=args.resume)
+    return 0
+
+
+def cmd_train(args: argparse.Namespace) -> int:
+    from headstart.config import load_recipe
+    from headstart.train import run_train
+
+    recipe = load_recipe(args.recipe, args.overrides)
+    metrics = run_train(recipe, resume=args.resume, progress=not args.no_progress)
+    if int(__import__("os").environ.get("RANK", "0")) == 0:
+        keys = ("step", "tokens", "val_loss", "tau", "alpha", "top1_per_step")
+        print("train: " + json.dumps({k: metrics.get(k) for k in keys}))
+        print(f"train: heads in {recipe.output_dir}/head-final and head-best; curve in {recipe.output_dir}/metrics.csv")
     return 0
 
 

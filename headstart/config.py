@@ -20,7 +20,7 @@ import yaml
 
 from headstart.errors import ConfigError
 
-Dtype = Literal["bf16", "fp16", "fp32"]
+Dtype = Literal["auto", "bf16", "fp16", "fp32"]
 DataFormat = Literal["auto", "sharegpt", "messages", "prompt"]
 HeadType = Literal["mtp", "eagle1", "deepseek_mtp", "eagle3", "medusa", "draft_lm"]
 
@@ -30,7 +30,9 @@ class TargetConfig:
     """The target model whose hidden states the heads learn from."""
 
     model: str = "smollm2-135m"  # an embedded name (`headstart assets`) or a local HF model directory
-    dtype: Dtype = "bf16"  # compute dtype of the target's forward passes
+    # Compute dtype of the target's forward passes; auto: bf16 where the device computes it natively
+    # (CUDA, CPUs with avx512_bf16 or AMX), fp32 otherwise (headstart.hardware).
+    dtype: Dtype = "auto"
 
     def __post_init__(self) -> None:
         _require(bool(self.model.strip()), "target.model", "must not be empty")
@@ -73,9 +75,11 @@ class HeadSection:
     medusa_num_heads: int = 4
     medusa_num_layers: int = 1
     init_from_target: bool = True  # start from the target's last layer / final norm where shapes allow
+    k: int = 3  # draft tokens per speculative step when the head is validated / evaluated
 
     def __post_init__(self) -> None:
         _require(self.num_layers >= 1, "head.num_layers", f"must be >= 1, got {self.num_layers}")
+        _require(1 <= self.k <= 16, "head.k", f"must be in [1, 16], got {self.k}")
         _require(self.medusa_num_heads >= 1, "head.medusa_num_heads", "must be >= 1")
         _require(self.draft_vocab_size is None or self.draft_vocab_size > 0, "head.draft_vocab_size", "must be > 0")
 
@@ -114,6 +118,86 @@ class RegenerateConfig:
 
 
 @dataclass(kw_only=True)
+class LossWeights:
+    """Weights of the training losses (DESIGN.md §5)."""
+
+    kl: float = 1.0  # forward KL to the target's distribution (soft cross-entropy minus its entropy)
+    feature: float = 0.1  # smooth-L1 between the head's output and the target's next hidden state
+
+    def __post_init__(self) -> None:
+        _require(self.kl >= 0 and self.feature >= 0, "train.loss_weights", "weights must be >= 0")
+        _require(self.kl + self.feature > 0, "train.loss_weights", "at least one weight must be > 0")
+
+
+@dataclass(kw_only=True)
+class TrainConfig:
+    """How the head is fitted (headstart train)."""
+
+    source: Literal["shards", "online"] = "shards"  # shards: precompute's output; online: target runs per step
+    shards_dir: str | None = None  # default: precompute's output directory for this recipe
+    max_steps: int = 1000  # optimizer steps (the schedule's length)
+    epochs: int | None = None  # stop after this many passes over the data if that comes first (None: steps only)
+    batch_tokens: int = 4096  # tokens per micro-batch per device (packed sequences, never split)
+    grad_accum: int = 1  # micro-batches per optimizer step
+    lr: float = 3e-4
+    warmup_steps: int = 50
+    min_lr_ratio: float = 0.1  # cosine decays to lr * min_lr_ratio
+    weight_decay: float = 0.0
+    grad_clip: float = 1.0  # max global grad norm (0: off)
+    loss_weights: LossWeights = field(default_factory=LossWeights)
+    ttt_steps: int = 1  # training-time test: unrolled draft steps (1 = plain teacher forcing)
+    ttt_decay: float = 0.8  # step j's loss is weighted by ttt_decay ** j
+    loss_chunk_tokens: int = 256  # rows per vocabulary-sized chunk (no [tokens x vocab] tensor is kept)
+    val_every_steps: int = 200  # engine validation interval (0: only at the end)
+    val_prompts: int = 16  # held-out prompts (first user turns) decoded by the engine at each validation
+    val_max_tokens: int = 64  # new tokens per validation prompt
+    val_loss_batches: int = 8  # held-out micro-batches for val_loss / top-1 per step
+    ckpt_every_steps: int = 100  # Lightning checkpoint (last.ckpt) interval, for --resume
+    max_bad_steps: int = 10  # consecutive non-finite losses before training stops
+    num_workers: int = 0  # DataLoader workers
+
+    def __post_init__(self) -> None:
+        for key in ("max_steps", "batch_tokens", "grad_accum", "ttt_steps", "loss_chunk_tokens", "ckpt_every_steps",
+                    "max_bad_steps"):
+            _require(getattr(self, key) >= 1, f"train.{key}", f"must be >= 1, got {getattr(self, key)}")
+        _require(self.epochs is None or self.epochs >= 1, "train.epochs", "must be >= 1 or null")
+        _require(self.lr > 0, "train.lr", f"must be > 0, got {self.lr}")
+        _require(0 <= self.min_lr_ratio <= 1, "train.min_lr_ratio", "must be in [0, 1]")
+        _require(self.warmup_steps >= 0 and self.weight_decay >= 0 and self.grad_clip >= 0, "train",
+                 "warmup_steps, weight_decay and grad_clip must be >= 0")
+        _require(0 < self.ttt_decay <= 1, "train.ttt_decay", "must be in (0, 1]")
+        _require(self.val_every_steps >= 0 and self.val_prompts >= 0 and self.val_loss_batches >= 0,
+                 "train", "val_every_steps, val_prompts and val_loss_batches must be >= 0")
+        _require(self.val_max_tokens >= 1, "train.val_max_tokens", "must be >= 1")
+        _require(self.num_workers >= 0, "train.num_workers", "must be >= 0")
+
+
+@dataclass(kw_only=True)
+class TrainerSection:
+    """Where training runs; only this section changes between this CPU and 8xH100 nodes."""
+
+    accelerator: Literal["auto", "cpu", "gpu", "cuda"] = "auto"
+    devices: int = 1  # processes per node (GPUs, or CPU processes with gloo)
+    num_nodes: int = 1  # with torchrun / SLURM setting the usual environment
+    strategy: Literal["auto", "ddp", "fsdp"] = "auto"  # auto: ddp when devices * num_nodes > 1
+    precision: Literal["auto", "32-true", "bf16-mixed", "bf16-true", "16-mixed"] = "auto"  # auto: bf16-mixed if native
+
+    def __post_init__(self) -> None:
+        _require(self.devices >= 1, "trainer.devices", "must be >= 1")
+        _require(self.num_nodes >= 1, "trainer.num_nodes", "must be >= 1")
+
+
+@dataclass(kw_only=True)
+class LoggingConfig:
+    wandb: bool = True  # Weights & Biases (offline automatically without WANDB_API_KEY)
+    project: str = "headstart"
+    every_steps: int = 10  # metrics.csv / logger interval
+
+    def __post_init__(self) -> None:
+        _require(self.every_steps >= 1, "logging.every_steps", "must be >= 1")
+
+
+@dataclass(kw_only=True)
 class Recipe:
     """A complete run: target, data and where results go."""
 
@@ -125,6 +209,9 @@ class Recipe:
     head: HeadSection = field(default_factory=HeadSection)
     precompute: PrecomputeConfig = field(default_factory=PrecomputeConfig)
     regenerate: RegenerateConfig = field(default_factory=RegenerateConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    trainer: TrainerSection = field(default_factory=TrainerSection)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

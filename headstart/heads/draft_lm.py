@@ -54,14 +54,23 @@ class DraftLM(DraftHead):
         return head(self.norm(h)).float()
 
     def train_forward(self, batch: PackedBatch) -> tuple[torch.Tensor, Shifted]:
-        """A plain causal LM over the packed tokens: row i predicts t_{i+1}."""
+        """A plain causal LM over the packed tokens: row i predicts t_{i+1}, whose target distribution
+        is p_i (target row i), supervised iff loss_mask[i+1] in the same sequence."""
         from headstart.nn.attention import PackedCausalAttention, packed_metadata
 
         ids = batch.input_ids
         meta = packed_metadata(list(batch.seq_lens), device=ids.device)
         h = self.forward_hidden(ids, None, meta, None, PackedCausalAttention())
-        rows = torch.arange(ids.numel())
-        return h, Shifted(ids, rows, rows, ids, torch.ones_like(ids), list(batch.seq_lens))
+        n = ids.numel()
+        rows = torch.arange(n)
+        lens = torch.tensor(batch.seq_lens)
+        last = torch.zeros(n, dtype=torch.bool)
+        last[lens.cumsum(0) - 1] = True  # a sequence's last row has no next token
+        nxt = (rows + 1).clamp(max=n - 1)
+        mask = batch.loss_mask if batch.loss_mask is not None else torch.ones(n, dtype=torch.long)
+        token_mask = torch.where(last, 0, mask.long()[nxt])
+        next_tokens = torch.where(last, -100, ids[nxt])
+        return h, Shifted(ids, rows, rows, next_tokens, token_mask, list(batch.seq_lens))
 
     def init_from_target(self, target: LlamaForCausalLM) -> None:
         """The target's first layers and its final norm (and embeddings when the width matches)."""

@@ -67,13 +67,27 @@ class MedusaHead(DraftHead):
         return z, self.compute_logits(z)
 
     def train_forward(self, batch: PackedBatch) -> tuple[torch.Tensor, Shifted]:
-        """-> (states (N, k, d) for every packed row, rows without shift: row i predicts t_{i+1+j})."""
+        """-> (states (N, k, d) for every packed row, Shifted rows with one column per head).
+
+        Head j (0-based) at row i predicts t_{i+2+j}: its target distribution is p_{i+1+j} (row
+        i+1+j), supervised iff loss_mask[i+2+j] within the same sequence. Shifted.target_rows,
+        next_tokens and token_mask are (N, k); rows past a sequence's end have mask 0."""
         if batch.hidden is None:
             raise ValueError("medusa needs the target's last hidden state")
-        feats = self.target_features(batch.hidden)
-        ids = batch.input_ids
-        return self.forward_heads(feats), Shifted(ids, torch.arange(ids.numel()), torch.arange(ids.numel()),
-                                                  ids, torch.ones_like(ids), list(batch.seq_lens))
+        ids, k = batch.input_ids, len(self.heads)
+        n = ids.numel()
+        lens = torch.tensor(batch.seq_lens)
+        ends = torch.repeat_interleave(lens.cumsum(0), lens)  # (N,) one past each row's sequence end
+        rows = torch.arange(n)
+        offs = torch.arange(k)
+        tgt = rows[:, None] + 1 + offs[None, :]  # (N, k) row of p_{i+1+j}
+        nxt = tgt + 1  # (N, k) row of t_{i+2+j}
+        ok = nxt < ends[:, None]
+        mask = batch.loss_mask if batch.loss_mask is not None else torch.ones(n, dtype=torch.long)
+        token_mask = torch.where(ok, mask.long()[nxt.clamp(max=n - 1)], 0)
+        next_tokens = torch.where(ok, ids[nxt.clamp(max=n - 1)], -100)
+        shifted = Shifted(ids, rows, tgt.clamp(max=n - 1), next_tokens, token_mask, list(batch.seq_lens))
+        return self.forward_heads(self.target_features(batch.hidden)), shifted
 
     def to_target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
         return draft_to_target(draft_ids, self.d2t)

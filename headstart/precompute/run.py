@@ -137,12 +137,12 @@ class HFForward:
         return torch.cat(hs), torch.cat(auxs) if aux_layers else None
 
 
-def _fingerprints(recipe: Recipe, target_fp: str, data_fp: str, template: str, aux: list[int]) -> dict[str, str]:
+def _fingerprints(recipe: Recipe, dtype: str, target_fp: str, data_fp: str, template: str, aux: list[int]) -> dict[str, str]:
     cfg = {"max_length": recipe.data.max_length, "split": recipe.precompute.split,
            "heldout_fraction": recipe.data.heldout_fraction, "split_key": recipe.data.split_key,
            "storage": recipe.precompute.storage,
            "shard_tokens": recipe.precompute.shard_tokens, "batch_tokens": recipe.precompute.batch_tokens,
-           "aux_layers": aux, "dtype": recipe.target.dtype, "backend": recipe.precompute.backend}
+           "aux_layers": aux, "dtype": dtype, "backend": recipe.precompute.backend}
     return {
         "target": target_fp,
         "dataset": data_fp,
@@ -172,7 +172,12 @@ def run_precompute(recipe: Recipe, resume: bool = False, progress: bool = True) 
     model_dir = resolve_model(recipe.target.model)
     device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0"))) if torch.cuda.is_available() else \
         torch.device("cpu")
-    model = load_llama(model_dir, recipe.target.dtype, device)
+    from headstart.hardware import describe, resolve_dtype
+
+    dtype = resolve_dtype(recipe.target.dtype, device)
+    if progress and rank == 0:
+        print(f"precompute: target dtype {dtype} ({recipe.target.dtype}; {describe(device)})", flush=True)
+    model = load_llama(model_dir, dtype, device)
     built = build_dataset(recipe.data, str(model_dir), progress=progress and rank == 0)
     split = recipe.precompute.split
     ds = built.train if split == "train" else built.heldout if split == "heldout" else None
@@ -183,11 +188,11 @@ def run_precompute(recipe: Recipe, resume: bool = False, progress: bool = True) 
     if len(ds) == 0:
         raise DataError(f"the {split} split is empty; nothing to precompute")
     aux = aux_layers_for(recipe, model.config.num_hidden_layers)
-    fps = _fingerprints(recipe, model.fingerprint(), built.fingerprint, built.tokenizer.chat_template, aux)
+    fps = _fingerprints(recipe, dtype, model.fingerprint(), built.fingerprint, built.tokenizer.chat_template, aux)
     header = {
         "format": FORMAT,
         "fingerprints": fps,
-        "target": {"model": recipe.target.model, "dtype": recipe.target.dtype,
+        "target": {"model": recipe.target.model, "dtype": dtype,
                    "hidden_size": model.config.hidden_size, "num_hidden_layers": model.config.num_hidden_layers,
                    "vocab_size": model.config.vocab_size},
         "dataset": {"source": recipe.data.source, "split": split, "limit": recipe.data.limit,
@@ -202,7 +207,7 @@ def run_precompute(recipe: Recipe, resume: bool = False, progress: bool = True) 
     shards = plan_shards(lengths, recipe.precompute.shard_tokens)
     mine = [i for i in range(len(shards)) if i % world == rank]
     todo = [i for i in mine if not (out / shard_name(i)).exists()]
-    forward = (HFForward(model_dir, DTYPES[recipe.target.dtype]) if recipe.precompute.backend == "hf" else
+    forward = (HFForward(model_dir, DTYPES[dtype]) if recipe.precompute.backend == "hf" else
                EngineForward(model, device, max(recipe.precompute.batch_tokens, max(lengths))))
     tokens_todo = sum(sum(lengths[a:b]) for a, b in (shards[i] for i in todo))
     bar = tqdm(total=tokens_todo, unit="tok", unit_scale=True, disable=not progress,

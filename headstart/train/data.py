@@ -1,0 +1,184 @@
+"""Training data: sequences from precompute shards (read lazily) or token-only sequences for the
+online source, packed into token-budget micro-batches, shuffled per epoch, split across ranks, and
+resumable mid-epoch.
+
+The order is a pure function of (seed, epoch, rank, world): epoch e shuffles the sequence indices
+with a generator seeded by (seed, e), packs them greedily into micro-batches of at most
+`batch_tokens` tokens (a sequence is never split), and rank r takes micro-batches r, r + W, ...
+(the tail that does not fill every rank is dropped, so ranks stay in step). Resuming after n
+consumed micro-batches replays that arithmetic and skips them without loading a shard.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+
+from headstart.errors import DataError
+from headstart.heads.base import PackedBatch
+from headstart.precompute.manifest import read_manifest
+from headstart.precompute.shards import from_fp8
+
+
+@dataclass
+class SeqRef:
+    shard: int  # index into the source's shard list (-1: in-memory token lists)
+    start: int  # first token row in the shard
+    length: int
+
+
+class ShardSequences:
+    """Sequences of a precompute directory, read lazily (memory-mapped) one micro-batch at a time."""
+
+    def __init__(self, directory: str | Path, expect_target: str | None = None,
+                 expect_aux: list[int] | None = None) -> None:
+        self.dir = Path(directory)
+        manifest = read_manifest(self.dir)
+        if expect_target is not None and manifest["fingerprints"]["target"] != expect_target:
+            raise DataError(
+                f"{self.dir}: shards were computed with target {manifest['fingerprints']['target'][:16]}…, the "
+                f"recipe's target is {expect_target[:16]}… ({manifest['target']['model']} vs this recipe's); "
+                "rerun precompute for this target or point train.shards_dir at matching shards")
+        have_aux = list(manifest["captured"]["aux_layers"])
+        if expect_aux and have_aux != list(expect_aux):
+            raise DataError(f"{self.dir}: shards hold aux layers {have_aux}, the head needs {list(expect_aux)}; "
+                            "rerun precompute with this recipe's head section")
+        self.manifest = manifest
+        self.records = manifest["shards"]
+        self.refs: list[SeqRef] = []
+        for si, rec in enumerate(self.records):
+            path = self.dir / rec["name"]
+            if not path.is_file() or path.stat().st_size != rec["bytes"]:
+                raise DataError(f"{path}: missing or a different size than the manifest says; run "
+                                f"`headstart precompute verify {self.dir}`")
+            with safe_open(str(path), framework="pt") as f:
+                offsets = f.get_tensor("seq_offsets").tolist()
+            self.refs += [SeqRef(si, a, b - a) for a, b in zip(offsets[:-1], offsets[1:])]
+        self._handles: dict[int, Any] = {}
+
+    @property
+    def lengths(self) -> list[int]:
+        return [r.length for r in self.refs]
+
+    def _handle(self, shard: int) -> Any:
+        if shard not in self._handles:
+            self._handles[shard] = safe_open(str(self.dir / self.records[shard]["name"]), framework="pt")
+        return self._handles[shard]
+
+    def _rows(self, f: Any, name: str, a: int, b: int) -> torch.Tensor:
+        return f.get_slice(name)[a:b]
+
+    def load(self, indices: list[int]) -> PackedBatch:
+        ids, masks, hs, auxs, lens = [], [], [], [], []
+        for i in indices:
+            ref = self.refs[i]
+            f = self._handle(ref.shard)
+            a, b = ref.start, ref.start + ref.length
+            keys = set(f.keys())
+            ids.append(self._rows(f, "input_ids", a, b).long())
+            masks.append(self._rows(f, "loss_mask", a, b))
+            h = self._rows(f, "hidden", a, b)
+            hs.append(from_fp8(h, self._rows(f, "hidden_scale", a, b)) if "hidden_scale" in keys else h)
+            if "aux_hidden" in keys:
+                x = self._rows(f, "aux_hidden", a, b)
+                auxs.append(from_fp8(x, self._rows(f, "aux_scale", a, b)) if "aux_scale" in keys else x)
+            lens.append(ref.length)
+        return PackedBatch(torch.cat(ids), lens, torch.cat(hs), torch.cat(auxs) if auxs else None, torch.cat(masks))
+
+    def __getstate__(self) -> dict[str, Any]:  # DataLoader workers reopen their own handles
+        return {**self.__dict__, "_handles": {}}
+
+
+class TokenSequences:
+    """Token ids + loss masks only (online source, held-out data): hidden states come from the target."""
+
+    def __init__(self, input_ids: list[list[int]], loss_mask: list[list[int]]) -> None:
+        self.ids, self.masks = input_ids, loss_mask
+
+    @classmethod
+    def from_dataset(cls, ds: Any) -> TokenSequences:
+        return cls([list(x) for x in ds["input_ids"]], [list(x) for x in ds["loss_mask"]])
+
+    @property
+    def lengths(self) -> list[int]:
+        return [len(x) for x in self.ids]
+
+    def load(self, indices: list[int]) -> PackedBatch:
+        ids = torch.tensor([t for i in indices for t in self.ids[i]], dtype=torch.long)
+        mask = torch.tensor([m for i in indices for m in self.masks[i]], dtype=torch.uint8)
+        return PackedBatch(ids, [len(self.ids[i]) for i in indices], None, None, mask)
+
+
+def pack(order: list[int], lengths: list[int], batch_tokens: int) -> list[list[int]]:
+    """Greedy packing in the given order: a micro-batch closes before the sequence that would overflow it."""
+    batches, cur, total = [], [], 0
+    for i in order:
+        n = lengths[i]
+        if cur and total + n > batch_tokens:
+            batches.append(cur)
+            cur, total = [], 0
+        cur.append(i)
+        total += n
+    if cur:
+        batches.append(cur)
+    return batches
+
+
+class PackedStream(torch.utils.data.IterableDataset):
+    """Micro-batches for one rank, epoch after epoch, starting after `skip` consumed ones."""
+
+    def __init__(self, source: ShardSequences | TokenSequences, batch_tokens: int, seed: int,
+                 rank: int = 0, world: int = 1, epochs: int | None = None) -> None:
+        super().__init__()
+        lengths = source.lengths
+        usable = [n for n in lengths if n >= 3]  # fewer than 3 tokens: no supervised shifted row
+        if not usable:
+            raise DataError("the training split holds no sequence of 3 or more tokens; nothing to train on")
+        longest = max(lengths)
+        if longest > batch_tokens:
+            raise DataError(f"train.batch_tokens={batch_tokens} is smaller than the longest training sequence "
+                            f"({longest} tokens); set train.batch_tokens >= data.max_length")
+        self.source, self.batch_tokens, self.seed = source, batch_tokens, seed
+        self.rank, self.world, self.epochs = rank, world, epochs
+        self.indices = [i for i, n in enumerate(lengths) if n >= 3]
+        self.skip = 0
+        if not self.epoch_batches(0):
+            raise DataError(f"the training split packs into fewer micro-batches than ranks ({self.world}); "
+                            "add data or lower train.batch_tokens")
+
+    def epoch_batches(self, epoch: int) -> list[list[int]]:
+        g = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
+        perm = torch.randperm(len(self.indices), generator=g).tolist()
+        batches = pack([self.indices[p] for p in perm], self.source.lengths, self.batch_tokens)
+        usable = len(batches) // self.world * self.world
+        return batches[self.rank:usable:self.world]
+
+    def position(self, consumed: int) -> tuple[int, int]:
+        """(epoch, micro-batch within the epoch) after `consumed` micro-batches of this rank."""
+        epoch = 0
+        while True:
+            n = len(self.epoch_batches(epoch))
+            if consumed < n:
+                return epoch, consumed
+            consumed -= n
+            epoch += 1
+
+    def __iter__(self) -> Iterator[dict[str, Any]]:
+        epoch, offset = self.position(self.skip)
+        while self.epochs is None or epoch < self.epochs:
+            for i, seqs in enumerate(self.epoch_batches(epoch)):
+                if i < offset:
+                    continue
+                batch = self.source.load(seqs)
+                yield {"batch": batch, "epoch": epoch}
+            epoch, offset = epoch + 1, 0
+
+
+def collate(items: list[dict[str, Any]]) -> dict[str, Any]:
+    (item,) = items  # micro-batches are packed already
+    return item

@@ -1,0 +1,112 @@
+"""Distillation losses (DESIGN.md §5), computed in row chunks so that no [tokens x vocab] tensor
+outlives its chunk: each chunk's logits are recomputed in the backward pass (activation
+checkpointing), so peak memory is set by `chunk` rows, not by the batch.
+
+    kl       forward KL(p || q): p = softmax(lm_head(norm(h_target))) recomputed from the stored
+             pre-norm hidden state through the frozen final norm and lm_head; q = the head's.
+             With a reduced draft vocabulary, p is restricted to it and renormalised.
+    feature  smooth-L1 between the head's output and the target's next hidden state, in the head's
+             feature space (mtp: pre-norm h; eagle1: post-norm h), both divided by the target row's RMS.
+
+Per-step statistics (no gradient): top-1 agreement with the target's argmax and the expected
+acceptance of a one-hot draft, sum_x min(p(x), q(x)), over supervised rows.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
+
+from headstart.heads.base import DraftHead
+
+
+@dataclass
+class LossParts:
+    kl: torch.Tensor  # summed over supervised rows (differentiable)
+    feature: torch.Tensor  # summed over supervised rows and dims (differentiable)
+    rows: int  # supervised rows
+    correct: torch.Tensor = field(default_factory=lambda: torch.zeros(()))  # top-1 agreements (no grad)
+    accept: torch.Tensor = field(default_factory=lambda: torch.zeros(()))  # sum of min(p, q) (no grad)
+
+
+def target_logits(head: DraftHead, target_h: torch.Tensor) -> torch.Tensor:
+    """(R, d) pre-norm target states -> (R, V) fp32 logits through the frozen norm and lm_head."""
+    return head.target.lm_head(head.target.norm(target_h.to(head.target.lm_head.weight.dtype))).float()
+
+
+class _ForwardKL(torch.autograd.Function):
+    """sum over rows of KL(p || softmax(logits)); its gradient, softmax(logits) - p, is written out
+    so the backward makes two passes over the (R, V) chunk instead of autograd's chain of five."""
+
+    @staticmethod
+    def forward(ctx, logits: torch.Tensor, logp: torch.Tensor) -> torch.Tensor:  # noqa: ANN001
+        logq = torch.log_softmax(logits, dim=-1)
+        p = logp.exp()
+        ctx.save_for_backward(logq, p)
+        return (p * (logp - logq)).sum()
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:  # noqa: ANN001
+        logq, p = ctx.saved_tensors
+        return grad * (logq.exp() - p), None
+
+
+def _chunk_kl(head: DraftHead, draft_ids: torch.Tensor | None, head_h: torch.Tensor, target_h: torch.Tensor,
+              stats: list[torch.Tensor]) -> torch.Tensor:
+    """KL of one chunk. Checkpointed: it runs again in the backward pass, where `stats` (filled by
+    the first run: top-1 agreements, sum of min(p, q)) is already set and not recomputed. A caller
+    that wants no statistics passes [None, None] (they cost ~10% of the step)."""
+    logits = head.compute_logits(head_h)  # (R, V or Vd) fp32
+    with torch.no_grad():
+        t_logits = target_logits(head, target_h)  # (R, V)
+        top = t_logits.argmax(-1) if not stats else None
+        if draft_ids is not None:
+            p_full = torch.softmax(t_logits, dim=-1)[:, draft_ids] if not stats else None
+            t_logits = t_logits[:, draft_ids]  # restricted to the draft vocab, renormalised below
+        logp = torch.log_softmax(t_logits, dim=-1)
+        del t_logits
+        if not stats:
+            q = torch.softmax(logits.detach(), dim=-1)
+            pick = q.argmax(-1)
+            correct = (pick if draft_ids is None else draft_ids[pick]) == top
+            p = logp.exp() if draft_ids is None else p_full
+            stats += [correct.sum().float(), torch.minimum(p, q).sum()]
+    return _ForwardKL.apply(logits, logp)
+
+
+def distill(head: DraftHead, head_h: torch.Tensor, target_h: torch.Tensor, rows: torch.Tensor,
+            feature_target: torch.Tensor | None, chunk: int, with_kl: bool = True,
+            with_stats: bool = True) -> LossParts:
+    """Losses over `rows` (indices of supervised rows) of head_h (M, d) against target_h (M, d)."""
+    n = int(rows.numel())
+    zero = head_h.sum() * 0.0  # keeps the graph connected when a batch has no supervised row
+    if n == 0:
+        return LossParts(zero, zero, 0)
+    d2t = getattr(head, "d2t", None)
+    draft_ids = None
+    if d2t is not None and d2t.numel() != head.target.lm_head.weight.shape[0]:
+        draft_ids = torch.arange(d2t.numel(), device=d2t.device) + d2t  # draft id i -> target id i + d2t[i]
+    kl, correct, accept = zero, torch.zeros((), device=head_h.device), torch.zeros((), device=head_h.device)
+    if with_kl:
+        for a in range(0, n, chunk):
+            r = rows[a:a + chunk]
+            hh, th = head_h[r], target_h[r]
+            stats: list = [] if with_stats else [None, None]
+            if torch.is_grad_enabled() and hh.requires_grad:
+                k = checkpoint(_chunk_kl, head, draft_ids, hh, th, stats, use_reentrant=False)
+            else:
+                k = _chunk_kl(head, draft_ids, hh, th, stats)
+            kl = kl + k
+            if with_stats:
+                correct, accept = correct + stats[0], accept + stats[1]
+    feat = zero
+    if feature_target is not None:
+        # In units of the target row's RMS: pre-norm states carry outlier dimensions hundreds of times
+        # larger than the rest, which would otherwise dominate the loss and its gradient.
+        t = feature_target[rows].float()
+        scale = t.pow(2).mean(-1, keepdim=True).sqrt().clamp(min=1e-6)
+        feat = F.smooth_l1_loss(head_h[rows].float() / scale, t / scale, reduction="sum")
+    return LossParts(kl, feat, n, correct.detach(), accept.detach())

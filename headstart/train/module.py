@@ -1,0 +1,220 @@
+"""The LightningModule: a head fitted against the frozen target (embedding, final norm, lm_head).
+
+Manual optimisation, so that a non-finite loss skips the whole step on every rank (the ranks agree
+through one all-reduce) instead of poisoning the optimizer state: AdamW, linear warmup then cosine
+decay, gradient accumulation, global-norm clipping.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from typing import Any
+
+import lightning as L
+import torch
+
+from headstart.config import Recipe
+from headstart.errors import HeadstartError
+from headstart.heads.base import DraftHead, PackedBatch
+from headstart.models.llama import LlamaForCausalLM
+from headstart.nn.attention import PackedCausalAttention, packed_metadata
+from headstart.train.losses import LossParts, distill
+from headstart.train.ttt import unroll
+
+CHAIN_HEADS = ("mtp", "eagle1", "deepseek_mtp", "eagle3")
+
+
+class TrainingDiverged(HeadstartError):
+    """The loss stayed non-finite for train.max_bad_steps consecutive steps."""
+
+
+def target_forward(target: LlamaForCausalLM, batch: PackedBatch, aux_layers: list[int]) -> PackedBatch:
+    """Fill a token-only batch with the target's pre-norm hidden states (and aux layers), computed
+    by the engine's own model over the packed sequences (online source, held-out batches)."""
+    device = target.model.embed_tokens.weight.device
+    ids = batch.input_ids.to(device)
+    meta = packed_metadata(batch.seq_lens, device=device)
+    with torch.no_grad():
+        h, aux = target(ids, meta, [None] * target.num_layers, PackedCausalAttention(), capture=tuple(aux_layers))
+    stacked = torch.stack([aux[j] for j in aux_layers], dim=1) if aux_layers else None
+    return PackedBatch(ids, list(batch.seq_lens), h, stacked, batch.loss_mask)
+
+
+class HeadModule(L.LightningModule):
+    def __init__(self, recipe: Recipe, target: LlamaForCausalLM, head: DraftHead) -> None:
+        super().__init__()
+        self.automatic_optimization = False
+        self.recipe = recipe
+        self.cfg = recipe.train
+        self.target = target  # frozen (requires_grad False): moved with the module, never optimised
+        self.head = head
+        self.aux_layers = list(head.config.aux_layer_ids or [])
+        self.bad_steps = 0  # consecutive non-finite steps
+        self.skipped_steps = 0
+        self.consumed = 0  # micro-batches this rank has consumed (restored on resume)
+        self.tokens_seen = 0  # training tokens over all ranks
+        self._micro = 0
+        self._t0 = time.perf_counter()
+        self._tok0 = 0
+
+    # ------------------------------------------------------------------------------------ losses
+
+    def losses(self, batch: PackedBatch, with_stats: bool = True) -> tuple[torch.Tensor, dict[str, Any]]:
+        """The weighted loss of one micro-batch and its per-step statistics (zeros without `with_stats`)."""
+        device = self.target.model.embed_tokens.weight.device
+        if batch.hidden is None:
+            batch = target_forward(self.target, batch, self.aux_layers)
+        batch = PackedBatch(batch.input_ids.to(device), batch.seq_lens, batch.hidden.to(device),
+                            batch.aux_hidden.to(device) if batch.aux_hidden is not None else None,
+                            batch.loss_mask.to(device) if batch.loss_mask is not None else None)
+        head, w = self.head, self.cfg.loss_weights
+        kind = head.config.head_type
+        per_step: list[LossParts] = []
+        if kind in CHAIN_HEADS:
+            outs, valid, sh = unroll(head, batch, self.cfg.ttt_steps)
+            target_h = batch.hidden[sh.target_rows.to(device)]
+            feat_t = head.target_features(target_h) if kind != "eagle3" and w.feature > 0 else None
+            mask = sh.token_mask.to(device) > 0
+            for out, ok in zip(outs, valid):
+                rows = torch.nonzero(mask & ok).flatten()
+                per_step.append(distill(head, out, target_h, rows, feat_t, self.cfg.loss_chunk_tokens, w.kl > 0, with_stats))
+        elif kind == "medusa":
+            states, sh = head.train_forward(batch)  # (N, k, d)
+            mask = sh.token_mask.to(device) > 0
+            for j in range(states.shape[1]):
+                target_h = batch.hidden[sh.target_rows[:, j].to(device)]
+                rows = torch.nonzero(mask[:, j]).flatten()
+                per_step.append(distill(head, states[:, j], target_h, rows, None, self.cfg.loss_chunk_tokens,
+                                        with_stats=with_stats))
+        else:  # draft_lm: KL to the target's next-token distribution
+            h, sh = head.train_forward(batch)
+            rows = torch.nonzero(sh.token_mask.to(device) > 0).flatten()
+            per_step.append(distill(head, h, batch.hidden[sh.target_rows.to(device)], rows, None,
+                                    self.cfg.loss_chunk_tokens, with_stats=with_stats))
+        d = head.config.hidden_size
+        total = torch.zeros((), device=device)
+        for j, part in enumerate(per_step):
+            n = max(part.rows, 1)
+            step_loss = w.kl * part.kl / n + w.feature * part.feature / (n * d)
+            total = total + (self.cfg.ttt_decay ** j if kind in CHAIN_HEADS else 1.0) * step_loss
+        stats = {
+            "rows": [p.rows for p in per_step],
+            "correct": [float(p.correct) for p in per_step],
+            "accept": [float(p.accept) for p in per_step],
+            "kl": [float(p.kl.detach()) / max(p.rows, 1) for p in per_step],
+            "tokens": int(batch.input_ids.numel()),
+        }
+        return total, stats
+
+    # ---------------------------------------------------------------------------------- training
+
+    def training_step(self, item: dict[str, Any], batch_idx: int) -> None:
+        opt = self.optimizers()
+        sched = self.lr_schedulers()
+        # Statistics only on the steps that are logged (they cost ~10% of a step).
+        logged = (self.global_step + 1) % self.recipe.logging.every_steps == 0
+        loss, stats = self.losses(item["batch"], with_stats=logged)
+        self.consumed += 1
+        bad = torch.tensor(0.0 if torch.isfinite(loss) else 1.0, device=loss.device)
+        bad = self.trainer.strategy.reduce(bad, reduce_op="max")
+        tokens = torch.tensor(float(stats["tokens"]), device=loss.device)
+        self.tokens_seen += int(self.trainer.strategy.reduce(tokens, reduce_op="sum"))
+        if bad > 0:
+            self.bad_steps += 1
+            self.skipped_steps += 1
+            self._micro = 0
+            opt.zero_grad(set_to_none=True)
+            self.print(f"non-finite loss at step {self.global_step}: step skipped "
+                       f"({self.bad_steps} in a row, {self.skipped_steps} in all)")
+            if self.bad_steps >= self.cfg.max_bad_steps:
+                raise TrainingDiverged(
+                    f"the loss was non-finite for {self.bad_steps} consecutive steps (step {self.global_step}); "
+                    "lower train.lr, check the data, or use a higher-precision trainer.precision")
+            return
+        self.bad_steps = 0
+        self.manual_backward(loss / self.cfg.grad_accum)
+        self._micro += 1
+        if self._micro < self.cfg.grad_accum:
+            return
+        self._micro = 0
+        if self.cfg.grad_clip > 0:
+            self.clip_gradients(opt, gradient_clip_val=self.cfg.grad_clip, gradient_clip_algorithm="norm")
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        sched.step()
+        self._log_step(loss, stats)
+
+    def _log_step(self, loss: torch.Tensor, stats: dict[str, Any]) -> None:
+        now = time.perf_counter()
+        rate = (self.tokens_seen - self._tok0) / max(now - self._t0, 1e-9)
+        self._t0, self._tok0 = now, self.tokens_seen
+        self.log("loss", float(loss), prog_bar=True, rank_zero_only=True)
+        self.log("tok_s", rate, prog_bar=True, rank_zero_only=True)
+        self.log("lr", self.lr_schedulers().get_last_lr()[0], rank_zero_only=True)
+        self.log("tokens", float(self.tokens_seen), rank_zero_only=True)
+        for j, (r, c) in enumerate(zip(stats["rows"], stats["correct"])):
+            if r:
+                self.log(f"train_top1_{j}", c / r, rank_zero_only=True)
+        self.last_train = {"step": self.global_step, "loss": float(loss), "tok_s": rate,
+                           "lr": self.lr_schedulers().get_last_lr()[0], "tokens": self.tokens_seen,
+                           "epoch": None}
+
+    @torch.no_grad()
+    def heldout_metrics(self, batches: list[PackedBatch]) -> dict[str, Any]:
+        """val_loss and per-step top-1 / expected acceptance on held-out micro-batches."""
+        was = self.head.training
+        self.head.eval()
+        total, n, rows, correct, accept = 0.0, 0, None, None, None
+        for b in batches:
+            loss, st = self.losses(b)
+            total += float(loss)
+            n += 1
+            rows = st["rows"] if rows is None else [a + x for a, x in zip(rows, st["rows"])]
+            correct = st["correct"] if correct is None else [a + x for a, x in zip(correct, st["correct"])]
+            accept = st["accept"] if accept is None else [a + x for a, x in zip(accept, st["accept"])]
+        self.head.train(was)
+        if not n:
+            return {}
+        return {"val_loss": total / n,
+                "top1_per_step": [c / max(r, 1) for c, r in zip(correct, rows)],
+                "expected_accept_per_step": [a / max(r, 1) for a, r in zip(accept, rows)]}
+
+    # ------------------------------------------------------------------------------ optimisation
+
+    def configure_optimizers(self) -> dict[str, Any]:
+        params = self.head.trainable_parameters()
+        decay = [p for p in params if p.ndim >= 2]
+        no_decay = [p for p in params if p.ndim < 2]  # norms and biases
+        opt = torch.optim.AdamW([{"params": decay, "weight_decay": self.cfg.weight_decay},
+                                 {"params": no_decay, "weight_decay": 0.0}], lr=self.cfg.lr, betas=(0.9, 0.95))
+        cfg = self.cfg
+
+        def factor(step: int) -> float:
+            if step < cfg.warmup_steps:
+                return (step + 1) / (cfg.warmup_steps + 1)
+            span = max(cfg.max_steps - cfg.warmup_steps, 1)
+            progress = min((step - cfg.warmup_steps) / span, 1.0)
+            return cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, factor)
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+
+    # ---------------------------------------------------------------------------------- resume
+
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        checkpoint["headstart"] = {"consumed": self.consumed, "tokens_seen": self.tokens_seen,
+                                   "skipped_steps": self.skipped_steps}
+        # The frozen target is rebuilt from its files on resume; only the head is checkpointed.
+        checkpoint["state_dict"] = {k: v for k, v in checkpoint["state_dict"].items() if k.startswith("head.")}
+
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        info = checkpoint.get("headstart", {})
+        self.consumed = info.get("consumed", 0)
+        self.tokens_seen = info.get("tokens_seen", 0)
+        self._tok0 = self.tokens_seen
+        self.skipped_steps = info.get("skipped_steps", 0)
+        state = self.state_dict()
+        for k, v in state.items():  # put the target back so strict loading succeeds
+            if not k.startswith("head."):
+                checkpoint["state_dict"][k] = v

@@ -1,0 +1,339 @@
+"""`headstart train RECIPE [--resume]`: fit the recipe's head and write, under output_dir,
+
+    checkpoints/last.ckpt      Lightning checkpoint (head, optimizer, schedule, data position)
+    head-final/, head-best/    native head checkpoints (best by engine-measured tau)
+    metrics.json               the last validation (val_loss, top1_per_step, tau, alpha, ...)
+    metrics.csv                the learning curve (train rows every logging.every_steps, val rows)
+    train.json                 what this run is (fingerprints), checked by --resume
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import torch
+
+from headstart.config import Recipe
+from headstart.errors import ConfigError, DataError, HeadstartError
+from headstart.fileio import atomic_write_text, check_output_path
+from headstart.heads import build_head, head_config_from_recipe, save_head
+from headstart.train.data import PackedStream, ShardSequences, TokenSequences, collate, pack
+from headstart.train.module import HeadModule
+from headstart.train.validate import engine_acceptance, heldout_prompts
+
+FORMAT = "headstart-train/1"
+# Keys that may change on --resume without changing what is being trained.
+RESUMABLE_CHANGES = ("train.max_steps", "train.epochs", "train.val_every_steps", "train.val_prompts",
+                     "train.val_max_tokens", "train.val_loss_batches", "train.ckpt_every_steps", "train.num_workers",
+                     "logging", "trainer", "name", "precompute", "regenerate", "output_dir")
+
+
+def run_dir(recipe: Recipe) -> Path:
+    return Path(recipe.output_dir)
+
+
+def _flat(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    out = {}
+    for k, v in d.items():
+        key = f"{prefix}{k}"
+        if isinstance(v, dict):
+            out.update(_flat(v, key + "."))
+        else:
+            out[key] = v
+    return out
+
+
+def _identity(recipe: Recipe, target_fp: str, data_fp: str) -> dict[str, Any]:
+    flat = {k: v for k, v in _flat(recipe.to_dict()).items()
+            if not any(k == p or k.startswith(p + ".") for p in RESUMABLE_CHANGES)}
+    return {"format": FORMAT, "target_fingerprint": target_fp, "data_fingerprint": data_fp, "recipe": flat}
+
+
+def _check_resume(out: Path, identity: dict[str, Any], resume: bool, rank: int = 0) -> Path | None:
+    """The checkpoint to resume from, or None for a fresh run; refuses what would mix two runs.
+    Rank 0 decides for a fresh run (the other ranks start after it has written train.json)."""
+    info, last = out / "train.json", out / "checkpoints" / "last.ckpt"
+    if not resume and rank != 0:
+        return None
+    if not resume:
+        if info.exists() or last.exists():
+            raise ConfigError(f"{out} holds a training run already; pass --resume to continue it, or choose "
+                              "another output_dir")
+        return None
+    if not info.exists() or not last.exists():
+        raise ConfigError(f"--resume: {out} holds no training run to resume (no train.json / checkpoints/last.ckpt)")
+    try:
+        prev = json.loads(info.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        raise DataError(f"{info}: not valid JSON; it cannot say which run this is") from None
+    if not isinstance(prev, dict):
+        raise DataError(f"{info}: expected a JSON object")
+    diffs = []
+    for key in ("target_fingerprint", "data_fingerprint"):
+        if prev.get(key) != identity[key]:
+            diffs.append(f"{key.split('_')[0]} ({str(prev.get(key))[:12]}… -> {identity[key][:12]}…)")
+    old, new = prev.get("recipe", {}), identity["recipe"]
+    for key in sorted(set(old) | set(new)):
+        if old.get(key) != new.get(key):
+            diffs.append(f"{key} ({old.get(key)!r:.40} -> {new.get(key)!r:.40})")
+    if diffs:
+        raise ConfigError(f"--resume: {out} was trained with a different " + "; ".join(diffs[:8]) +
+                          "; resume with the same recipe or choose another output_dir")
+    return last
+
+
+class CurveWriter:
+    """metrics.csv: one row per logged train step or validation (rank 0); rows past a resumed step are dropped."""
+
+    FIELDS = ["kind", "step", "tokens", "loss", "lr", "tok_s", "val_loss", "tau", "alpha", "top1_per_step",
+              "expected_accept_per_step", "accept_rate_per_pos"]
+
+    def __init__(self, path: Path, resume_step: int | None) -> None:
+        self.path = path
+        rows = []
+        if resume_step is not None and path.exists():
+            with open(path, newline="") as f:
+                rows = [r for r in csv.DictReader(f) if int(r["step"]) <= resume_step]
+        self.rows = rows
+        self._flush()
+
+    def add(self, row: dict[str, Any]) -> None:
+        self.rows.append({k: (json.dumps(v) if isinstance(v, list) else v) for k, v in row.items() if k in self.FIELDS})
+        self._flush()
+
+    def _flush(self) -> None:
+        import io
+
+        buf = io.StringIO()
+        w = csv.DictWriter(buf, fieldnames=self.FIELDS)
+        w.writeheader()
+        w.writerows(self.rows)
+        atomic_write_text(self.path, buf.getvalue())
+
+
+class Outputs(L.Callback):
+    """Rank 0: engine validation every train.val_every_steps and at the end, head-best / head-final,
+    metrics.json and metrics.csv."""
+
+    def __init__(self, run: TrainRun, curve: CurveWriter | None) -> None:
+        self.run, self.curve = run, curve
+        self.best_tau = run.best_tau
+        self.last_val_step = -1
+        self.last_log_step = -1
+
+    def on_train_batch_end(self, trainer: L.Trainer, module: HeadModule, *args: Any) -> None:
+        step = trainer.global_step
+        every = self.run.recipe.logging.every_steps
+        if trainer.is_global_zero and self.curve and step != self.last_log_step and step % every == 0 \
+                and getattr(module, "last_train", None) and module.last_train["step"] == step:
+            self.last_log_step = step
+            self.curve.add({"kind": "train", **module.last_train})
+        ve = self.run.recipe.train.val_every_steps
+        if ve and step > 0 and step % ve == 0 and step != self.last_val_step and step < trainer.max_steps:
+            self.validate(trainer, module)
+
+    def on_train_end(self, trainer: L.Trainer, module: HeadModule) -> None:
+        if trainer.global_step != self.last_val_step:
+            self.validate(trainer, module)
+        if trainer.is_global_zero:
+            save_head(module.head, run_dir(self.run.recipe) / "head-final", overwrite=True)
+
+    def validate(self, trainer: L.Trainer, module: HeadModule) -> None:
+        self.last_val_step = trainer.global_step
+        if trainer.is_global_zero:
+            with trainer.precision_plugin.forward_context():  # the training step's autocast, if any
+                metrics = self.run.validate(module)
+            metrics.update(step=trainer.global_step, tokens=module.tokens_seen, skipped_steps=module.skipped_steps)
+            scalars = {k: metrics[k] for k in ("val_loss", "tau", "alpha") if metrics.get(k) is not None}
+            scalars.update({f"val_top1_{j}": x for j, x in enumerate(metrics.get("top1_per_step", []))})
+            for lg in trainer.loggers:
+                lg.log_metrics(scalars, step=trainer.global_step)
+            out = run_dir(self.run.recipe)
+            atomic_write_text(out / "metrics.json", json.dumps(metrics, indent=2))
+            if self.curve:
+                self.curve.add({"kind": "val", **metrics})
+            tau = metrics.get("tau")
+            if tau is not None and (self.best_tau is None or tau > self.best_tau):
+                self.best_tau = tau
+                save_head(module.head, out / "head-best", overwrite=True)
+                atomic_write_text(out / "head-best" / "metrics.json", json.dumps(metrics, indent=2))
+            module.print(f"validation @ step {trainer.global_step}: tau {_f(tau)}  alpha {_f(metrics.get('alpha'))}  "
+                         f"val_loss {_f(metrics.get('val_loss'))}  top1/step "
+                         f"{[round(x, 3) for x in metrics.get('top1_per_step', [])]}")
+        trainer.strategy.barrier("validation")
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"best_tau": self.best_tau}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.best_tau = state.get("best_tau")
+
+
+def _f(x: float | None) -> str:
+    return "n/a" if x is None else f"{x:.3f}"
+
+
+class TrainRun:
+    """Everything one `headstart train` builds: target, head, data, module, trainer."""
+
+    def __init__(self, recipe: Recipe, *, resume: bool = False, progress: bool = True) -> None:
+        from headstart.assets import resolve_model
+        from headstart.data.dataset import build_dataset
+        from headstart.hardware import describe, resolve_dtype, resolve_precision
+        from headstart.models.llama import load_llama
+
+        self.recipe, self.progress = recipe, progress
+        cfg, tr = recipe.train, recipe.trainer
+        env = os.environ  # torchrun / SLURM set RANK; Lightning's launcher sets NODE_RANK and LOCAL_RANK
+        self.rank = int(env["RANK"]) if "RANK" in env else \
+            int(env.get("NODE_RANK", "0")) * tr.devices + int(env.get("LOCAL_RANK", "0"))
+        self.world = tr.devices * tr.num_nodes
+        out = run_dir(recipe)
+        check_output_path(out, replaces=lambda p: True)  # resolves; refuses '.', '..', root, links
+        if out.exists() and not out.is_dir():
+            raise ConfigError(f"output_dir {out} is a file")
+        self.precision = resolve_precision(tr.precision, tr.accelerator)
+        use_cuda = tr.accelerator in ("gpu", "cuda") or (tr.accelerator == "auto" and torch.cuda.is_available())
+        device = "cuda" if use_cuda else "cpu"
+        self.dtype = resolve_dtype(recipe.target.dtype, device)
+        if self.precision.startswith("32") and self.dtype != "fp32":
+            raise ConfigError(f"trainer.precision {self.precision} computes in fp32 but target.dtype is {self.dtype}; "
+                              "set target.dtype: fp32 (or auto) or trainer.precision: bf16-mixed")
+        if self.rank == 0:
+            print(f"train: target dtype {self.dtype}, precision {self.precision} ({describe(device)})", flush=True)
+        model_dir = resolve_model(recipe.target.model)
+        self.target = load_llama(model_dir, self.dtype)
+        built = build_dataset(recipe.data, str(model_dir), progress=progress and self.rank == 0)
+        self.tokenizer = built.tokenizer
+        if len(built.train) == 0:
+            raise DataError(f"{recipe.data.source}: the training split is empty (data.limit={recipe.data.limit}, "
+                            f"heldout_fraction={recipe.data.heldout_fraction}); nothing to train on")
+        self.head = build_head(head_config_from_recipe(recipe.head), self.target,
+                               init_from_target=recipe.head.init_from_target)
+        if self.head.config.head_type in ("eagle3", "medusa") and self.head.config.draft_vocab_size:
+            self._install_draft_vocab(built.train)
+        if self.precision != "bf16-true":
+            self.head.float()  # fp32 master weights; the frozen target stays in its compute dtype
+        aux = list(self.head.config.aux_layer_ids or [])
+        if cfg.source == "shards":
+            from headstart.precompute.run import output_dir as precompute_dir
+
+            shards = Path(cfg.shards_dir) if cfg.shards_dir else precompute_dir(recipe)
+            source: Any = ShardSequences(shards, expect_target=self.target.fingerprint(), expect_aux=aux)
+        else:
+            source = TokenSequences.from_dataset(built.train)
+        self.stream = PackedStream(source, cfg.batch_tokens, recipe.seed, self.rank % self.world, self.world,
+                                   cfg.epochs)
+        held = TokenSequences.from_dataset(built.heldout)
+        self.heldout_batches = [held.load(b) for b in pack(list(range(len(held.ids))), held.lengths,
+                                                            max(cfg.batch_tokens, max(held.lengths, default=1)))
+                                if sum(held.lengths[i] for i in b) >= 3][:cfg.val_loss_batches]
+        self.prompts = heldout_prompts(held.ids, held.masks, cfg.val_prompts)
+        if len(self.prompts) < cfg.val_prompts and self.rank == 0:
+            print(f"train: train.val_prompts={cfg.val_prompts} but the held-out split has {len(self.prompts)} "
+                  f"prompts; validating on {len(self.prompts)}", flush=True)
+        self.identity = _identity(recipe, self.target.fingerprint(), built.fingerprint)
+        self.ckpt = _check_resume(out, self.identity, resume, self.rank)
+        self.best_tau = None
+        resume_step = None
+        if self.ckpt is not None:
+            state = torch.load(self.ckpt, map_location="cpu", weights_only=False)
+            self.stream.skip = state.get("headstart", {}).get("consumed", 0)
+            resume_step = state.get("global_step", 0)
+            if self.rank == 0:
+                print(f"train: resuming {out} at step {resume_step}", flush=True)
+        if self.rank == 0:
+            out.mkdir(parents=True, exist_ok=True)
+            atomic_write_text(out / "train.json", json.dumps(self.identity, indent=2, default=str))
+        self.curve = CurveWriter(out / "metrics.csv", resume_step) if self.rank == 0 else None
+        self.module = HeadModule(recipe, self.target, self.head)
+        self.device = device
+
+    def _install_draft_vocab(self, train_ds: Any) -> None:
+        """The reduced vocabulary: the most frequent supervised target tokens of the training split."""
+        from headstart.heads import build_vocab_maps
+
+        vocab = self.target.config.vocab_size
+        counts = torch.zeros(vocab, dtype=torch.float64)
+        for ids, mask in zip(train_ds["input_ids"], train_ds["loss_mask"]):
+            t = torch.tensor(ids)[torch.tensor(mask, dtype=torch.bool)]
+            counts += torch.bincount(t, minlength=vocab).double()
+        d2t, t2d = build_vocab_maps(counts, self.head.config.draft_vocab_size)
+        if hasattr(self.head, "set_vocab_maps"):
+            self.head.set_vocab_maps(d2t, t2d)
+        else:
+            self.head.d2t.copy_(d2t)
+            self.head.init_from_target(self.target)
+
+    @torch.no_grad()
+    def validate(self, module: HeadModule) -> dict[str, Any]:
+        metrics = module.heldout_metrics(self.heldout_batches)
+        acc = engine_acceptance(self.target, module.head, self.prompts, k=self.recipe.head.k,
+                                max_tokens=self.recipe.train.val_max_tokens, tokenizer=self.tokenizer,
+                                seed=self.recipe.seed)
+        metrics.update({key: acc.get(key) for key in ("tau", "alpha", "accept_rate_per_pos", "cond_accept_per_pos",
+                                                      "accept_histogram", "steps", "k", "prompts")})
+        return metrics
+
+    def trainer(self) -> L.Trainer:
+        from lightning.pytorch.callbacks import ModelCheckpoint, RichProgressBar
+        from lightning.pytorch.loggers import CSVLogger
+
+        recipe, tr = self.recipe, self.recipe.trainer
+        out = run_dir(recipe)
+        loggers: list[Any] = [CSVLogger(str(out), name="lightning_logs")]
+        if recipe.logging.wandb:
+            from lightning.pytorch.loggers import WandbLogger
+
+            offline = not os.environ.get("WANDB_API_KEY")
+            loggers.append(WandbLogger(project=recipe.logging.project, name=recipe.name, save_dir=str(out),
+                                       offline=offline))
+            if offline and self.rank == 0:
+                print("train: no WANDB_API_KEY: Weights & Biases logs offline (wandb sync later)", flush=True)
+        strategy: Any = tr.strategy
+        if strategy == "auto" and self.world > 1:
+            strategy = "ddp"
+        if strategy == "ddp" and tr.accelerator == "cpu" or (strategy == "ddp" and self.device == "cpu"):
+            from lightning.pytorch.strategies import DDPStrategy
+
+            strategy = DDPStrategy(process_group_backend="gloo")
+        callbacks: list[Any] = [
+            ModelCheckpoint(dirpath=str(out / "checkpoints"), every_n_train_steps=recipe.train.ckpt_every_steps,
+                            save_last=True, save_top_k=0),
+            Outputs(self, self.curve),
+        ]
+        if self.progress:
+            callbacks.append(RichProgressBar(leave=True))
+        return L.Trainer(
+            accelerator="gpu" if self.device == "cuda" else "cpu", devices=tr.devices, num_nodes=tr.num_nodes,
+            strategy=strategy, precision=self.precision, max_steps=recipe.train.max_steps, max_epochs=1,
+            logger=loggers, callbacks=callbacks, enable_progress_bar=self.progress, log_every_n_steps=1,
+            enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0, use_distributed_sampler=False,
+            enable_checkpointing=True, default_root_dir=str(out),
+        )
+
+    def fit(self) -> dict[str, Any]:
+        loader = torch.utils.data.DataLoader(self.stream, batch_size=1, collate_fn=collate,
+                                             num_workers=self.recipe.train.num_workers)
+        trainer = self.trainer()
+        trainer.fit(self.module, train_dataloaders=loader, ckpt_path=str(self.ckpt) if self.ckpt else None)
+        out = run_dir(self.recipe)
+        metrics = json.loads((out / "metrics.json").read_text()) if (out / "metrics.json").exists() else {}
+        return metrics
+
+
+def run_train(recipe: Recipe, *, resume: bool = False, progress: bool = True) -> dict[str, Any]:
+    """Train the recipe's head; returns the last validation's metrics."""
+    run = TrainRun(recipe, resume=resume, progress=progress)
+    try:
+        return run.fit()
+    except HeadstartError:
+        raise
+    except torch.OutOfMemoryError as e:
+        raise HeadstartError(f"out of memory ({str(e).splitlines()[0]}); lower train.batch_tokens") from None
+

@@ -1,0 +1,69 @@
+"""Validation through the production path: the engine itself, speculating with the head in training.
+
+`engine_acceptance` builds an `Engine` around the (frozen) target with an in-memory copy of the
+head in the target's dtype — exactly what `load_head` would build from a checkpoint, without the
+file round trip — and decodes held-out prompts greedily with `head.k` drafts per step.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from headstart.heads import build_head
+from headstart.heads.base import DraftHead
+from headstart.models.llama import LlamaForCausalLM
+
+
+def serving_copy(head: DraftHead, target: LlamaForCausalLM) -> DraftHead:
+    """The head as the engine would load it: same config and weights, in the target's dtype."""
+    copy = build_head(head.config, target, init_from_target=False)
+    copy.load_state_dict({k: v.detach() for k, v in head.state_dict().items()})
+    return copy.eval()
+
+
+def spec_method(head_type: str) -> str:
+    return {"medusa": "medusa", "draft_lm": "draft"}.get(head_type, "chain")
+
+
+def engine_acceptance(target: LlamaForCausalLM, head: DraftHead, prompts: list[list[int]], *, k: int,
+                      max_tokens: int, tokenizer: Any = None, seed: int = 0) -> dict[str, Any]:
+    """Greedy speculative decoding of `prompts` (token ids) -> the engine's acceptance summary."""
+    from headstart.inference.engine import Engine
+    from headstart.inference.sampler import SamplingParams
+    from headstart.inference.spec import SpecConfig
+
+    if not prompts:
+        return {"steps": 0, "tau": None, "alpha": None, "accept_rate_per_pos": []}
+    copy = serving_copy(head, target)
+    method = spec_method(copy.config.head_type)
+    if method == "medusa":
+        k = min(k, copy.config.medusa_num_heads)
+    spec = SpecConfig(method=method, k=k, head=copy if method != "draft" else None,
+                      draft=copy if method == "draft" else None)
+    page = 16
+    longest = max(len(p) for p in prompts) + max_tokens + spec.lookahead + 1
+    pages = len(prompts) * (-(-longest // page) + 1) + 8
+    device = target.model.embed_tokens.weight.device
+    engine = Engine(target, tokenizer=tokenizer, device=device, page_size=page, num_pages=pages,
+                    max_batch_size=len(prompts), seed=seed, spec=spec, fast_gemv=False)
+    with torch.inference_mode():
+        engine.generate(prompts, SamplingParams(max_tokens=max_tokens, temperature=0.0))
+    out = engine.spec_metrics.summary()
+    out["prompts"] = len(prompts)
+    out["k"] = k
+    return out
+
+
+def heldout_prompts(input_ids: list[list[int]], loss_mask: list[list[int]], n: int) -> list[list[int]]:
+    """The first user turn of each held-out conversation, with the assistant header, as token ids:
+    everything before the first supervised token (system + first user turn + generation prompt)."""
+    out = []
+    for ids, mask in zip(input_ids, loss_mask):
+        if len(out) >= n:
+            break
+        first = next((i for i, m in enumerate(mask) if m), None)
+        if first:
+            out.append(list(ids[:first]))
+    return out
