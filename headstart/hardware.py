@@ -42,7 +42,8 @@ def resolve_precision(name: str, accelerator: str = "auto") -> str:
     """A Lightning precision string: 'auto' -> 'bf16-mixed' where bf16 is native, else '32-true'."""
     if name != "auto":
         return name
-    device = "cuda" if accelerator in ("gpu", "cuda") or (accelerator == "auto" and torch.cuda.is_available()) else "cpu"
+    gpu = accelerator in ("gpu", "cuda") or (accelerator == "auto" and torch.cuda.is_available())
+    device = "cuda" if gpu else "cpu"
     return "bf16-mixed" if native_bf16(device) else "32-true"
 
 

@@ -34,8 +34,8 @@ def test_unknown_key_names_key_file_and_suggestion(tmp_path):
 
 
 def test_unknown_section(tmp_path):
-    with pytest.raises(ConfigError, match="unknown key 'trainer'"):
-        load_recipe(_write(tmp_path, "trainer: {}\n"))
+    with pytest.raises(ConfigError, match="unknown key 'trainers'; did you mean 'trainer'"):
+        load_recipe(_write(tmp_path, "trainers: {}\n"))
 
 
 def test_wrong_type_names_key_and_file(tmp_path):
@@ -52,7 +52,7 @@ def test_bool_is_not_an_int_and_int_is_a_float(tmp_path):
 
 
 def test_literal_choices(tmp_path):
-    with pytest.raises(ConfigError, match=r"'target.dtype' must be one of \['bf16', 'fp16', 'fp32'\]"):
+    with pytest.raises(ConfigError, match=r"'target.dtype' must be one of \['auto', 'bf16', 'fp16', 'fp32'\]"):
         load_recipe(_write(tmp_path, "target:\n  dtype: float8\n"))
 
 

@@ -1,8 +1,7 @@
 import json
+from pathlib import Path
 
 import pytest
-
-from pathlib import Path
 
 from headstart.errors import DataError, OutputError
 from headstart.fileio import atomic_path, iter_jsonl, read_json_array, read_utf8

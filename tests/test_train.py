@@ -307,7 +307,8 @@ def test_sigkill_then_resume_equals_an_uninterrupted_run(tmp_path, chat_model_di
     proc = _cli(["train", str(killed), "--no-progress"])
     deadline = time.time() + 300
     while time.time() < deadline and proc.poll() is None:
-        if (out / "checkpoints" / "last.ckpt").exists() and len(_losses(out) if (out / "metrics.csv").exists() else {}) >= 4:
+        logged = _losses(out) if (out / "metrics.csv").exists() else {}
+        if (out / "checkpoints" / "last.ckpt").exists() and len(logged) >= 4:
             break
         time.sleep(0.02)
     proc.send_signal(signal.SIGKILL)

@@ -60,7 +60,8 @@ def run_regenerate(recipe: Recipe, resume: bool = False, progress: bool = True) 
         raise DataError(f"{out} already exists; remove it or set regenerate.output")
     from headstart.hardware import resolve_dtype
 
-    engine = Engine(recipe.target.model, dtype=resolve_dtype(recipe.target.dtype), max_batch_size=cfg.batch_size, seed=recipe.seed)
+    engine = Engine(recipe.target.model, dtype=resolve_dtype(recipe.target.dtype), max_batch_size=cfg.batch_size,
+                    seed=recipe.seed)
     provenance = {"model": recipe.target.model, "target_fingerprint": engine.model.fingerprint(),
                   "temperature": cfg.temperature, "top_p": cfg.top_p, "max_tokens": cfg.max_tokens,
                   "seed": recipe.seed, "source": recipe.data.source}

@@ -137,7 +137,8 @@ class HFForward:
         return torch.cat(hs), torch.cat(auxs) if aux_layers else None
 
 
-def _fingerprints(recipe: Recipe, dtype: str, target_fp: str, data_fp: str, template: str, aux: list[int]) -> dict[str, str]:
+def _fingerprints(recipe: Recipe, dtype: str, target_fp: str, data_fp: str, template: str,
+                  aux: list[int]) -> dict[str, str]:
     cfg = {"max_length": recipe.data.max_length, "split": recipe.precompute.split,
            "heldout_fraction": recipe.data.heldout_fraction, "split_key": recipe.data.split_key,
            "storage": recipe.precompute.storage,

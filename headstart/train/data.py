@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import lightning as L
 import torch
 from safetensors import safe_open
 
@@ -182,3 +183,21 @@ class PackedStream(torch.utils.data.IterableDataset):
 def collate(items: list[dict[str, Any]]) -> dict[str, Any]:
     (item,) = items  # micro-batches are packed already
     return item
+
+
+class TrainData(L.LightningDataModule):
+    """The training stream as a LightningDataModule whose checkpointed state is the data position:
+    the micro-batches this rank consumed (counted by the module), restored before iteration starts."""
+
+    def __init__(self, stream: PackedStream, num_workers: int = 0) -> None:
+        super().__init__()
+        self.stream, self.num_workers = stream, num_workers
+
+    def train_dataloader(self) -> torch.utils.data.DataLoader:
+        return torch.utils.data.DataLoader(self.stream, batch_size=1, collate_fn=collate, num_workers=self.num_workers)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"consumed": int(getattr(self.trainer.lightning_module, "consumed", 0))}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.stream.skip = int(state.get("consumed", 0))

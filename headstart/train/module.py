@@ -71,6 +71,7 @@ class HeadModule(L.LightningModule):
         head, w = self.head, self.cfg.loss_weights
         kind = head.config.head_type
         per_step: list[LossParts] = []
+        chunk = self.cfg.loss_chunk_tokens
         if kind in CHAIN_HEADS:
             outs, valid, sh = unroll(head, batch, self.cfg.ttt_steps)
             target_h = batch.hidden[sh.target_rows.to(device)]
@@ -78,7 +79,7 @@ class HeadModule(L.LightningModule):
             mask = sh.token_mask.to(device) > 0
             for out, ok in zip(outs, valid):
                 rows = torch.nonzero(mask & ok).flatten()
-                per_step.append(distill(head, out, target_h, rows, feat_t, self.cfg.loss_chunk_tokens, w.kl > 0, with_stats))
+                per_step.append(distill(head, out, target_h, rows, feat_t, chunk, w.kl > 0, with_stats))
         elif kind == "medusa":
             states, sh = head.train_forward(batch)  # (N, k, d)
             mask = sh.token_mask.to(device) > 0

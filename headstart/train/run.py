@@ -17,12 +17,13 @@ from typing import Any
 
 import lightning as L
 import torch
+from lightning.pytorch.callbacks import RichProgressBar
 
 from headstart.config import Recipe
 from headstart.errors import ConfigError, DataError, HeadstartError
 from headstart.fileio import atomic_write_text, check_output_path
 from headstart.heads import build_head, head_config_from_recipe, save_head
-from headstart.train.data import PackedStream, ShardSequences, TokenSequences, collate, pack
+from headstart.train.data import PackedStream, ShardSequences, TokenSequences, TrainData, pack
 from headstart.train.module import HeadModule
 from headstart.train.validate import engine_acceptance, heldout_prompts
 
@@ -93,13 +94,15 @@ class CurveWriter:
     FIELDS = ["kind", "step", "tokens", "loss", "lr", "tok_s", "val_loss", "tau", "alpha", "top1_per_step",
               "expected_accept_per_step", "accept_rate_per_pos"]
 
-    def __init__(self, path: Path, resume_step: int | None) -> None:
+    def __init__(self, path: Path) -> None:
         self.path = path
-        rows = []
-        if resume_step is not None and path.exists():
-            with open(path, newline="") as f:
-                rows = [r for r in csv.DictReader(f) if int(r["step"]) <= resume_step]
-        self.rows = rows
+        self.rows: list[dict[str, Any]] = []
+
+    def start(self, step: int) -> None:
+        """Keep the rows of steps <= `step` (0 on a fresh run): a resumed run rewrites what followed."""
+        if step and self.path.exists():
+            with open(self.path, newline="") as f:
+                self.rows = [r for r in csv.DictReader(f) if int(r["step"]) <= step]
         self._flush()
 
     def add(self, row: dict[str, Any]) -> None:
@@ -125,6 +128,13 @@ class Outputs(L.Callback):
         self.best_tau = run.best_tau
         self.last_val_step = -1
         self.last_log_step = -1
+
+    def on_train_start(self, trainer: L.Trainer, module: HeadModule) -> None:
+        if self.curve:
+            self.curve.start(trainer.global_step)
+        if trainer.global_step and trainer.is_global_zero:
+            print(f"train: resumed at step {trainer.global_step} ({module.consumed} micro-batches consumed)",
+                  flush=True)
 
     def on_train_batch_end(self, trainer: L.Trainer, module: HeadModule, *args: Any) -> None:
         step = trainer.global_step
@@ -172,6 +182,16 @@ class Outputs(L.Callback):
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.best_tau = state.get("best_tau")
+
+
+class StepProgressBar(RichProgressBar):
+    """A rich bar over optimizer steps x micro-batches (the stream is endless, so Lightning alone
+    would show no total and no ETA); loss and tokens/s ride along as logged metrics."""
+
+    @property
+    def total_train_batches(self) -> int | float:
+        accum = self.trainer.lightning_module.cfg.grad_accum
+        return self.trainer.max_steps * accum if self.trainer.max_steps > 0 else super().total_train_batches
 
 
 def _f(x: float | None) -> str:
@@ -240,17 +260,10 @@ class TrainRun:
         self.identity = _identity(recipe, self.target.fingerprint(), built.fingerprint)
         self.ckpt = _check_resume(out, self.identity, resume, self.rank)
         self.best_tau = None
-        resume_step = None
-        if self.ckpt is not None:
-            state = torch.load(self.ckpt, map_location="cpu", weights_only=False)
-            self.stream.skip = state.get("headstart", {}).get("consumed", 0)
-            resume_step = state.get("global_step", 0)
-            if self.rank == 0:
-                print(f"train: resuming {out} at step {resume_step}", flush=True)
         if self.rank == 0:
             out.mkdir(parents=True, exist_ok=True)
             atomic_write_text(out / "train.json", json.dumps(self.identity, indent=2, default=str))
-        self.curve = CurveWriter(out / "metrics.csv", resume_step) if self.rank == 0 else None
+        self.curve = CurveWriter(out / "metrics.csv") if self.rank == 0 else None
         self.module = HeadModule(recipe, self.target, self.head)
         self.device = device
 
@@ -281,7 +294,7 @@ class TrainRun:
         return metrics
 
     def trainer(self) -> L.Trainer:
-        from lightning.pytorch.callbacks import ModelCheckpoint, RichProgressBar
+        from lightning.pytorch.callbacks import ModelCheckpoint
         from lightning.pytorch.loggers import CSVLogger
 
         recipe, tr = self.recipe, self.recipe.trainer
@@ -308,7 +321,7 @@ class TrainRun:
             Outputs(self, self.curve),
         ]
         if self.progress:
-            callbacks.append(RichProgressBar(leave=True))
+            callbacks.append(StepProgressBar(leave=True))
         return L.Trainer(
             accelerator="gpu" if self.device == "cuda" else "cpu", devices=tr.devices, num_nodes=tr.num_nodes,
             strategy=strategy, precision=self.precision, max_steps=recipe.train.max_steps, max_epochs=1,
@@ -318,10 +331,9 @@ class TrainRun:
         )
 
     def fit(self) -> dict[str, Any]:
-        loader = torch.utils.data.DataLoader(self.stream, batch_size=1, collate_fn=collate,
-                                             num_workers=self.recipe.train.num_workers)
+        data = TrainData(self.stream, self.recipe.train.num_workers)
         trainer = self.trainer()
-        trainer.fit(self.module, train_dataloaders=loader, ckpt_path=str(self.ckpt) if self.ckpt else None)
+        trainer.fit(self.module, datamodule=data, ckpt_path=str(self.ckpt) if self.ckpt else None)
         out = run_dir(self.recipe)
         metrics = json.loads((out / "metrics.json").read_text()) if (out / "metrics.json").exists() else {}
         return metrics
