@@ -98,3 +98,130 @@ def test_metric_definitions():
     assert s["accept_rate_per_pos"] == pytest.approx([4 / 5, 3 / 5, 2 / 5])
     assert s["cond_accept_per_pos"] == pytest.approx([4 / 5, 3 / 4, 2 / 3])
     assert s["accept_histogram"] == [1, 1, 1, 2]
+
+
+# ------------------------------------------------------------------ joint law at every position
+# The emitted tokens of one verify step must follow the target's own sequential law: y_i ~ p_i; if
+# y_i equals the draft x_i (a child's token, for trees) go on to position i+1, else stop; after the
+# last draft the bonus y_k ~ p_k. Every row of p differs, so reading the wrong row at any position
+# (bonus from row k-1, row 0 everywhere, the root's p deeper in a tree) changes this law.
+
+K = 3
+PJ = torch.tensor([[0.05, 0.40, 0.25, 0.20, 0.10],
+                   [0.30, 0.10, 0.35, 0.05, 0.20],
+                   [0.15, 0.15, 0.10, 0.45, 0.15],
+                   [0.50, 0.05, 0.05, 0.10, 0.30]], dtype=torch.float64)
+QJ = torch.tensor([[0.10, 0.50, 0.10, 0.20, 0.10],
+                   [0.20, 0.10, 0.50, 0.10, 0.10],
+                   [0.25, 0.25, 0.20, 0.20, 0.10]], dtype=torch.float64)
+NJ = 30000
+
+
+def _chain_law(drafts):
+    """Exact law of the emitted sequence for fixed drafts."""
+    law, prefix = {}, 1.0
+    for i in range(K + 1):
+        for y in range(5):
+            if i < K and y == drafts[i]:
+                continue
+            law[tuple(drafts[:i]) + (y,)] = law.get(tuple(drafts[:i]) + (y,), 0.0) + prefix * float(PJ[i, y])
+        if i < K:
+            prefix *= float(PJ[i, drafts[i]])
+    return law
+
+
+def _full_q_law():
+    """Drafts x_i ~ q_i: a run (y_0..y_m) has probability prod_{i<m} min(p_i, q_i)(y_i) times
+    max(0, p_m - q_m)(y_m) for a rejection at m < k, or p_k(y_k) for the bonus. Summed over the
+    accepted/rejected ways to emit y_0, position 0 is p_0 exactly (the lossless property)."""
+    import itertools
+
+    law = {}
+    for m in range(K + 1):
+        for seq in itertools.product(range(5), repeat=m + 1):
+            pr = 1.0
+            for i in range(m):
+                pr *= float(torch.minimum(PJ[i], QJ[i])[seq[i]])
+            pr *= float(PJ[K, seq[m]]) if m == K else float((PJ[m] - QJ[m]).clamp(min=0)[seq[m]])
+            if pr > 0:
+                law[seq] = pr
+    return law
+
+
+def _max_gap(run, law):
+    g = torch.Generator().manual_seed(99)
+    counts = {}
+    for _ in range(NJ):
+        seq = tuple(run(g))
+        counts[seq] = counts.get(seq, 0) + 1
+    if not set(counts) <= set(law):
+        return float("inf")  # an output the law gives probability 0
+    # Largest deviation in units of each outcome's own standard deviation.
+    return max(abs(counts.get(s, 0) / NJ - pr) / max((pr * (1 - pr) / NJ) ** 0.5, 1e-9) for s, pr in law.items())
+
+
+def test_one_hot_joint_law_at_every_position():
+    drafts = [1, 2, 3]
+    assert _max_gap(lambda g: verify_one_hot(drafts, PJ.float(), g).tokens, _chain_law(drafts)) < 5
+
+
+def test_full_q_joint_law_at_every_position():
+    law = _full_q_law()
+    first = {}
+    for seq, pr in law.items():
+        first[seq[0]] = first.get(seq[0], 0.0) + pr
+    assert [first[y] for y in range(5)] == pytest.approx(PJ[0].tolist())  # the law itself is lossless
+
+    def run(g):
+        xs = [_sample_q(g, QJ[i].float()) for i in range(K)]
+        return verify_full_q(xs, QJ.float(), PJ.float(), g).tokens
+
+    assert _max_gap(run, _full_q_law()) < 5
+
+
+def test_a_bonus_from_the_wrong_row_is_caught():
+    drafts = [1, 2, 3]
+
+    def wrong_bonus(g):  # the one-hot rule, but the bonus drawn from row k-1
+        v = verify_one_hot(drafts, PJ.float(), g)
+        if v.accepted == K:
+            return drafts + [int(torch.multinomial(PJ[K - 1].float(), 1, generator=g))]
+        return v.tokens
+
+    assert _max_gap(wrong_bonus, _chain_law(drafts)) > 8
+
+
+def test_row_zero_everywhere_is_caught():
+    def run(g):
+        xs = [_sample_q(g, QJ[i].float()) for i in range(K)]
+        p0 = PJ[0].float().expand(K + 1, 5)
+        q0 = QJ[0].float().expand(K, 5)
+        return verify_full_q(xs, q0, p0, g).tokens
+
+    assert _max_gap(run, _full_q_law()) > 8
+
+
+def _tree_law(children, tokens, p):
+    law = {}
+
+    def walk(node, prefix, pr):
+        kids = {tokens[c]: c for c in children[node]}
+        for y in range(5):
+            py = pr * float(p[node, y])
+            if y in kids:
+                walk(kids[y], prefix + (y,), py)
+            else:
+                law[prefix + (y,)] = law.get(prefix + (y,), 0.0) + py
+    walk(0, (), 1.0)
+    return law
+
+
+def test_tree_joint_law_at_every_depth():
+    # root -> {1, 3}; node(1) -> {2, 0}; node(2) -> {3}: depth 3, siblings at two levels
+    children = [[1, 2], [3, 4], [], [5], [], []]
+    tokens = [9, 1, 3, 2, 0, 3]
+    p = torch.stack([PJ[0], PJ[1], PJ[3], PJ[2], PJ[3], PJ[3]])  # every node its own p
+    law = _tree_law(children, tokens, p)
+    assert _max_gap(lambda g: verify_tree(children, tokens, p.float(), False, g)[1], law) < 5
+    root_everywhere = p[0].expand(6, 5).float()
+    assert _max_gap(lambda g: verify_tree(children, tokens, root_everywhere, False, g)[1], law) > 8
