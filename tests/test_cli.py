@@ -17,7 +17,10 @@ def test_help_lists_the_verbs(capsys):
 
 
 def test_console_script_is_installed():
-    r = subprocess.run([sys.executable, "-m", "headstart.cli", "data", "--help"], capture_output=True, text=True)
+    from pathlib import Path
+
+    script = Path(sys.executable).parent / "headstart"  # the entry point pip installed beside python
+    r = subprocess.run([str(script), "data", "--help"], capture_output=True, text=True)
     assert r.returncode == 0 and "inspect" in r.stdout
 
 

@@ -170,3 +170,55 @@ def test_tree_mask_and_rerank():
     assert m[3].tolist() == [True, True, True, True, False, True]  # prefix, root, node 1, itself
     assert m[2].tolist() == [True, True, True, False, True, False]
     assert tree.ancestors(3) == [1, 3]
+
+
+def test_a_perfect_draft_model_gives_tau_k_plus_one_exactly(target):
+    """A draft_lm with all the target's layers (shared embedding and lm_head) is the target: every
+    draft is accepted. A draft that forgets a KV row or mis-positions one falls below k + 1."""
+    draft = build_head(HeadConfig(head_type="draft_lm", num_layers=target.num_layers), target)
+    prompts = _prompts(4, seed=8)
+    for k in (2, 3):
+        params = SamplingParams(max_tokens=1 + (k + 1) * 6, ignore_eos=True)  # whole steps of k + 1
+        ref = [o.token_ids for o in Engine(target, page_size=4).generate(prompts, params)]
+        eng = Engine(target, page_size=4, spec=SpecConfig(method="draft", k=k, draft=draft))
+        assert [o.token_ids for o in eng.generate(prompts, params)] == ref
+        s = eng.spec_metrics.summary()
+        assert s["tau"] == k + 1 and s["accept_histogram"][k] == s["steps"] == 4 * 6
+
+
+@pytest.mark.parametrize("kind", ["mtp", "eagle3"])
+def test_engine_drafts_equal_the_unrolled_training_forward(target, kind):
+    """Each draft the engine proposes is the argmax of the training unroll over the same tokens:
+    step j of the unroll at row n-1+j, where t_n is the pending token (positions, KV rows and fed-back
+    features must all match)."""
+    from headstart.heads import PackedBatch
+    from headstart.train.module import target_forward
+    from headstart.train.ttt import unroll
+
+    k = 3
+    spec = _spec(target, kind, k=k)
+    head = spec.head
+    eng = Engine(target, page_size=4, spec=spec)
+    seen = []
+    propose = eng.proposer.propose
+
+    def recording(seqs, kk):
+        prop = propose(seqs, kk)
+        seen.extend((list(s.token_ids), d) for s, d in zip(seqs, prop.drafts))
+        return prop
+
+    eng.proposer.propose = recording
+    eng.generate(_prompts(3, seed=9), SamplingParams(max_tokens=12, ignore_eos=True))
+    assert len(seen) >= 6
+    aux = list(head.config.aux_layer_ids or [])
+    for tokens, drafts in seen:
+        n = len(tokens) - 1
+        seq = tokens + drafts[:-1]
+        b = target_forward(target, PackedBatch(torch.tensor(seq), [len(seq)], None, None, None), aux)
+        with torch.no_grad():
+            outs, _, _ = unroll(head, b, k)
+        expect = [int(head.compute_logits(outs[j][n - 1 + j]).argmax()) for j in range(k)]
+        to_target = getattr(head, "to_target_ids", None)
+        if to_target is not None:
+            expect = to_target(torch.tensor(expect)).tolist()
+        assert drafts == expect
