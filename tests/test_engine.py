@@ -110,11 +110,13 @@ def test_abort_frees_pages(tiny):
     a = eng.add_request(_prompts(1, seed=5)[0], SamplingParams(max_tokens=50, ignore_eos=True))
     b = eng.add_request(_prompts(1, seed=6)[0], SamplingParams(max_tokens=5, ignore_eos=True))
     eng.step()
-    assert eng.abort(a) and not eng.abort("nope")
+    assert eng.abort(a) and not eng.abort("nope") and not eng.abort(a)
+    finished = {}
     while eng.has_unfinished():
-        eng.step()
-    assert eng._seqs[a].finish_reason == "abort" and eng._seqs[b].finish_reason == "length"
+        finished.update({o.id: o for o in eng.step() if o.finished})
+    assert finished[b].finish_reason == "length" and a not in finished
     assert eng.allocator.num_free == free
+    assert not eng._seqs  # a server loop of add_request/step/abort keeps nothing per finished request
 
 
 def test_streaming_callback(tiny):

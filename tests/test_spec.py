@@ -222,3 +222,34 @@ def test_engine_drafts_equal_the_unrolled_training_forward(target, kind):
         if to_target is not None:
             expect = to_target(torch.tensor(expect)).tolist()
         assert drafts == expect
+
+
+@pytest.mark.parametrize("method", ["chain", "tree"])
+def test_logprobs_survive_speculation(target, method):
+    prompts = _prompts(2, seed=10)
+    params = SamplingParams(max_tokens=20, ignore_eos=True, logprobs=2)
+    ref = Engine(target, page_size=4).generate(prompts, params)
+    spec = _spec(target, "mtp", k=3)
+    if method == "tree":
+        spec = SpecConfig(method="tree", k=3, head=spec.head, tree_topk=2, tree_tokens=6)
+    outs = Engine(target, page_size=4, spec=spec).generate(prompts, params)
+    for o, r in zip(outs, ref):
+        assert o.token_ids == r.token_ids and len(o.logprobs) == len(o.token_ids) == 20
+        for a, b in zip(o.logprobs, r.logprobs):
+            assert a["token_id"] == b["token_id"] and a["logprob"] == pytest.approx(b["logprob"], abs=1e-4)
+            assert [t for t, _ in a["top"]] == [t for t, _ in b["top"]]
+
+
+@pytest.mark.parametrize("kind", ["mtp", "draft_lm", "medusa"])
+def test_a_server_loop_keeps_no_per_request_state(target, kind):
+    eng = Engine(target, page_size=4, spec=_spec(target, kind))
+    prompts = _prompts(6, seed=12)
+    ids = [eng.add_request(p, SamplingParams(max_tokens=10, ignore_eos=True)) for p in prompts]
+    eng.step()
+    eng.step()
+    assert eng.abort(ids[0]) and eng.abort(ids[3])
+    while eng.has_unfinished():
+        eng.step()
+    assert not eng._seqs
+    assert not eng.proposer.cached and not eng.proposer.carry and not eng.proposer._gens
+    assert eng.allocator.num_free == eng.allocator.num_pages

@@ -8,6 +8,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import time
 from collections.abc import Callable, Iterable
@@ -180,16 +181,33 @@ class Engine:
         return rid
 
     def abort(self, request_id: str) -> bool:
-        return self.scheduler.abort(request_id) is not None
+        """Cancel a request; everything held for it (pages, draft state, the sequence) is released."""
+        if self.scheduler.abort(request_id) is None:
+            return False
+        self._release(request_id)
+        return True
+
+    def _release(self, request_id: str) -> None:
+        self._seqs.pop(request_id, None)
+        if self.proposer is not None:
+            self.proposer.forget(request_id)
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_work()
 
     # ---------------------------------------------------------------------------------- steps
 
-    @torch.inference_mode()
     def step(self) -> list[RequestOutput]:
-        """Run one scheduled batch; returns an output for every sequence that produced a token."""
+        """Run one scheduled batch; returns an output for every sequence that produced a token. A
+        finished request's last output is its result: the engine keeps nothing of it afterwards."""
+        outputs = self._step()
+        for out in outputs:
+            if out.finished:
+                self._release(out.id)
+        return outputs
+
+    @torch.inference_mode()
+    def _step(self) -> list[RequestOutput]:
         t0 = time.perf_counter()
         if self.proposer is not None:
             seqs = self._spec_ready()
@@ -316,9 +334,10 @@ class Engine:
             a = verdict.accepted
             seq.spec_metrics.add(a, k)
             self.spec_metrics.add(a, k)
-            outputs.append(self._commit(seq, n, a, verdict.tokens))
+            rows = list(range(b * (k + 1), b * (k + 1) + a + 1))  # the rows whose logits gave each token
+            outputs.append(self._commit(seq, n, a, verdict.tokens, self._logprobs(seq, logits, rows, verdict.tokens)))
             if seq.status is not Status.FINISHED:
-                absorb.append((seq, n, n + a + 1, list(range(b * (k + 1), b * (k + 1) + a + 1))))
+                absorb.append((seq, n, n + a + 1, rows))
         return self._finish_spec_step(outputs, absorb, h, aux, t0, t1)
 
     def _tree_step(self, seqs: list[Sequence]) -> list[RequestOutput]:
@@ -359,9 +378,10 @@ class Engine:
                     for c in (kc, vc):
                         flat = c.view(-1, c.shape[2], c.shape[3])
                         flat.index_copy_(0, to_slots, flat[from_slots])
-            outputs.append(self._commit(seq, n, a, emitted))
+            rows = [row] + [row + node for node in path]
+            outputs.append(self._commit(seq, n, a, emitted, self._logprobs(seq, logits, rows, emitted)))
             if seq.status is not Status.FINISHED:
-                absorb.append((seq, n, n + a + 1, [row] + [row + node for node in path]))
+                absorb.append((seq, n, n + a + 1, rows))
             row += m
         return self._finish_spec_step(outputs, absorb, h, aux, t0, t1)
 
@@ -377,15 +397,25 @@ class Engine:
         self.stats.decode_tokens += sum(len(o.new_token_ids) for o in outputs)
         return outputs
 
-    def _commit(self, seq: Sequence, n: int, a: int, tokens: list[int]) -> RequestOutput:
+    @staticmethod
+    def _logprobs(seq: Sequence, logits: torch.Tensor, rows: list[int], tokens: list[int]) -> list[dict] | None:
+        """Log-probabilities of the emitted tokens (row i of `rows` gave tokens[i]), if requested."""
+        if seq.params.logprobs is None:
+            return None
+        return token_logprobs(logits[rows], torch.tensor(tokens), seq.params.logprobs)
+
+    def _commit(self, seq: Sequence, n: int, a: int, tokens: list[int],
+                logprobs: list[dict] | None = None) -> RequestOutput:
         """After verification: keep the pending token and the a accepted drafts in the caches, drop
-        the rest, emit the tokens (up to a stop condition)."""
+        the rest, emit the tokens (up to a stop condition) with their log-probabilities if asked."""
         seq.num_cached = n + 1 + a
         self.allocator.rollback(seq.id, self.allocator.length(seq.id) - seq.num_cached)
         self.proposer.after_verify(seq, n, a)
         new = []
-        for tok in tokens:
+        for i, tok in enumerate(tokens):
             seq.output_ids.append(tok)
+            if logprobs is not None:
+                seq.logprobs.append(logprobs[i])
             new.append(tok)
             self._check_stop(seq, tok)
             if seq.status is Status.FINISHED:
@@ -448,11 +478,11 @@ class Engine:
             raise ValueError(f"{len(plist)} sampling params for {len(prompts)} prompts")
         ids = [self.add_request(p, sp, request_ids[i] if request_ids else None, chat)
                for i, (p, sp) in enumerate(zip(prompts, plist))]
+        final: dict[str, RequestOutput] = {}
         while self.has_unfinished():
             for out in self.step():
+                if out.finished:
+                    final[out.id] = dataclasses.replace(out, new_token_ids=[])
                 if on_output is not None:
                     on_output(out)
-        results = [self._output(self._seqs[i], []) for i in ids]
-        for i in ids:
-            del self._seqs[i]
-        return results
+        return [final[i] for i in ids]
