@@ -225,3 +225,13 @@ def test_tree_joint_law_at_every_depth():
     assert _max_gap(lambda g: verify_tree(children, tokens, p.float(), False, g)[1], law) < 5
     root_everywhere = p[0].expand(6, 5).float()
     assert _max_gap(lambda g: verify_tree(children, tokens, root_everywhere, False, g)[1], law) > 8
+
+
+def test_an_empty_or_nan_distribution_is_a_clear_error():
+    from headstart.inference.rejection import _sample
+
+    for bad in (torch.zeros(5), torch.full((5,), float("nan"))):
+        with pytest.raises(ValueError, match="no positive finite probability"):
+            _sample(bad, None)
+        with pytest.raises(ValueError, match="no positive finite probability"):
+            verify_one_hot([1], torch.stack([bad, bad]), torch.Generator().manual_seed(0))

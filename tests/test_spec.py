@@ -253,3 +253,14 @@ def test_a_server_loop_keeps_no_per_request_state(target, kind):
     assert not eng._seqs
     assert not eng.proposer.cached and not eng.proposer.carry and not eng.proposer._gens
     assert eng.allocator.num_free == eng.allocator.num_pages
+
+
+def test_unseeded_requests_do_not_repeat(target):
+    eng = Engine(target, page_size=4, spec=_spec(target, "mtp", draft_sampling=True))
+    params = SamplingParams(max_tokens=12, temperature=1.0, ignore_eos=True)
+    prompt = _prompts(1, seed=13)
+    a = eng.generate(prompt * 2, params)
+    b = eng.generate(prompt, params)
+    assert a[0].token_ids != a[1].token_ids and b[0].token_ids not in (a[0].token_ids, a[1].token_ids)
+    same = Engine(target, page_size=4, spec=_spec(target, "mtp", draft_sampling=True)).generate(prompt * 2, params)
+    assert [o.token_ids for o in same] == [o.token_ids for o in a]  # a seeded engine stays reproducible

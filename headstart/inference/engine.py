@@ -130,6 +130,7 @@ class Engine:
             self.stop_ids.add(tokenizer.eos_token_id)
         self.seed = seed
         self._ids = itertools.count()
+        self._unseeded = itertools.count()
         self._seqs: dict[str, Sequence] = {}
         self.stats = EngineStats()
 
@@ -171,10 +172,13 @@ class Engine:
                 f"has {self.allocator.num_pages}; raise --kv-cache-gb or lower max_tokens"
             )
         gen = None
+        # An unseeded request draws a fresh seed from the engine's seed and a request counter, so two
+        # calls (or two requests with the same prompt) never repeat each other's samples.
+        seed = params.seed if params.seed is not None else self.seed * 1_000_003 + next(self._unseeded)
         if not params.greedy:
             gen = torch.Generator(device="cpu")
-            gen.manual_seed(params.seed if params.seed is not None else self.seed * 1_000_003 + len(self._seqs))
-        seq = Sequence(rid, ids, params, gen)
+            gen.manual_seed(seed)
+        seq = Sequence(rid, ids, params, gen, seed)
         seq.spec_metrics.positions = self.spec_metrics.positions
         self._seqs[rid] = seq
         self.scheduler.add(seq)

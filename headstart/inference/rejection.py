@@ -33,11 +33,14 @@ def _uniform(gen: torch.Generator | None) -> float:
 
 def _sample(probs: torch.Tensor, gen: torch.Generator | None) -> int:
     """Inverse CDF with one float64 uniform; probs need not be normalised."""
+    positive = torch.nonzero(probs > 0)
+    if positive.numel() == 0 or not bool(torch.isfinite(probs).all()):
+        raise ValueError("cannot sample: the distribution has no positive finite probability (all zero or "
+                         "NaN); check the sampling parameters (temperature, top-p/top-k/min-p) and the logits")
     cdf = probs.double().cumsum(0)
     u = _uniform(gen) * float(cdf[-1])
     idx = int(torch.searchsorted(cdf, torch.tensor([u], dtype=torch.float64), right=True)[0])
-    last = int(torch.nonzero(probs > 0)[-1])
-    return min(idx, last)
+    return min(idx, int(positive[-1]))
 
 
 def verify_greedy(drafts: list[int], p: torch.Tensor) -> Verdict:

@@ -39,6 +39,7 @@ class Sequence:
     prompt_ids: list[int]
     params: SamplingParams
     generator: torch.Generator | None = None
+    seed: int = 0  # the seed of `generator` (the request's own, or one the engine drew for it)
     output_ids: list[int] = field(default_factory=list)
     status: Status = Status.WAITING
     num_cached: int = 0  # tokens whose K/V are in the cache

@@ -138,7 +138,7 @@ class _Proposer:
         for s in seqs:
             if s.id not in self._gens:  # drafting draws must not share the verifier's stream
                 g = torch.Generator()
-                g.manual_seed((s.params.seed or 0) * 7919 + 104729 + len(s.prompt_ids))
+                g.manual_seed(s.seed * 7919 + 104729)
                 self._gens[s.id] = g
         return self._gens
 
