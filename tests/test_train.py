@@ -116,6 +116,77 @@ def test_chunked_kl_equals_the_plain_formula_and_its_gradient(target):
     assert float(part.accept) == pytest.approx(float(expected), rel=1e-5)
 
 
+def test_reduced_vocabulary_kl_and_statistics(target):
+    """eagle3: KL against p restricted to the draft vocabulary and renormalised; top-1 compares the
+    draft argmax mapped to target ids with the target argmax; acceptance uses the unrenormalised p."""
+    from headstart.heads import build_vocab_maps
+
+    head = build_head(HeadConfig(head_type="eagle3", aux_layer_ids=[0, 1, 2], draft_vocab_size=96), target)
+    d2t, t2d = build_vocab_maps(torch.arange(512, 0, -1).float(), 96)  # ids 0..95 most frequent... then shifted
+    d2t = d2t + 7 * (torch.arange(96) >= 40)  # a non-trivial map: draft ids 40.. point 7 further
+    t2d = torch.zeros(512, dtype=torch.bool)
+    t2d[torch.arange(96) + d2t] = True
+    head.set_vocab_maps(d2t, t2d)
+    b = _batch(target)
+    hh = torch.randn(b.input_ids.numel(), 64)
+    rows = torch.arange(0, 30, 2)
+    part = distill(head, hh, b.hidden, rows, None, chunk=4)
+    ids = torch.arange(96) + d2t
+    logq = torch.log_softmax(head.compute_logits(hh[rows]), -1)
+    p_full = torch.softmax(target_logits(head, b.hidden[rows]), -1)
+    p = p_full[:, ids] / p_full[:, ids].sum(-1, keepdim=True)
+    torch.testing.assert_close(part.kl, (p * (p.log() - logq)).sum(), rtol=1e-5, atol=1e-5)
+    assert float(part.correct) == float((ids[logq.argmax(-1)] == p_full.argmax(-1)).sum())
+    assert float(part.accept) == pytest.approx(float(torch.minimum(p_full[:, ids], logq.exp()).sum()), rel=1e-5)
+
+
+def _plain_kl(head, hh, th):
+    logq = torch.log_softmax(head.compute_logits(hh), -1)
+    logp = torch.log_softmax(target_logits(head, th), -1)
+    return (logp.exp() * (logp - logq)).sum()
+
+
+def test_module_loss_is_the_documented_weighted_sum(target):
+    """mtp with 3 unrolled steps: sum_j decay^j (KL_j / n_j + w_f * smoothL1_j / (n_j d)), over the
+    supervised rows valid at step j, against the target's next row; medusa: head j against row i+1+j."""
+    import torch.nn.functional as F
+
+    from headstart.config import recipe_from_dict
+    from headstart.train.module import HeadModule
+
+    recipe = recipe_from_dict({"train": {"ttt_steps": 3, "ttt_decay": 0.7, "loss_weights": {"kl": 1.0,
+                                                                                            "feature": 0.5}}})
+    head = build_head(HeadConfig(head_type="mtp"), target)
+    module = HeadModule(recipe, target, head)
+    b = _batch(target)
+    with torch.no_grad():
+        loss, stats = module.losses(b)
+        outs, valid, sh = unroll(head, b, 3)
+        th = b.hidden[sh.target_rows]
+        expected = 0.0
+        for j in range(3):
+            rows = torch.nonzero((sh.token_mask > 0) & valid[j]).flatten()
+            n = rows.numel()
+            scale = th[rows].pow(2).mean(-1, keepdim=True).sqrt()
+            feat = F.smooth_l1_loss(outs[j][rows] / scale, th[rows] / scale, reduction="sum")
+            expected += 0.7 ** j * (_plain_kl(head, outs[j][rows], th[rows]) / n + 0.5 * feat / (n * 64))
+            assert stats["rows"][j] == n
+    torch.testing.assert_close(loss, torch.as_tensor(expected, dtype=loss.dtype), rtol=1e-5, atol=1e-5)
+    med = build_head(HeadConfig(head_type="medusa", medusa_num_heads=2), target)
+    module = HeadModule(recipe, target, med)
+    with torch.no_grad():
+        loss, _ = module.losses(b)
+        states = med.forward_heads(med.target_features(b.hidden))
+        lens, ends, expected = [11, 7, 14], [11, 18, 32], 0.0
+        seq_end = torch.tensor([e for n, e in zip(lens, ends) for _ in range(n)])
+        for j in range(2):
+            i = torch.arange(32)
+            ok = (i + 2 + j < seq_end) & (b.loss_mask[(i + 2 + j).clamp(max=31)] > 0)
+            rows = i[ok]
+            expected += _plain_kl(med, states[rows, j], b.hidden[rows + 1 + j]) / rows.numel()
+    torch.testing.assert_close(loss, torch.as_tensor(expected, dtype=loss.dtype), rtol=1e-5, atol=1e-5)
+
+
 def test_no_tokens_by_vocab_tensor_is_kept_for_backward(target):
     """Saved activations grow with tokens x width, never tokens x vocab: the logits of a chunk are
     recomputed in the backward pass."""
@@ -154,11 +225,14 @@ def test_unrolled_step_j_is_the_engine_draft_step_j(target, kind):
     m + j computes the same hidden state."""
     kw = {"aux_layer_ids": [0, 1, 2]} if kind == "eagle3" else {}
     head = build_head(HeadConfig(head_type=kind, **kw), target).eval()
-    b = _batch(target, lens=(16,))
+    b = _batch(target, lens=(7, 16, 5))  # checked in the middle sequence: its neighbours must not leak in
     steps = 4
     with torch.no_grad():
         outs, valid, sh = unroll(head, b, steps)
+    first = 6  # the middle sequence's shifted rows start after the first one's 7 - 1
     feats = head.target_features(b.hidden[sh.src_rows], b.aux_hidden[sh.src_rows] if kind == "eagle3" else None)
+    feats, tokens = feats[first:first + 15], sh.tokens[first:first + 15]
+    outs = [o[first:first + 15] for o in outs]
     cfg = head.config
     backend = TorchAttention()
     for m in (4, 9):
@@ -168,14 +242,14 @@ def test_unrolled_step_j_is_the_engine_draft_step_j(target, kind):
         alloc.reserve("s", m + steps + 1)
         with torch.no_grad():
             meta = build_metadata(alloc, [("s", 0, m + 1)], torch.device("cpu"))
-            h, _ = head.draft_step(sh.tokens[:m + 1], feats[:m + 1], meta, cache.layers, backend)
+            h, _ = head.draft_step(tokens[:m + 1], feats[:m + 1], meta, cache.layers, backend)
             own = h[-1:]
             torch.testing.assert_close(h[-1], outs[0][m], rtol=1e-4, atol=1e-4)
             for j in range(1, steps):
                 meta = build_metadata(alloc, [("s", m + j, m + j + 1)], torch.device("cpu"))
-                own, _ = head.draft_step(sh.tokens[m + j:m + j + 1], own, meta, cache.layers, backend)
+                own, _ = head.draft_step(tokens[m + j:m + j + 1], own, meta, cache.layers, backend)
                 torch.testing.assert_close(own[0], outs[j][m + j], rtol=1e-4, atol=1e-4)
-    assert valid[2].tolist() == [p >= 2 for p in range(15)]
+    assert valid[2].tolist() == [p >= 2 for p in range(6)] + [p >= 2 for p in range(15)] + [p >= 2 for p in range(4)]
 
 
 def test_one_unrolled_step_is_train_forward(target):
@@ -221,9 +295,20 @@ def test_stream_packs_shuffles_per_epoch_splits_ranks_and_resumes():
     resumed = PackedStream(src, batch_tokens=16, seed=1, epochs=3)
     resumed.skip = 5
     assert [it["batch"].input_ids.numel() for it in resumed] == full[5:]
-    r0 = PackedStream(src, 16, 1, rank=0, world=2).epoch_batches(0)
-    r1 = PackedStream(src, 16, 1, rank=1, world=2).epoch_batches(0)
-    assert len(r0) == len(r1) and not set(map(tuple, r0)) & set(map(tuple, r1))
+    n0 = len(e0)
+    crossing = PackedStream(src, batch_tokens=16, seed=1, epochs=3)
+    crossing.skip = n0 + 2  # into the second epoch
+    assert [it["batch"].input_ids.numel() for it in crossing] == full[n0 + 2:]
+    assert [it["epoch"] for it in PackedStream(src, 16, 1, epochs=2)] == [0] * n0 + [1] * len(e1)
+    odd = next(e for e in range(20) if len(s.epoch_batches(e)) % 2)  # an epoch that does not split evenly
+    r0 = PackedStream(src, 16, 1, rank=0, world=2).epoch_batches(odd)
+    r1 = PackedStream(src, 16, 1, rank=1, world=2).epoch_batches(odd)
+    whole = s.epoch_batches(odd)
+    assert len(r0) == len(r1) == len(whole) // 2  # the tail that does not fill every rank is dropped
+    assert r0 == whole[0:-1:2] and r1 == whole[1::2]
+    workers = torch.utils.data.DataLoader(PackedStream(src, 16, 1, epochs=3), batch_size=1, num_workers=2,
+                                          collate_fn=lambda x: x[0])
+    assert [it["batch"].input_ids.numel() for it in workers] == full  # workers split, never repeat
     assert pack([0, 1, 2], lens, 14) == [[0, 1], [2]]
     with pytest.raises(DataError, match="batch_tokens=8 is smaller than the longest"):
         PackedStream(src, batch_tokens=8, seed=1)
@@ -405,3 +490,80 @@ def test_precision_and_dtype_must_agree(tmp_path, chat_model_dir):
     recipe = load_recipe(_recipe(tmp_path, chat_model_dir), ["target.dtype=bf16"])
     with pytest.raises(ConfigError, match="trainer.precision 32-true"):
         run_train(recipe, progress=False)
+
+
+def test_heldout_prompts_are_the_first_user_turn_with_the_generation_prompt(chat_model_dir):
+    from headstart.config import DataConfig
+    from headstart.data.dataset import build_dataset, load_tokenizer
+    from headstart.train.validate import heldout_prompts
+
+    rows = [{"id": "a", "conversations": [{"from": "human", "value": "hello heads"},
+                                          {"from": "gpt", "value": "draft tokens fast"},
+                                          {"from": "human", "value": "more"}, {"from": "gpt", "value": "the a"}]}]
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as d:
+        src = write_jsonl(Path(d) / "one.jsonl", rows)
+        built = build_dataset(DataConfig(source=str(src), max_length=96, heldout_fraction=0.0), str(chat_model_dir),
+                              progress=False)
+    (prompt,) = heldout_prompts([list(x) for x in built.train["input_ids"]],
+                                [list(x) for x in built.train["loss_mask"]], 5)
+    tok = load_tokenizer(chat_model_dir)
+    expected = tok.apply_chat_template([{"role": "user", "content": "hello heads"}], tokenize=True,
+                                       add_generation_prompt=True)
+    assert prompt == list(expected["input_ids"] if hasattr(expected, "keys") else expected)
+
+
+def test_resume_with_accumulation_continues_exactly(tmp_path, chat_model_dir):
+    """Checkpoints land on optimizer-step boundaries: stopping after step 2 of 4 (grad_accum 2) and
+    resuming gives the same losses and head as one run (constant lr, so the schedule is the same)."""
+    train = {"max_steps": 4, "grad_accum": 2, "ckpt_every_steps": 1, "val_every_steps": 0, "val_prompts": 1,
+             "warmup_steps": 0, "min_lr_ratio": 1.0}
+    one = _recipe(tmp_path, chat_model_dir, name="one", train=train)
+    assert main(["train", str(one), "--no-progress"]) == 0
+    two = _recipe(tmp_path, chat_model_dir, name="two", train=train)
+    assert main(["train", str(two), "--no-progress", "--set", "train.max_steps=2"]) == 0
+    assert main(["train", str(two), "--no-progress", "--resume"]) == 0
+    a, b = _losses(tmp_path / "one"), _losses(tmp_path / "two")
+    assert list(b) == [1, 2, 3, 4] and b == pytest.approx(a, rel=1e-6)
+    ta = load_head(tmp_path / "one" / "head-final", load_llama(chat_model_dir, "fp32")).state_dict()
+    tb = load_head(tmp_path / "two" / "head-final", load_llama(chat_model_dir, "fp32")).state_dict()
+    for k in ta:
+        torch.testing.assert_close(ta[k], tb[k], rtol=0, atol=0)
+    vals = [int(r["step"]) for r in _curve(tmp_path / "two") if r["kind"] == "val"]
+    assert vals == [2, 4]  # the resumed step is not validated twice
+
+
+def test_more_bad_input_is_refused_before_any_work(tmp_path, chat_model_dir, capsys):
+    path = _recipe(tmp_path, chat_model_dir, train={"max_steps": 2, "val_every_steps": 0, "val_prompts": 1})
+    out = tmp_path / "run"
+
+    def fails(*args, match):
+        assert main(["train", str(path), "--no-progress", *args]) == 2
+        err = capsys.readouterr().err
+        assert match in err and "Traceback" not in err, err
+
+    if not torch.cuda.is_available():
+        fails("--set", "trainer.accelerator=gpu", match="no CUDA GPU is visible")
+        fails("--set", "trainer.strategy=fsdp", match="fsdp needs GPUs")
+    fails("--set", "head.type=eagle3", "--set", "train.loss_weights.kl=0", match="learns from the KL term only")
+    out.mkdir(exist_ok=True)
+    (out / "metrics.csv").write_text("my own numbers\n")
+    fails(match="that no training run of headstart wrote")
+    assert (out / "metrics.csv").read_text() == "my own numbers\n"
+    (out / "metrics.csv").unlink()
+    (out / "head-final").mkdir()
+    (out / "head-final" / "notes.txt").write_text("mine")
+    fails(match="head-final that no training run")
+    (out / "train.json").write_text("{}")  # even inside a run's directory, a user's head-final stays
+    fails(match="exists and is not empty")
+    (out / "train.json").unlink()
+    assert (out / "head-final" / "notes.txt").read_text() == "mine"
+    (out / "head-final" / "notes.txt").unlink()
+    (out / "head-final").rmdir()
+    fails("--resume", match="holds no checkpoint to resume")
+    (out / "train.json").write_text("{}")  # a run that died before its first checkpoint starts afresh
+    assert main(["train", str(path), "--no-progress"]) == 0
+    ckpt = out / "checkpoints" / "last.ckpt"
+    ckpt.write_bytes(ckpt.read_bytes()[:1000])
+    fails("--resume", "--set", "train.max_steps=3", match="damaged")

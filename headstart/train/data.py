@@ -170,13 +170,19 @@ class PackedStream(torch.utils.data.IterableDataset):
             epoch += 1
 
     def __iter__(self) -> Iterator[dict[str, Any]]:
+        # DataLoader workers take turns (worker w loads micro-batches w, w + W, ...); the loader
+        # yields them round-robin, so the order is the same with any number of workers.
+        info = torch.utils.data.get_worker_info()
+        worker, workers = (info.id, info.num_workers) if info is not None else (0, 1)
         epoch, offset = self.position(self.skip)
+        n = 0
         while self.epochs is None or epoch < self.epochs:
             for i, seqs in enumerate(self.epoch_batches(epoch)):
                 if i < offset:
                     continue
-                batch = self.source.load(seqs)
-                yield {"batch": batch, "epoch": epoch}
+                if n % workers == worker:
+                    yield {"batch": self.source.load(seqs), "epoch": epoch}
+                n += 1
             epoch, offset = epoch + 1, 0
 
 

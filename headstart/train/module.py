@@ -7,6 +7,7 @@ decay, gradient accumulation, global-norm clipping.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import time
 from typing import Any
@@ -53,7 +54,9 @@ class HeadModule(L.LightningModule):
         self.bad_steps = 0  # consecutive non-finite steps
         self.skipped_steps = 0
         self.consumed = 0  # micro-batches this rank has consumed (restored on resume)
-        self.tokens_seen = 0  # training tokens over all ranks
+        self.tokens_base = 0  # training tokens over all ranks before this process started (resume)
+        self.local_tokens = 0  # tokens this rank trained on since it started
+        self.tokens_seen = 0  # all ranks, as of the last sync_tokens()
         self._micro = 0
         self._t0 = time.perf_counter()
         self._tok0 = 0
@@ -99,13 +102,10 @@ class HeadModule(L.LightningModule):
             n = max(part.rows, 1)
             step_loss = w.kl * part.kl / n + w.feature * part.feature / (n * d)
             total = total + (self.cfg.ttt_decay ** j if kind in CHAIN_HEADS else 1.0) * step_loss
-        stats = {
-            "rows": [p.rows for p in per_step],
-            "correct": [float(p.correct) for p in per_step],
-            "accept": [float(p.accept) for p in per_step],
-            "kl": [float(p.kl.detach()) / max(p.rows, 1) for p in per_step],
-            "tokens": int(batch.input_ids.numel()),
-        }
+        stats: dict[str, Any] = {"rows": [p.rows for p in per_step], "tokens": int(batch.input_ids.numel())}
+        if with_stats:  # host syncs: only when asked
+            stats.update(correct=[float(p.correct) for p in per_step], accept=[float(p.accept) for p in per_step],
+                         kl=[float(p.kl.detach()) / max(p.rows, 1) for p in per_step])
         return total, stats
 
     # ---------------------------------------------------------------------------------- training
@@ -117,11 +117,10 @@ class HeadModule(L.LightningModule):
         logged = (self.global_step + 1) % self.recipe.logging.every_steps == 0
         loss, stats = self.losses(item["batch"], with_stats=logged)
         self.consumed += 1
+        self.local_tokens += stats["tokens"]
+        # Every rank must take the same decision: one scalar all-reduce per micro-batch.
         bad = torch.tensor(0.0 if torch.isfinite(loss) else 1.0, device=loss.device)
-        bad = self.trainer.strategy.reduce(bad, reduce_op="max")
-        tokens = torch.tensor(float(stats["tokens"]), device=loss.device)
-        self.tokens_seen += int(self.trainer.strategy.reduce(tokens, reduce_op="sum"))
-        if bad > 0:
+        if self.trainer.strategy.reduce(bad, reduce_op="max") > 0:
             self.bad_steps += 1
             self.skipped_steps += 1
             self._micro = 0
@@ -134,9 +133,15 @@ class HeadModule(L.LightningModule):
                     "lower train.lr, check the data, or use a higher-precision trainer.precision")
             return
         self.bad_steps = 0
-        self.manual_backward(loss / self.cfg.grad_accum)
+        last = self._micro + 1 >= self.cfg.grad_accum
+        strategy = self.trainer.strategy
+        # Gradients are all-reduced once per optimizer step, not once per micro-batch.
+        sync = contextlib.nullcontext() if last or not hasattr(strategy, "block_backward_sync") else \
+            strategy.block_backward_sync()
+        with sync:
+            self.manual_backward(loss / self.cfg.grad_accum)
         self._micro += 1
-        if self._micro < self.cfg.grad_accum:
+        if not last:
             return
         self._micro = 0
         if self.cfg.grad_clip > 0:
@@ -144,22 +149,28 @@ class HeadModule(L.LightningModule):
         opt.step()
         opt.zero_grad(set_to_none=True)
         sched.step()
-        self._log_step(loss, stats)
+        lr = sched.get_last_lr()[0]
+        self.log("loss", loss.detach(), prog_bar=True, rank_zero_only=True)
+        self.log("lr", lr, rank_zero_only=True)
+        self.last_train = {"step": self.global_step, "loss": float(loss.detach()), "lr": lr}
+        if logged:
+            for j, (r, c) in enumerate(zip(stats["rows"], stats["correct"])):
+                if r:
+                    self.log(f"train_top1_{j}", c / r, rank_zero_only=True)
 
-    def _log_step(self, loss: torch.Tensor, stats: dict[str, Any]) -> None:
+    def sync_tokens(self) -> int:
+        """Training tokens over all ranks (a collective: every rank calls it at the same step)."""
+        local = torch.tensor(float(self.local_tokens), device=self.device)
+        self.tokens_seen = self.tokens_base + int(self.trainer.strategy.reduce(local, reduce_op="sum"))
+        return self.tokens_seen
+
+    def log_row(self) -> dict[str, Any]:
+        """The learning-curve row of this step (a collective, see sync_tokens)."""
+        tokens = self.sync_tokens()
         now = time.perf_counter()
-        rate = (self.tokens_seen - self._tok0) / max(now - self._t0, 1e-9)
-        self._t0, self._tok0 = now, self.tokens_seen
-        self.log("loss", float(loss), prog_bar=True, rank_zero_only=True)
-        self.log("tok_s", rate, prog_bar=True, rank_zero_only=True)
-        self.log("lr", self.lr_schedulers().get_last_lr()[0], rank_zero_only=True)
-        self.log("tokens", float(self.tokens_seen), rank_zero_only=True)
-        for j, (r, c) in enumerate(zip(stats["rows"], stats["correct"])):
-            if r:
-                self.log(f"train_top1_{j}", c / r, rank_zero_only=True)
-        self.last_train = {"step": self.global_step, "loss": float(loss), "tok_s": rate,
-                           "lr": self.lr_schedulers().get_last_lr()[0], "tokens": self.tokens_seen,
-                           "epoch": None}
+        rate = (tokens - self._tok0) / max(now - self._t0, 1e-9)
+        self._t0, self._tok0 = now, tokens
+        return {**getattr(self, "last_train", {}), "step": self.global_step, "tokens": tokens, "tok_s": rate}
 
     @torch.no_grad()
     def heldout_metrics(self, batches: list[PackedBatch]) -> dict[str, Any]:
@@ -204,6 +215,7 @@ class HeadModule(L.LightningModule):
     # ---------------------------------------------------------------------------------- resume
 
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        # tokens_seen was synced by the caller (a collective cannot run inside the save).
         checkpoint["headstart"] = {"consumed": self.consumed, "tokens_seen": self.tokens_seen,
                                    "skipped_steps": self.skipped_steps}
         # The frozen target is rebuilt from its files on resume; only the head is checkpointed.
@@ -212,8 +224,7 @@ class HeadModule(L.LightningModule):
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         info = checkpoint.get("headstart", {})
         self.consumed = info.get("consumed", 0)
-        self.tokens_seen = info.get("tokens_seen", 0)
-        self._tok0 = self.tokens_seen
+        self.tokens_seen = self.tokens_base = self._tok0 = info.get("tokens_seen", 0)
         self.skipped_steps = info.get("skipped_steps", 0)
         state = self.state_dict()
         for k, v in state.items():  # put the target back so strict loading succeeds

@@ -12,6 +12,7 @@ from __future__ import annotations
 import csv
 import json
 import os
+import zipfile
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +24,7 @@ from headstart.config import Recipe
 from headstart.errors import ConfigError, DataError, HeadstartError
 from headstart.fileio import atomic_write_text, check_output_path
 from headstart.heads import build_head, head_config_from_recipe, save_head
+from headstart.heads.base import check_head_output
 from headstart.train.data import PackedStream, ShardSequences, TokenSequences, TrainData, pack
 from headstart.train.module import HeadModule
 from headstart.train.validate import engine_acceptance, heldout_prompts
@@ -32,6 +34,8 @@ FORMAT = "headstart-train/1"
 RESUMABLE_CHANGES = ("train.max_steps", "train.epochs", "train.val_every_steps", "train.val_prompts",
                      "train.val_max_tokens", "train.val_loss_batches", "train.ckpt_every_steps", "train.num_workers",
                      "logging", "trainer", "name", "precompute", "regenerate", "output_dir")
+# Outputs of a training run; an output_dir holding any of them without train.json is someone else's.
+RUN_OUTPUTS = ("metrics.csv", "metrics.json", "checkpoints", "head-final", "head-best")
 
 
 def run_dir(recipe: Recipe) -> Path:
@@ -49,9 +53,12 @@ def _flat(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
     return out
 
 
-def _identity(recipe: Recipe, target_fp: str, data_fp: str) -> dict[str, Any]:
+def _identity(recipe: Recipe, target_fp: str, data_fp: str, resolved: dict[str, Any]) -> dict[str, Any]:
+    """What a resume must match. `resolved` adds what the recipe leaves open (auto dtype/precision)
+    and the world size, which fixes how micro-batches are split across ranks."""
     flat = {k: v for k, v in _flat(recipe.to_dict()).items()
             if not any(k == p or k.startswith(p + ".") for p in RESUMABLE_CHANGES)}
+    flat.update(resolved)
     return {"format": FORMAT, "target_fingerprint": target_fp, "data_fingerprint": data_fp, "recipe": flat}
 
 
@@ -62,12 +69,22 @@ def _check_resume(out: Path, identity: dict[str, Any], resume: bool, rank: int =
     if not resume and rank != 0:
         return None
     if not resume:
-        if info.exists() or last.exists():
+        if last.exists():
             raise ConfigError(f"{out} holds a training run already; pass --resume to continue it, or choose "
                               "another output_dir")
-        return None
+        foreign = [n for n in RUN_OUTPUTS if (out / n).exists()]
+        if foreign and not info.exists():
+            raise ConfigError(f"{out} holds {', '.join(foreign)} that no training run of headstart wrote (no "
+                              "train.json); choose another output_dir")
+        for name in ("head-final", "head-best"):
+            check_head_output(out / name, overwrite=True)  # refused up front, not after hours of training
+        return None  # a run that died before its first checkpoint starts afresh
     if not info.exists() or not last.exists():
-        raise ConfigError(f"--resume: {out} holds no training run to resume (no train.json / checkpoints/last.ckpt)")
+        raise ConfigError(f"--resume: {out} holds no checkpoint to resume (train.json / checkpoints/last.ckpt); "
+                          "run without --resume to start")
+    if not zipfile.is_zipfile(last):
+        raise DataError(f"{last}: damaged (not a complete checkpoint archive); restore it from a copy, or delete "
+                        f"the checkpoints directory to start over")
     try:
         prev = json.loads(info.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError):
@@ -96,40 +113,44 @@ class CurveWriter:
 
     def __init__(self, path: Path) -> None:
         self.path = path
-        self.rows: list[dict[str, Any]] = []
 
     def start(self, step: int) -> None:
-        """Keep the rows of steps <= `step` (0 on a fresh run): a resumed run rewrites what followed."""
-        if step and self.path.exists():
-            with open(self.path, newline="") as f:
-                self.rows = [r for r in csv.DictReader(f) if int(r["step"]) <= step]
-        self._flush()
-
-    def add(self, row: dict[str, Any]) -> None:
-        self.rows.append({k: (json.dumps(v) if isinstance(v, list) else v) for k, v in row.items() if k in self.FIELDS})
-        self._flush()
-
-    def _flush(self) -> None:
+        """Keep the rows of steps <= `step` (0 on a fresh run; a row cut by a crash is dropped), written
+        atomically; later rows are appended."""
         import io
 
+        rows = []
+        if step and self.path.exists():
+            with open(self.path, newline="") as f:
+                rows = [r for r in csv.DictReader(f) if r.get("step", "").isdigit() and int(r["step"]) <= step
+                        and r.get(self.FIELDS[-1]) is not None]
         buf = io.StringIO()
         w = csv.DictWriter(buf, fieldnames=self.FIELDS)
         w.writeheader()
-        w.writerows(self.rows)
+        w.writerows(rows)
         atomic_write_text(self.path, buf.getvalue())
+
+    def add(self, row: dict[str, Any]) -> None:
+        with open(self.path, "a", newline="") as f:
+            csv.DictWriter(f, fieldnames=self.FIELDS).writerow(
+                {k: (json.dumps(v) if isinstance(v, list) else v) for k, v in row.items() if k in self.FIELDS})
 
 
 class Outputs(L.Callback):
-    """Rank 0: engine validation every train.val_every_steps and at the end, head-best / head-final,
-    metrics.json and metrics.csv."""
+    """Everything that happens on optimizer-step boundaries: the curve row (rank 0), the checkpoint
+    (all ranks), engine validation every train.val_every_steps and at the end (rank 0), head-best /
+    head-final, metrics.json. Acting only when the step has just advanced keeps a checkpoint from
+    landing between the micro-batches of an accumulation, and a resumed step from validating twice."""
 
     def __init__(self, run: TrainRun, curve: CurveWriter | None) -> None:
         self.run, self.curve = run, curve
         self.best_tau = run.best_tau
+        self.seen_step = 0
         self.last_val_step = -1
-        self.last_log_step = -1
+        self.last_ckpt_step = -1
 
     def on_train_start(self, trainer: L.Trainer, module: HeadModule) -> None:
+        self.seen_step = self.last_ckpt_step = trainer.global_step
         if self.curve:
             self.curve.start(trainer.global_step)
         if trainer.global_step and trainer.is_global_zero:
@@ -138,20 +159,42 @@ class Outputs(L.Callback):
 
     def on_train_batch_end(self, trainer: L.Trainer, module: HeadModule, *args: Any) -> None:
         step = trainer.global_step
-        every = self.run.recipe.logging.every_steps
-        if trainer.is_global_zero and self.curve and step != self.last_log_step and step % every == 0 \
-                and getattr(module, "last_train", None) and module.last_train["step"] == step:
-            self.last_log_step = step
-            self.curve.add({"kind": "train", **module.last_train})
-        ve = self.run.recipe.train.val_every_steps
-        if ve and step > 0 and step % ve == 0 and step != self.last_val_step and step < trainer.max_steps:
+        if step == self.seen_step:  # mid-accumulation, or a skipped (non-finite) step
+            return
+        self.seen_step = step
+        cfg = self.run.recipe
+        if step % cfg.logging.every_steps == 0:
+            row = module.log_row()  # all ranks: it reduces the token count
+            module.log("tok_s", row["tok_s"], prog_bar=True, rank_zero_only=True)
+            if trainer.is_global_zero and self.curve:
+                self.curve.add({"kind": "train", **row})
+        if step % cfg.train.ckpt_every_steps == 0:
+            self.checkpoint(trainer)
+        ve = cfg.train.val_every_steps
+        if ve and step % ve == 0 and step < trainer.max_steps:
+            module.sync_tokens()
             self.validate(trainer, module)
 
     def on_train_end(self, trainer: L.Trainer, module: HeadModule) -> None:
+        module.log_row()
+        if trainer.global_step != self.last_ckpt_step:
+            self.checkpoint(trainer)
         if trainer.global_step != self.last_val_step:
             self.validate(trainer, module)
         if trainer.is_global_zero:
             save_head(module.head, run_dir(self.run.recipe) / "head-final", overwrite=True)
+
+    def checkpoint(self, trainer: L.Trainer) -> None:
+        """checkpoints/last.ckpt, written under a temporary name and renamed: a kill mid-write keeps
+        the previous checkpoint."""
+        self.last_ckpt_step = trainer.global_step
+        trainer.lightning_module.sync_tokens()
+        d = run_dir(self.run.recipe) / "checkpoints"
+        tmp = d / f".last.ckpt.tmp-{os.getpid()}"
+        trainer.save_checkpoint(str(tmp))  # every rank takes part; rank 0 writes
+        if trainer.is_global_zero:
+            os.replace(tmp, d / "last.ckpt")
+        trainer.strategy.barrier("checkpoint")
 
     def validate(self, trainer: L.Trainer, module: HeadModule) -> None:
         self.last_val_step = trainer.global_step
@@ -198,6 +241,16 @@ def _f(x: float | None) -> str:
     return "n/a" if x is None else f"{x:.3f}"
 
 
+def global_rank(devices: int) -> int:
+    """This process's rank before Lightning has set up: torchrun sets RANK, SLURM sets SLURM_PROCID,
+    Lightning's own launcher sets NODE_RANK and LOCAL_RANK."""
+    env = os.environ
+    for key in ("RANK", "SLURM_PROCID"):
+        if key in env:
+            return int(env[key])
+    return int(env.get("NODE_RANK", "0")) * devices + int(env.get("LOCAL_RANK", "0"))
+
+
 class TrainRun:
     """Everything one `headstart train` builds: target, head, data, module, trainer."""
 
@@ -209,16 +262,19 @@ class TrainRun:
 
         self.recipe, self.progress = recipe, progress
         cfg, tr = recipe.train, recipe.trainer
-        env = os.environ  # torchrun / SLURM set RANK; Lightning's launcher sets NODE_RANK and LOCAL_RANK
-        self.rank = int(env["RANK"]) if "RANK" in env else \
-            int(env.get("NODE_RANK", "0")) * tr.devices + int(env.get("LOCAL_RANK", "0"))
+        self.rank = global_rank(tr.devices)
         self.world = tr.devices * tr.num_nodes
         out = run_dir(recipe)
         check_output_path(out, replaces=lambda p: True)  # resolves; refuses '.', '..', root, links
         if out.exists() and not out.is_dir():
             raise ConfigError(f"output_dir {out} is a file")
-        self.precision = resolve_precision(tr.precision, tr.accelerator)
         use_cuda = tr.accelerator in ("gpu", "cuda") or (tr.accelerator == "auto" and torch.cuda.is_available())
+        if use_cuda and not torch.cuda.is_available():
+            raise ConfigError(f"trainer.accelerator={tr.accelerator} but no CUDA GPU is visible here; use "
+                              "trainer.accelerator: cpu (or auto)")
+        if tr.strategy == "fsdp" and not use_cuda:
+            raise ConfigError("trainer.strategy=fsdp needs GPUs; on CPU use ddp (gloo) or auto")
+        self.precision = resolve_precision(tr.precision, tr.accelerator)
         device = "cuda" if use_cuda else "cpu"
         self.dtype = resolve_dtype(recipe.target.dtype, device)
         if self.precision.startswith("32") and self.dtype != "fp32":
@@ -235,6 +291,9 @@ class TrainRun:
                             f"heldout_fraction={recipe.data.heldout_fraction}); nothing to train on")
         self.head = build_head(head_config_from_recipe(recipe.head), self.target,
                                init_from_target=recipe.head.init_from_target)
+        if cfg.loss_weights.kl == 0 and self.head.config.head_type in ("eagle3", "medusa", "draft_lm"):
+            raise ConfigError(f"train.loss_weights.kl=0: a {self.head.config.head_type} head learns from the KL "
+                              "term only (it has no feature loss), so nothing would be trained")
         if self.head.config.head_type in ("eagle3", "medusa") and self.head.config.draft_vocab_size:
             self._install_draft_vocab(built.train)
         if self.precision != "bf16-true":
@@ -257,7 +316,9 @@ class TrainRun:
         if len(self.prompts) < cfg.val_prompts and self.rank == 0:
             print(f"train: train.val_prompts={cfg.val_prompts} but the held-out split has {len(self.prompts)} "
                   f"prompts; validating on {len(self.prompts)}", flush=True)
-        self.identity = _identity(recipe, self.target.fingerprint(), built.fingerprint)
+        self.identity = _identity(recipe, self.target.fingerprint(), built.fingerprint,
+                                  {"resolved.dtype": self.dtype, "resolved.precision": self.precision,
+                                   "resolved.world_size": self.world})
         self.ckpt = _check_resume(out, self.identity, resume, self.rank)
         self.best_tau = None
         if self.rank == 0:
@@ -294,7 +355,6 @@ class TrainRun:
         return metrics
 
     def trainer(self) -> L.Trainer:
-        from lightning.pytorch.callbacks import ModelCheckpoint
         from lightning.pytorch.loggers import CSVLogger
 
         recipe, tr = self.recipe, self.recipe.trainer
@@ -315,11 +375,7 @@ class TrainRun:
             from lightning.pytorch.strategies import DDPStrategy
 
             strategy = DDPStrategy(process_group_backend="gloo")
-        callbacks: list[Any] = [
-            ModelCheckpoint(dirpath=str(out / "checkpoints"), every_n_train_steps=recipe.train.ckpt_every_steps,
-                            save_last=True, save_top_k=0),
-            Outputs(self, self.curve),
-        ]
+        callbacks: list[Any] = [Outputs(self, self.curve)]
         if self.progress:
             callbacks.append(StepProgressBar(leave=True))
         return L.Trainer(
@@ -327,7 +383,7 @@ class TrainRun:
             strategy=strategy, precision=self.precision, max_steps=recipe.train.max_steps, max_epochs=1,
             logger=loggers, callbacks=callbacks, enable_progress_bar=self.progress, log_every_n_steps=1,
             enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0, use_distributed_sampler=False,
-            enable_checkpointing=True, default_root_dir=str(out),
+            enable_checkpointing=False, default_root_dir=str(out),
         )
 
     def fit(self) -> dict[str, Any]:
