@@ -74,6 +74,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tree-topk", type=int, default=4, help="--spec tree: children expanded per node")
     p.add_argument("--tree-tokens", type=int, default=16, help="--spec tree: draft tokens verified per step")
     p.add_argument("--tree-depth", type=int, default=5, help="--spec tree: draft depth")
+    p.add_argument("--allow-other-target", action="store_true",
+                   help="use a head trained for a same-shaped target with other weights (warns)")
     p.set_defaults(func=cmd_generate)
 
     p = verbs.add_parser(
@@ -191,7 +193,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     else:
         ids = [str(i) for i in range(len(args.prompt))]
         prompts = list(args.prompt)
-    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    device = _device(args.device)
     try:
         params = [
             SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
@@ -202,10 +204,10 @@ def cmd_generate(args: argparse.Namespace) -> int:
         spec = None
         if args.spec == "tree":
             spec = SpecConfig(method="tree", head=args.head, k=args.tree_depth, tree_topk=args.tree_topk,
-                              tree_tokens=args.tree_tokens)
+                              tree_tokens=args.tree_tokens, allow_other_target=args.allow_other_target)
         elif args.spec is not None:
             spec = SpecConfig(method=args.spec, k=args.k, head=args.head, draft=args.draft,
-                              draft_sampling=args.draft_sampling)
+                              draft_sampling=args.draft_sampling, allow_other_target=args.allow_other_target)
         from headstart.hardware import resolve_dtype
 
         args.dtype = resolve_dtype(args.dtype, device)
@@ -327,8 +329,11 @@ def cmd_head_init(args: argparse.Namespace) -> int:
     from headstart.models.llama import load_llama
 
     check_head_output(args.out, overwrite=args.force)  # before the target loads: a wrong --out costs nothing
+    try:
+        cfg = HeadConfig(head_type=args.type, num_layers=args.num_layers, medusa_num_heads=args.medusa_heads)
+    except ValueError as e:
+        raise HeadstartError(f"head init: {e}") from None
     target = load_llama(resolve_model(args.model), dtype=args.dtype)
-    cfg = HeadConfig(head_type=args.type, num_layers=args.num_layers, medusa_num_heads=args.medusa_heads)
     head = build_head(cfg, target)
     path = save_head(head, args.out, overwrite=args.force)
     n = sum(p.numel() for p in head.trainable_parameters())
@@ -338,6 +343,26 @@ def cmd_head_init(args: argparse.Namespace) -> int:
 
 def _reasons(skipped: dict[str, int]) -> str:
     return ", ".join(f"{r} {n}" for r, n in sorted(skipped.items(), key=lambda kv: -kv[1]))
+
+
+def _device(name: str | None) -> str:
+    """--device: cpu or cuda[:N], checked (default: cuda if available)."""
+    import torch
+
+    if name is None:
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    try:
+        dev = torch.device(name)
+    except RuntimeError:
+        raise HeadstartError(f"--device {name[:40]!r}: not a device; use cpu or cuda[:N]") from None
+    if dev.type not in ("cpu", "cuda"):
+        raise HeadstartError(f"--device {name[:40]!r}: headstart runs on cpu or cuda[:N]")
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise HeadstartError(f"--device {name}: no CUDA GPU is visible here; use --device cpu")
+        if dev.index is not None and dev.index >= torch.cuda.device_count():
+            raise HeadstartError(f"--device {name}: only {torch.cuda.device_count()} GPU(s) are visible")
+    return name
 
 
 def _print_sample(built: Any, index: int | None, mark: Any) -> None:
@@ -352,8 +377,7 @@ def _print_sample(built: Any, index: int | None, mark: Any) -> None:
                 index = i
                 break
     if not 0 <= index < len(ds):
-        print(f"--sample {index}: out of range (0..{len(ds) - 1})", file=sys.stderr)
-        return
+        raise HeadstartError(f"--sample {index}: out of range (0..{len(ds) - 1})")
     row = ds[index]
     print(f"\nsample {index} (id {row['id']}, {row['num_tokens']} tokens, {row['num_supervised']} supervised; "
           "supervised spans are marked ⟦...⟧):\n")

@@ -15,6 +15,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from headstart.config import HeadSection
+from headstart.errors import AssetError
 from headstart.heads.base import (
     HEAD_TYPES,
     DraftHead,
@@ -22,6 +23,7 @@ from headstart.heads.base import (
     PackedBatch,
     Shifted,
     check_compatible,
+    _read_head_config,
     is_head_checkpoint,
     load_head_state,
     read_head_config,
@@ -61,13 +63,24 @@ def build_head(config: HeadConfig, target: LlamaForCausalLM, init_from_target: b
     return head
 
 
-def load_head(path: str | Path, target: LlamaForCausalLM) -> DraftHead:
-    """Load a native checkpoint; a head made for another target is refused with both values named."""
-    cfg = read_head_config(path)
-    check_compatible(cfg, target, where=str(path))
+def load_head(path: str | Path, target: LlamaForCausalLM, *, allow_other_target: bool = False) -> DraftHead:
+    """Load a native checkpoint, its weights checked against the recorded sha256. A head made for
+    another target is refused with both values named; one made for a target of the same shape but
+    other weights is refused unless `allow_other_target` (then a warning)."""
+    cfg, sha = _read_head_config(path)
+    check_compatible(cfg, target, where=str(Path(path) / "config.json"))
+    recorded, actual = cfg.target.get("fingerprint"), target.fingerprint()
+    if recorded and recorded != actual:
+        msg = (f"{path}: the head was trained for target {recorded[:12]}…, this target is {actual[:12]}… (same "
+               "shape, other weights)")
+        if not allow_other_target:
+            raise AssetError(msg + "; pass --allow-other-target to use it anyway")
+        import warnings
+
+        warnings.warn(msg + "; acceptance may be poor", stacklevel=2)
     weight = target.model.embed_tokens.weight
     head = FAMILIES[cfg.head_type](cfg, target).to(device=weight.device, dtype=weight.dtype)
-    load_head_state(head, path)
+    load_head_state(head, path, sha)
     return head
 
 

@@ -28,7 +28,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from headstart.errors import AssetError
-from headstart.fileio import atomic_path, check_output_path
+from headstart.fileio import atomic_path, check_output_path, sha256_file
 from headstart.models.llama import LlamaForCausalLM
 from headstart.nn.attention import AttentionBackend, AttentionMetadata, KVPages
 from headstart.nn.decoder import DecoderLayerConfig
@@ -80,6 +80,9 @@ class HeadConfig:
             raise ValueError(f"unknown head type {self.head_type!r}; choose one of {', '.join(HEAD_TYPES)}")
         if self.num_layers < 1:
             raise ValueError(f"num_layers must be >= 1, got {self.num_layers}")
+        if self.medusa_num_heads < 1 or self.medusa_num_layers < 1:
+            raise ValueError(f"medusa_num_heads and medusa_num_layers must be >= 1, got {self.medusa_num_heads} "
+                             f"and {self.medusa_num_layers}")
         for name, value in EAGLE_FLAGS.get(self.head_type, {}).items():
             if getattr(self, name) is None:
                 setattr(self, name, value)
@@ -133,6 +136,19 @@ def check_compatible(cfg: HeadConfig, target: LlamaForCausalLM, where: str) -> N
             )
     if cfg.draft_vocab_size is not None and not 0 < cfg.draft_vocab_size <= t.vocab_size:
         raise AssetError(f"{where}: draft_vocab_size={cfg.draft_vocab_size} exceeds the target vocab {t.vocab_size}")
+    # Sane bounds relative to the target, checked before anything is allocated: a config file saying
+    # num_layers: 10**9 must be an error, not an out-of-memory kill.
+    bounds = (("num_layers", cfg.num_layers, t.num_hidden_layers),
+              ("intermediate_size", cfg.intermediate_size, 8 * t.intermediate_size),
+              ("hidden_size", cfg.hidden_size, 2 * t.hidden_size),
+              ("num_attention_heads", cfg.num_attention_heads, 4 * t.num_attention_heads),
+              ("num_key_value_heads", cfg.num_key_value_heads, 4 * t.num_attention_heads),
+              ("head_dim", cfg.head_dim, 4 * t.head_dim),
+              ("medusa_num_heads", cfg.medusa_num_heads, 32), ("medusa_num_layers", cfg.medusa_num_layers, 16))
+    for key, value, most in bounds:
+        if value is not None and not (isinstance(value, int) and 1 <= value <= most):
+            raise AssetError(f"{where}: {key}={str(value)[:20]} is outside 1..{most} for this target "
+                             f"({t.num_hidden_layers} layers, hidden {t.hidden_size})")
 
 
 @dataclass
@@ -314,8 +330,9 @@ def save_head(head: DraftHead, path: str | Path, *, overwrite: bool = False) -> 
     with atomic_path(Path(path), **_head_output_rules(path, overwrite)) as tmp:
         path = Path(path).resolve()
         tmp.mkdir()
-        (tmp / "config.json").write_text(json.dumps(cfg, indent=2))
         save_file(state, str(tmp / "model.safetensors"))
+        cfg["weights_sha256"] = sha256_file(tmp / "model.safetensors")  # checked on load
+        (tmp / "config.json").write_text(json.dumps(cfg, indent=2))
     return path
 
 
@@ -341,11 +358,22 @@ def is_head_checkpoint(path: str | Path) -> bool:
 
 
 def read_head_config(path: str | Path) -> HeadConfig:
+    return _read_head_config(path)[0]
+
+
+def _read_head_config(path: str | Path) -> tuple[HeadConfig, str | None]:
+    """(config, recorded sha256 of model.safetensors or None for checkpoints written before it was)."""
     path = Path(path)
     f = path / "config.json"
     if not f.is_file():
         raise AssetError(f"{path}: not a head checkpoint (no config.json)")
-    raw = json.loads(f.read_text())
+    try:
+        raw = json.loads(f.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise AssetError(f"{f}: not valid JSON ({str(e)[:80]}); the head checkpoint is damaged") from None
+    if not isinstance(raw, dict):
+        raise AssetError(f"{f}: expected a JSON object, got {type(raw).__name__}; the head checkpoint is damaged")
+    sha = raw.pop("weights_sha256", None)
     raw.pop("hidden_state_convention", None)
     fmt = raw.pop("format", None)
     if fmt != "headstart-head/1":
@@ -353,13 +381,24 @@ def read_head_config(path: str | Path) -> HeadConfig:
     known = {f.name for f in dataclasses.fields(HeadConfig)}
     unknown = sorted(set(raw) - known)
     if unknown:
-        raise AssetError(f"{f}: unknown keys {unknown}")
-    return HeadConfig(**raw)
+        raise AssetError(f"{f}: unknown keys {[k[:40] for k in unknown[:8]]}")
+    try:
+        return HeadConfig(**raw), sha
+    except (TypeError, ValueError) as e:
+        raise AssetError(f"{f}: {str(e)[:200]}") from None
 
 
-def load_head_state(head: DraftHead, path: str | Path) -> None:
+def load_head_state(head: DraftHead, path: str | Path, sha256: str | None = None) -> None:
     f = Path(path) / "model.safetensors"
-    state = load_file(str(f))
+    if not f.is_file():
+        raise AssetError(f"{f}: missing; the head checkpoint is incomplete")
+    if sha256 is not None and sha256_file(f) != sha256:
+        raise AssetError(f"{f}: its sha256 differs from the one recorded in config.json (altered, truncated or "
+                         "corrupted)")
+    try:
+        state = load_file(str(f))
+    except Exception as e:  # safetensors raises its own error types for a damaged file
+        raise AssetError(f"{f}: unreadable ({str(e)[:120]})") from None
     missing, unexpected = head.load_state_dict(state, strict=False)
     if missing or unexpected:
         raise AssetError(f"{f}: tensors missing {missing} / unexpected {unexpected}")

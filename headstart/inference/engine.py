@@ -77,6 +77,12 @@ class Engine:
         fast_gemv: bool = True,
         spec: SpecConfig | None = None,
     ) -> None:
+        for name, value in (("page_size", page_size), ("max_batch_size", max_batch_size),
+                            ("max_batched_tokens", max_batched_tokens)):
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+        if num_pages is not None and num_pages < 1:
+            raise ValueError(f"num_pages must be >= 1, got {num_pages}")
         self.device = torch.device(device)
         if isinstance(model, LlamaForCausalLM):
             self.model = model
@@ -101,6 +107,10 @@ class Engine:
         kv_spec = KVCacheSpec(num_layers=cfg.num_hidden_layers, num_kv_heads=cfg.num_key_value_heads,
                               head_dim=cfg.head_dim, dtype=self.model.dtype)
         self.spec = spec
+        if spec is not None and spec.lookahead >= self.max_model_len:
+            what = "tree_tokens / tree_topk x depth" if spec.method == "tree" else "k"
+            raise ValueError(f"speculation would reserve {spec.lookahead} KV slots per step ({what}), more than the "
+                             f"model's context of {self.max_model_len}: it could never run; lower {what}")
         draft = self._resolve_draft(spec, dtype) if spec is not None else None
         draft_spec = draft_kv_spec(draft) if draft is not None else None
         specs = [kv_spec] + ([draft_spec] if draft_spec is not None else [])
@@ -272,7 +282,7 @@ class Engine:
             if head is None:
                 raise ValueError(f"--spec {spec.method} needs a head (a checkpoint directory)")
             if not isinstance(head, DraftHead):
-                head = load_head(head, self.model)
+                head = load_head(head, self.model, allow_other_target=spec.allow_other_target)
             kinds = ("medusa",) if spec.method == "medusa" else ("mtp", "eagle1", "deepseek_mtp", "eagle3")
             if head.config.head_type not in kinds:
                 raise ValueError(f"--spec {spec.method} cannot use a {head.config.head_type!r} head "
@@ -287,7 +297,7 @@ class Engine:
 
             path = Path(str(draft))
             if is_head_checkpoint(path):
-                head = load_head(path, self.model)
+                head = load_head(path, self.model, allow_other_target=spec.allow_other_target)
                 if not isinstance(head, DraftLM):
                     raise ValueError(f"{path}: a {head.config.head_type!r} head is not a draft model")
                 return head

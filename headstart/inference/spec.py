@@ -37,6 +37,7 @@ class SpecConfig:
     draft_sampling: bool = False  # sample drafts from q and verify with the full-q rule (else argmax + one-hot)
     tree_topk: int = 4  # tree: children per expanded node, and nodes expanded per depth
     tree_tokens: int = 16  # tree: draft tokens kept after reranking (verified in one pass); k is the depth
+    allow_other_target: bool = False  # load a head checkpoint made for a same-shaped target with other weights
 
     def __post_init__(self) -> None:
         if self.method not in ("chain", "draft", "medusa", "tree"):
