@@ -97,6 +97,8 @@ def _check_resume(out: Path, identity: dict[str, Any], resume: bool, rank: int =
             diffs.append(f"{key.split('_')[0]} ({str(prev.get(key))[:12]}… -> {identity[key][:12]}…)")
     old, new = prev.get("recipe", {}), identity["recipe"]
     for key in sorted(set(old) | set(new)):
+        if key not in old:  # recorded by an older headstart that did not know this key
+            continue
         if old.get(key) != new.get(key):
             diffs.append(f"{key} ({old.get(key)!r:.40} -> {new.get(key)!r:.40})")
     if diffs:
