@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import reprlib
 import types
 import typing
 from dataclasses import dataclass, field
@@ -266,7 +267,7 @@ def apply_overrides(raw: dict[str, Any], overrides: list[str]) -> set[str]:
     keys = set()
     for item in overrides:
         if "=" not in item:
-            raise ConfigError(f"--set {item!r}: expected key=value, e.g. --set data.limit=200")
+            raise ConfigError(f"--set {_REPR.repr(item)}: expected key=value, e.g. --set data.limit=200")
         key, _, text = item.partition("=")
         key = key.strip()
         _check_key_path(key)
@@ -299,6 +300,7 @@ def _check_key_path(key: str) -> None:
 
 
 def _unknown(name: str, known: dict[str, Any], section: str) -> str:
+    name = name if len(name) <= 60 else name[:60] + "…"
     full = f"{section}.{name}" if section else name
     hint = difflib.get_close_matches(name, list(known), n=1)
     msg = f"unknown key '{full}'"
@@ -363,8 +365,14 @@ def _coerce(tp: Any, value: Any, key: str, where: typing.Callable[[str], str]) -
     raise ConfigError(f"{where(key)}: '{key}' must be {tp.__name__}, got {_show(value)}")
 
 
+_REPR = reprlib.Repr()  # attributes, not keyword arguments: Python 3.10/3.11 take none
+_REPR.maxlevel, _REPR.maxlist, _REPR.maxdict, _REPR.maxstring, _REPR.maxother = 2, 4, 4, 60, 60
+
+
 def _show(value: Any) -> str:
-    return f"{type(value).__name__} {value!r}" if value is not None else "null"
+    """A short, bounded rendering of a bad value: a YAML alias bomb or a 100 KB string never reaches
+    the message whole (reprlib stops at a fixed depth, length and width)."""
+    return f"{type(value).__name__} {_REPR.repr(value)}" if value is not None else "null"
 
 
 def dump_recipe(recipe: Recipe) -> str:

@@ -95,3 +95,19 @@ def test_data_inspect_sample_out_of_range_fails(tmp_path, chat_model_dir, capsys
     r = tmp_path / "r.yaml"
     r.write_text(f"target:\n  model: {chat_model_dir}\ndata:\n  source: {src}\n  heldout_fraction: 0.0\n")
     _fails(capsys, ["data", "inspect", str(r), "--sample", "999"], "--sample 999: out of range")
+
+
+def test_a_huge_bad_value_is_not_echoed_whole(tmp_path, chat_model_dir, capsys):
+    from conftest import write_jsonl
+
+    rows = [{"id": f"r{i}", "conversations": [{"from": "human", "value": "hi"}, {"from": "gpt", "value": "yo"}]}
+            for i in range(4)]
+    rows.append({"id": "bad", "conversations": [{"from": "x" * 100_000, "value": "hi"}]})
+    src = write_jsonl(tmp_path / "d.jsonl", rows)
+    r = tmp_path / "r.yaml"
+    r.write_text(f"target:\n  model: {chat_model_dir}\ndata:\n  source: {src}\n  heldout_fraction: 0.0\n")
+    assert main(["data", "inspect", str(r), "--json"]) == 0
+    out = capsys.readouterr()
+    stats = json.loads(out.out)
+    assert stats["skipped"] == {"unknown_role": 1}
+    assert len(out.out) < 5000 and "x" * 100 not in out.out

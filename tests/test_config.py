@@ -98,3 +98,22 @@ def test_set_errors_say_set(tmp_path):
 def test_defaults_and_round_trip():
     r = recipe_from_dict({})
     assert recipe_from_dict(r.to_dict()) == r
+
+
+def test_a_yaml_alias_bomb_is_a_short_error(tmp_path):
+    rows = ['  - &a ["x","x","x","x","x","x","x","x","x"]']
+    for prev, cur in zip("abcdefg", "bcdefgh"):
+        rows.append(f"  - &{cur} [" + ",".join([f"*{prev}"] * 9) + "]")
+    p = _write(tmp_path, "name:\n" + "\n".join(rows) + "\n")  # 9^8 strings if expanded
+    with pytest.raises(ConfigError) as e:
+        load_recipe(p)
+    assert "'name' must be str" in str(e.value) and len(str(e.value)) < 400
+
+
+def test_long_bad_values_are_cut_in_messages(tmp_path):
+    with pytest.raises(ConfigError) as e:
+        load_recipe(_write(tmp_path, f"target:\n  dtype: {'q' * 100_000}\n"))
+    assert len(str(e.value)) < 400
+    with pytest.raises(ConfigError) as e:
+        load_recipe(_write(tmp_path, f"{'k' * 100_000}: 1\n"))
+    assert len(str(e.value)) < 600

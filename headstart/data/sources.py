@@ -142,7 +142,8 @@ def normalise(
         if role is None:
             raise _Skip("missing_role", f"{key}[{i}].{role_key}")
         if not isinstance(role, str) or role.strip().lower() not in ROLE_ALIASES:
-            raise _Skip("unknown_role", f"{key}[{i}].{role_key}={role!r}")
+            shown = repr(role) if len(repr(role)) <= 40 else repr(role)[:40] + "…"  # cap what is echoed
+            raise _Skip("unknown_role", f"{key}[{i}].{role_key}={shown}")
         if not isinstance(content, str):
             raise _Skip("non_string_content", f"{key}[{i}].{content_key}")
         if not content.strip():
