@@ -199,3 +199,17 @@ def test_two_gloo_processes_equal_one(tmp_path, model_dir):
     assert _shard_bytes(tmp_path / "two" / "precompute") == _shard_bytes(tmp_path / "one" / "precompute")
     assert read_manifest(tmp_path / "two" / "precompute")["shards"] == \
         read_manifest(tmp_path / "one" / "precompute")["shards"]
+
+
+def test_touching_or_rewriting_the_data_with_the_same_bytes_keeps_resume_working(tmp_path, model_dir):
+    path = _recipe(tmp_path, model_dir, name="t", n=30)
+    assert main(["precompute", str(path)]) == 0
+    data = tmp_path / "t.jsonl"
+    os.utime(data, (time.time() + 100, time.time() + 100))  # `touch`
+    assert main(["precompute", str(path), "--resume"]) == 0
+    data.write_bytes(data.read_bytes())  # rewritten, same content (as a re-salvaged cache is)
+    assert main(["precompute", str(path), "--resume"]) == 0
+    with open(data, "a") as f:  # a real change is still refused
+        f.write(json.dumps({"id": "new", "conversations": [{"from": "human", "value": "x y"},
+                                                          {"from": "gpt", "value": "z w"}]}) + "\n")
+    assert main(["precompute", str(path), "--resume"]) == 2
