@@ -175,8 +175,6 @@ def cmd_data_inspect(args: argparse.Namespace) -> int:
 def cmd_generate(args: argparse.Namespace) -> int:
     import time
 
-    import torch
-
     from headstart.data.sources import read_prompts
     from headstart.inference import Engine, SamplingParams
     from headstart.inference.spec import SpecConfig

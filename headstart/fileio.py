@@ -75,10 +75,32 @@ def check_output_path(path: str | Path, *, replaces: Callable[[Path], bool] | No
 
 def atomic_write_text(path: Path, text: str) -> None:
     with atomic_path(path) as tmp:
-        with open(tmp, "w", encoding="utf-8") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
+        try:
+            with open(tmp, "w", encoding="utf-8") as f:
+                f.write(text)
+                f.flush()
+                os.fsync(f.fileno())
+        except OSError as e:
+            raise OutputError(f"{path}: cannot be written ({e.strerror or e}); nothing was changed") from None
+
+
+def read_json_object(path: Path, what: str = "file") -> dict[str, Any]:
+    """A JSON object from a file the user may have damaged: anything else is a DataError naming it."""
+    try:
+        obj = json.loads(Path(path).read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise DataError(f"{path}: the {what} is not valid JSON ({str(e)[:80]}); it is damaged") from None
+    if not isinstance(obj, dict):
+        raise DataError(f"{path}: the {what} should be a JSON object, got {type(obj).__name__}; it is damaged")
+    return obj
+
+
+def apply_umask(path: Path) -> None:
+    """Give a file written by a library that creates 0600 files (safetensors) the mode the user's
+    umask asks for, like every other file we write."""
+    mask = os.umask(0)
+    os.umask(mask)
+    os.chmod(path, 0o666 & ~mask)
 
 
 def _remove(path: Path) -> None:
@@ -86,6 +108,31 @@ def _remove(path: Path) -> None:
         shutil.rmtree(path, ignore_errors=True)
     elif path.exists() or path.is_symlink():
         path.unlink()
+
+
+@contextlib.contextmanager
+def exclusive_lock(path: Path, what: str) -> Iterator[None]:
+    """Hold `path` exclusively for `what`, or refuse at once naming the process that holds it."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        f = open(path, "a+")
+    except OSError as e:
+        raise OutputError(f"{path.parent}: cannot be written ({e.strerror or e})") from None
+    with f:
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            f.seek(0)
+            holder = f.read(100).strip() or "another process"
+            raise OutputError(f"{what}: already running (pid {holder}, lock {path}); wait for it to finish") from None
+        f.seek(0)
+        f.truncate()
+        f.write(str(os.getpid()))
+        f.flush()
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
 
 
 @contextlib.contextmanager

@@ -132,3 +132,26 @@ def test_split_by_id_prefix_keeps_chunks_together(tmp_path, tiny_model_dir):
     train = {i.rsplit("_", 1)[0] for i in built.train["id"]}
     assert held and train and held.isdisjoint(train)
     assert len(built.heldout) == 3 * len(held)
+
+
+def test_a_damaged_cache_entry_is_rebuilt(tmp_path, tiny_model_dir):
+    from headstart.assets import cache_dir
+    from headstart.config import DataConfig
+    from headstart.data.dataset import build_dataset
+
+    import json
+
+    rows = [{"id": f"r{i}", "conversations": [{"from": "human", "value": f"hi {i}"},
+                                              {"from": "gpt", "value": "hello there"}]} for i in range(20)]
+    src = tmp_path / "d.jsonl"
+    src.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    cfg = DataConfig(source=str(src), max_length=64, heldout_fraction=0.0)
+    first = build_dataset(cfg, str(tiny_model_dir), progress=False)
+    first_ids, first_tokens = [list(x) for x in first.train["input_ids"]], first.stats.tokens
+    (entry,) = (cache_dir() / "datasets").iterdir()
+    arrow = next((entry / "processed").glob("*.arrow"))
+    arrow.write_bytes(arrow.read_bytes()[:100])
+    again = build_dataset(cfg, str(tiny_model_dir), progress=False)
+    assert [list(x) for x in again.train["input_ids"]] == first_ids
+    (entry / "stats.json").write_text("[not stats")
+    assert build_dataset(cfg, str(tiny_model_dir), progress=False).stats.tokens == first_tokens

@@ -213,3 +213,47 @@ def test_touching_or_rewriting_the_data_with_the_same_bytes_keeps_resume_working
         f.write(json.dumps({"id": "new", "conversations": [{"from": "human", "value": "x y"},
                                                           {"from": "gpt", "value": "z w"}]}) + "\n")
     assert main(["precompute", str(path), "--resume"]) == 2
+
+
+def test_damaged_records_and_faults_are_one_line(tmp_path, model_dir, capsys, monkeypatch):
+    from headstart.fileio import exclusive_lock
+
+    path = _recipe(tmp_path, model_dir, name="f", n=20)
+    out = tmp_path / "f" / "precompute"
+    with exclusive_lock(out / ".lock-rank0", what="test"):  # another writer holds the directory
+        assert main(["precompute", str(path)]) == 2
+        assert "already running (pid" in capsys.readouterr().err
+    assert main(["precompute", str(path)]) == 0
+    for name in ("manifest.json", "run.json"):
+        good = (out / name).read_text()
+        for bad, match in (("[1, 2]", "should be a JSON object"), ("{oops", "not valid JSON")):
+            (out / name).write_text(bad)
+            args = ["precompute", "verify", str(out)] if name == "manifest.json" else \
+                ["precompute", str(path), "--resume"]
+            assert main(args) == 2
+            err = capsys.readouterr().err.strip().splitlines()[-1]
+            assert match in err and name in err, err
+        (out / name).write_text(good)
+    umask = os.umask(0o022)
+    os.umask(umask)
+    mode = 0o666 & ~umask  # shards get the user's umask like the JSON beside them, not safetensors' 0600
+    assert all((p.stat().st_mode & 0o777) == mode for p in out.glob("shard-*.safetensors"))
+    assert main(["precompute", str(path), "--set", f"precompute.output_dir={tmp_path / 'f.yaml'}"]) == 2
+    assert "is a file" in capsys.readouterr().err
+    assert main(["precompute", str(path), "--set", "precompute.output_dir=/proc/headstart-test"]) == 2
+    assert "cannot" in capsys.readouterr().err.strip().splitlines()[-1]
+
+
+def test_a_full_disk_while_writing_a_shard_is_named(tmp_path, monkeypatch):
+    from safetensors import SafetensorError
+
+    from headstart.precompute import shards
+
+    def full(*a, **k):
+        raise SafetensorError("Error while serializing: IoError(Os { code: 28, kind: StorageFull })")
+
+    monkeypatch.setattr(shards, "save_file", full)
+    with pytest.raises(DataError, match="could not write the shard .*StorageFull.*nothing was kept"):
+        shards.write_shard(tmp_path / "shard-00000.safetensors", 0, torch.ones(3), torch.ones(3), [3],
+                           torch.ones(3, 4), None, "bf16")
+    assert list(tmp_path.iterdir()) == []

@@ -144,6 +144,23 @@ def _fingerprint(source: Path, cfg: DataConfig, model_dir: Path, tokenizer: Any)
     return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:20]
 
 
+def _load_cached(out_dir: Path) -> tuple[dict[str, Any], Any] | None:
+    """(stats, processed dataset) of a cache entry, or None when it is missing or damaged."""
+    import datasets
+
+    if not (out_dir / "stats.json").exists():
+        return None
+    try:
+        base = json.loads((out_dir / "stats.json").read_text())
+        processed = datasets.load_from_disk(str(out_dir / "processed"))
+        len(processed["num_tokens"])  # reads the arrow data: a truncated file fails here
+    except Exception:  # json, pyarrow and datasets each raise their own types for a damaged entry
+        return None
+    if not isinstance(base, dict) or "tokens" not in base:
+        return None
+    return base, processed
+
+
 def build_dataset(cfg: DataConfig, model: str | Path, progress: bool = True) -> BuiltData:
     """Read, render, mask and split a recipe's data; cached by fingerprint."""
     import datasets
@@ -154,12 +171,15 @@ def build_dataset(cfg: DataConfig, model: str | Path, progress: bool = True) -> 
     fp = _fingerprint(source, cfg, model_dir, tokenizer)
     out_dir = cache_dir() / "datasets" / fp
     with file_lock(cache_dir() / "locks" / f"dataset-{fp}.lock"):
-        if not (out_dir / "stats.json").exists():
+        cached = _load_cached(out_dir)
+        if cached is None:  # absent, or damaged (a truncated arrow file, a bad stats.json): rebuilt
             _process(cfg, source, model_dir, out_dir, progress)
-    base = json.loads((out_dir / "stats.json").read_text())
+            cached = _load_cached(out_dir)
+            if cached is None:
+                raise DataError(f"{out_dir}: the tokenised cache cannot be read back after building it")
+    base, processed = cached
     if cfg.source in DATASETS:  # report the cut-off tail of the packaged file, not of our clean cache
         base["unparsed_tail_bytes"] = prepare_data(cfg.source).bytes_unparsed
-    processed = datasets.load_from_disk(str(out_dir / "processed"))
     heldout_flags = [is_heldout(split_key(i, cfg.split_key), cfg.heldout_fraction) for i in processed["id"]]
     train_idx = [i for i, h in enumerate(heldout_flags) if not h]
     held_idx = [i for i, h in enumerate(heldout_flags) if h]

@@ -22,8 +22,8 @@ from headstart.heads.base import (
     HeadConfig,
     PackedBatch,
     Shifted,
-    check_compatible,
     _read_head_config,
+    check_compatible,
     is_head_checkpoint,
     load_head_state,
     read_head_config,
@@ -87,5 +87,6 @@ def load_head(path: str | Path, target: LlamaForCausalLM, *, allow_other_target:
 __all__ = [
     "FAMILIES", "HEAD_TYPES", "DraftHead", "HeadConfig", "PackedBatch", "Shifted", "build_head",
     "head_config_from_recipe", "build_vocab_maps", "draft_to_target", "is_head_checkpoint", "load_head",
+    "read_head_config",
     "save_head", "shift_for_head",
 ]

@@ -28,7 +28,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from headstart.errors import AssetError
-from headstart.fileio import atomic_path, check_output_path, sha256_file
+from headstart.fileio import apply_umask, atomic_path, check_output_path, sha256_file
 from headstart.models.llama import LlamaForCausalLM
 from headstart.nn.attention import AttentionBackend, AttentionMetadata, KVPages
 from headstart.nn.decoder import DecoderLayerConfig
@@ -331,6 +331,7 @@ def save_head(head: DraftHead, path: str | Path, *, overwrite: bool = False) -> 
         path = Path(path).resolve()
         tmp.mkdir()
         save_file(state, str(tmp / "model.safetensors"))
+        apply_umask(tmp / "model.safetensors")
         cfg["weights_sha256"] = sha256_file(tmp / "model.safetensors")  # checked on load
         (tmp / "config.json").write_text(json.dumps(cfg, indent=2))
     return path

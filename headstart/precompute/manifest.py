@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 from headstart.errors import DataError
+from headstart.fileio import read_json_object
 from headstart.precompute.run import FORMAT
 from headstart.precompute.shards import ShardData, load_shard
 
@@ -19,7 +19,7 @@ def read_manifest(directory: str | Path) -> dict[str, Any]:
         unfinished = (d / "run.json").exists()
         hint = " (run.json exists: the run is unfinished; rerun precompute with --resume)" if unfinished else ""
         raise DataError(f"{d}: no manifest.json{hint}")
-    manifest = json.loads(f.read_text())
+    manifest = read_json_object(f, "manifest")
     if manifest.get("format") != FORMAT:
         raise DataError(f"{f}: unknown format {manifest.get('format')!r} (expected {FORMAT!r})")
     listed = {s["name"] for s in manifest["shards"]}

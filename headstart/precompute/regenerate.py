@@ -18,6 +18,7 @@ from typing import Any
 
 from headstart.config import Recipe
 from headstart.errors import DataError
+from headstart.fileio import read_json_object
 
 _ROLE_OUT = {"user": "human", "assistant": "gpt", "system": "system"}
 
@@ -68,7 +69,7 @@ def run_regenerate(recipe: Recipe, resume: bool = False, progress: bool = True) 
     if partial.exists():
         if not resume:
             raise DataError(f"{partial} holds an unfinished run; pass --resume to continue it")
-        prev = json.loads(run_file.read_text()) if run_file.exists() else {}
+        prev = read_json_object(run_file, "run record") if run_file.exists() else {}
         diff = [k for k, v in provenance.items() if prev.get(k) != v]
         if diff:
             raise DataError(f"{partial} was made with a different {', '.join(diff)}; refusing to resume")

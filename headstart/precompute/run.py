@@ -24,6 +24,7 @@ import torch
 
 from headstart.config import Recipe
 from headstart.errors import DataError
+from headstart.fileio import exclusive_lock, read_json_object
 from headstart.nn.attention import AttentionBackend
 from headstart.precompute.shards import ShardRecord, read_record, shard_name, write_json_atomic, write_shard
 
@@ -162,11 +163,9 @@ def _dist() -> tuple[int, int]:
 
 def run_precompute(recipe: Recipe, resume: bool = False, progress: bool = True) -> dict[str, Any]:
     """Compute and store hidden states for the recipe's split; returns the manifest."""
-    from tqdm import tqdm
-
     from headstart.assets import resolve_model
     from headstart.data.dataset import build_dataset
-    from headstart.models.llama import DTYPES, load_llama
+    from headstart.models.llama import load_llama
 
     rank, world = _dist()
     out = output_dir(recipe)
@@ -203,6 +202,20 @@ def run_precompute(recipe: Recipe, resume: bool = False, progress: bool = True) 
         "storage": recipe.precompute.storage,
         "backend": recipe.precompute.backend,
     }
+    if out.exists() and not out.is_dir():
+        raise DataError(f"{out}: the precompute output directory is a file; choose another precompute.output_dir")
+    # One writer per output directory (per rank): a second run would compute every shard again.
+    with exclusive_lock(out / f".lock-rank{rank}", what=f"precompute into {out}"):
+        return _run(recipe, out, header, resume, rank, world, ds, model, model_dir, device, aux, progress)
+
+
+def _run(recipe: Recipe, out: Path, header: dict[str, Any], resume: bool, rank: int, world: int, ds: Any,
+         model: Any, model_dir: Path, device: torch.device, aux: list[int], progress: bool) -> dict[str, Any]:
+    from tqdm import tqdm
+
+    from headstart.models.llama import DTYPES
+
+    dtype = header["target"]["dtype"]
     _check_output_dir(out, header, resume, rank)
     lengths = list(ds["num_tokens"])
     shards = plan_shards(lengths, recipe.precompute.shard_tokens)
@@ -252,7 +265,7 @@ def _check_output_dir(out: Path, header: dict[str, Any], resume: bool, rank: int
     run_file = out / "run.json"
     has_data = out.exists() and any(out.glob("shard-*.safetensors"))
     if run_file.exists():
-        prev = json.loads(run_file.read_text())
+        prev = read_json_object(run_file, "run record")
         diff = [k for k, v in header["fingerprints"].items() if prev.get("fingerprints", {}).get(k) != v]
         if diff:
             raise DataError(

@@ -18,11 +18,11 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from headstart.errors import DataError
-from headstart.fileio import sha256_file
+from headstart.fileio import apply_umask, sha256_file
 
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
 
@@ -89,11 +89,13 @@ def write_shard(path: Path, index: int, input_ids: torch.Tensor, loss_mask: torc
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     try:
         save_file(tensors, str(tmp), metadata=meta)
+        apply_umask(tmp)
         with open(tmp, "rb") as f:
             os.fsync(f.fileno())
         os.replace(tmp, path)
-    except OSError as e:
-        raise DataError(f"{path}: could not write the shard ({e.strerror or e}); nothing was kept") from None
+    except (OSError, SafetensorError) as e:  # a full disk reaches us as a SafetensorError
+        reason = getattr(e, "strerror", None) or str(e)[:160]
+        raise DataError(f"{path}: could not write the shard ({reason}); nothing was kept") from None
     finally:
         if tmp.exists():
             tmp.unlink()
