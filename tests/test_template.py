@@ -143,3 +143,23 @@ def test_exact_on_smollm2_and_real_sharegpt():
         checked += 1
         turns += sum(m["role"] == "assistant" for m in conv["messages"])
     assert checked == 60 and turns > 60  # multi-turn conversations are among them
+
+
+def test_long_chats_render_only_what_max_length_keeps(monkeypatch):
+    """A many-turn chat is cut before the quadratic per-turn prefix renders: the result equals the
+    full render truncated, and the number of template renders stays small."""
+    tok = make_tokenizer("chatml")
+    r = ChatRenderer(tok)
+    msgs = []
+    for i in range(300):
+        msgs += [{"role": "user", "content": f"question {i} about heads"},
+                 {"role": "assistant", "content": f"answer {i}: draft tokens fast"}]
+    full = r.render(msgs)  # no max_length: the whole chat
+    calls = []
+    real = ChatRenderer._render
+    monkeypatch.setattr(ChatRenderer, "_render", lambda self, m, add_generation_prompt: calls.append(len(m)) or real(self, m, add_generation_prompt))
+    cut = r.render(msgs, max_length=64)
+    assert cut.input_ids == full.input_ids[:64] and cut.loss_mask == full.loss_mask[:64] and cut.truncated
+    assert len(calls) < 40  # instead of 3 renders per assistant turn (900)
+    short = r.render(msgs[:4], max_length=4096)
+    assert not short.truncated and short.input_ids == r.render(msgs[:4]).input_ids

@@ -65,6 +65,23 @@ class ChatRenderer:
         except Exception as e:  # jinja raise_exception() and template bugs surface here
             raise TemplateMismatch("template_error", f"the chat template refused the conversation: {e}") from e
 
+    def _within(self, messages: list[dict[str, str]], max_length: int) -> tuple[list[dict[str, str]], int | None]:
+        """The leading turns whose rendering already holds more than max_length tokens (with a margin
+        for merges at the cut), so that the per-turn prefix renders of `spans` never touch turns that
+        truncation would drop: a 5,000-turn chat costs what its first max_length tokens cost.
+        Returns (turns kept, None if all were kept else the number of turns)."""
+        margin = max_length + 16
+        threshold, chars = margin, 0  # a token spans at least one character: fewer chars, fewer tokens
+        for k, m in enumerate(messages[:-1], start=1):
+            chars += len(m["content"])
+            if chars <= threshold:
+                continue
+            text = self._render(messages[:k], add_generation_prompt=False)
+            if len(self.tokenizer(text, add_special_tokens=False)["input_ids"]) > margin:
+                return messages[:k], len(messages)
+            threshold = 2 * chars  # render again only after the text has doubled
+        return messages, None
+
     def spans(self, messages: list[dict[str, str]]) -> tuple[str, list[tuple[int, int, int]]]:
         """The rendered text and, per assistant turn, (content_start, content_end, post_end) in characters."""
         text = self._render(messages, add_generation_prompt=False)
@@ -94,6 +111,9 @@ class ChatRenderer:
         return text, out
 
     def render(self, messages: list[dict[str, str]], max_length: int | None = None) -> Rendered:
+        full_length = None
+        if max_length is not None:
+            messages, full_length = self._within(messages, max_length)
         text, turns = self.spans(messages)
         enc = self.tokenizer(text, add_special_tokens=False, return_offsets_mapping=True, verbose=False)
         ids: list[int] = enc["input_ids"]
@@ -112,7 +132,7 @@ class ChatRenderer:
             if u < len(ids) and starts[u] < post_end:
                 for j in range(t, u + 1):
                     mask[j] = 1
-        truncated = max_length is not None and len(ids) > max_length
+        truncated = max_length is not None and (len(ids) > max_length or full_length is not None)
         if truncated:
             ids, mask = ids[:max_length], mask[:max_length]
         return Rendered(text, ids, mask, truncated)
