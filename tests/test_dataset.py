@@ -135,11 +135,11 @@ def test_split_by_id_prefix_keeps_chunks_together(tmp_path, tiny_model_dir):
 
 
 def test_a_damaged_cache_entry_is_rebuilt(tmp_path, tiny_model_dir):
+    import json
+
     from headstart.assets import cache_dir
     from headstart.config import DataConfig
     from headstart.data.dataset import build_dataset
-
-    import json
 
     rows = [{"id": f"r{i}", "conversations": [{"from": "human", "value": f"hi {i}"},
                                               {"from": "gpt", "value": "hello there"}]} for i in range(20)]

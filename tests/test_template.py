@@ -157,7 +157,11 @@ def test_long_chats_render_only_what_max_length_keeps(monkeypatch):
     full = r.render(msgs)  # no max_length: the whole chat
     calls = []
     real = ChatRenderer._render
-    monkeypatch.setattr(ChatRenderer, "_render", lambda self, m, add_generation_prompt: calls.append(len(m)) or real(self, m, add_generation_prompt))
+    def counting(self, m, add_generation_prompt):
+        calls.append(len(m))
+        return real(self, m, add_generation_prompt)
+
+    monkeypatch.setattr(ChatRenderer, "_render", counting)
     cut = r.render(msgs, max_length=64)
     assert cut.input_ids == full.input_ids[:64] and cut.loss_mask == full.loss_mask[:64] and cut.truncated
     assert len(calls) < 40  # instead of 3 renders per assistant turn (900)

@@ -163,7 +163,6 @@ def _load_cached(out_dir: Path) -> tuple[dict[str, Any], Any] | None:
 
 def build_dataset(cfg: DataConfig, model: str | Path, progress: bool = True) -> BuiltData:
     """Read, render, mask and split a recipe's data; cached by fingerprint."""
-    import datasets
 
     model_dir = resolve_model(model)
     source = resolve_data(cfg.source)
