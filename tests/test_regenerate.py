@@ -57,3 +57,18 @@ def test_interrupted_regeneration_resumes_exactly(tmp_path, model_dir):
         run_regenerate(recipe, progress=False)
     out = run_regenerate(recipe, resume=True, progress=False)
     assert out.read_text() == full
+
+
+def test_an_unwritable_output_is_refused_before_decoding(tmp_path, model_dir, monkeypatch):
+    import dataclasses
+
+    recipe = _recipe(tmp_path, model_dir, "ro")
+    recipe = dataclasses.replace(recipe, regenerate=dataclasses.replace(recipe.regenerate,
+                                                                          output="/proc/headstart/out.jsonl"))
+    loaded = []
+    import headstart.inference as inference
+
+    monkeypatch.setattr(inference, "Engine", lambda *a, **k: loaded.append(1))
+    with pytest.raises(DataError, match="cannot be written"):
+        run_regenerate(recipe, progress=False)
+    assert not loaded

@@ -18,7 +18,7 @@ from typing import Any
 
 from headstart.config import Recipe
 from headstart.errors import DataError
-from headstart.fileio import read_json_object
+from headstart.fileio import atomic_write_text, read_json_object
 
 _ROLE_OUT = {"user": "human", "assistant": "gpt", "system": "system"}
 
@@ -59,6 +59,12 @@ def run_regenerate(recipe: Recipe, resume: bool = False, progress: bool = True) 
     run_file = out.with_name(out.name + ".run.json")
     if out.exists():
         raise DataError(f"{out} already exists; remove it or set regenerate.output")
+    try:  # an unwritable destination is found before the engine loads, not after hours of decoding
+        out.parent.mkdir(parents=True, exist_ok=True)
+        with open(partial, "a", encoding="utf-8"):
+            pass
+    except OSError as e:
+        raise DataError(f"{partial}: cannot be written ({e.strerror or e}); set regenerate.output") from None
     from headstart.hardware import resolve_dtype
 
     engine = Engine(recipe.target.model, dtype=resolve_dtype(recipe.target.dtype), max_batch_size=cfg.batch_size,
@@ -66,7 +72,7 @@ def run_regenerate(recipe: Recipe, resume: bool = False, progress: bool = True) 
     provenance = {"model": recipe.target.model, "target_fingerprint": engine.model.fingerprint(),
                   "temperature": cfg.temperature, "top_p": cfg.top_p, "max_tokens": cfg.max_tokens,
                   "seed": recipe.seed, "source": recipe.data.source}
-    if partial.exists():
+    if partial.stat().st_size or run_file.exists():
         if not resume:
             raise DataError(f"{partial} holds an unfinished run; pass --resume to continue it")
         prev = read_json_object(run_file, "run record") if run_file.exists() else {}
@@ -74,8 +80,7 @@ def run_regenerate(recipe: Recipe, resume: bool = False, progress: bool = True) 
         if diff:
             raise DataError(f"{partial} was made with a different {', '.join(diff)}; refusing to resume")
     else:
-        out.parent.mkdir(parents=True, exist_ok=True)
-        run_file.write_text(json.dumps(provenance, indent=2))
+        atomic_write_text(run_file, json.dumps(provenance, indent=2))
     done = _done_ids(partial)
     read = read_conversations(resolve_data(recipe.data.source), recipe.data.format, recipe.data.limit)
     todo = [c for c in read.conversations if c["id"] not in done]
