@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from torch import nn
 
@@ -329,8 +330,12 @@ def save_head(head: DraftHead, path: str | Path, *, overwrite: bool = False) -> 
     state = {k: v.detach().contiguous().cpu() for k, v in head.state_dict().items()}
     with atomic_path(Path(path), **_head_output_rules(path, overwrite)) as tmp:
         path = Path(path).resolve()
-        tmp.mkdir()
-        save_file(state, str(tmp / "model.safetensors"))
+        try:
+            tmp.mkdir()
+            save_file(state, str(tmp / "model.safetensors"))
+        except (OSError, SafetensorError) as e:  # a full disk reaches us as a SafetensorError
+            raise AssetError(f"{path}: the head cannot be written ({getattr(e, 'strerror', None) or str(e)[:160]}); "
+                             "nothing was kept") from None
         apply_umask(tmp / "model.safetensors")
         cfg["weights_sha256"] = sha256_file(tmp / "model.safetensors")  # checked on load
         (tmp / "config.json").write_text(json.dumps(cfg, indent=2))
