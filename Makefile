@@ -37,7 +37,7 @@ quickstart: setup
 	$(BIN)/headstart assets
 	$(BIN)/headstart data inspect recipes/smollm2-135m-mtp.yaml --limit 200
 	$(BIN)/headstart generate --prompt "Write a haiku about the sea" --max-tokens 48
-	$(BIN)/headstart head init --type mtp --out $(QS)/mtp-init
+	$(BIN)/headstart head init --type mtp --out $(QS)/mtp-init --force  # --force: replaces its own earlier head
 	$(BIN)/headstart generate --prompt "Write a haiku about the sea" --max-tokens 48 --spec chain --head $(QS)/mtp-init --k 3
 	rm -rf $(QS)/precompute  # a fresh small run each time (a changed recipe would be refused on resume)
 	$(BIN)/headstart precompute recipes/smollm2-135m-mtp.yaml --set data.limit=64 --set output_dir=$(QS)
@@ -45,7 +45,9 @@ quickstart: setup
 	$(BIN)/headstart precompute inspect $(QS)/precompute
 	@echo
 	@echo "quickstart: assets, data, generation, speculation (untrained head: expect tau near 1) and"
-	@echo "precompute ran on the embedded defaults. Not built yet: train, validate, export (open issues)."
+	@echo "precompute ran on the embedded defaults. Training is one command (about 90 min on a 2-core CPU):"
+	@echo "  $(BIN)/headstart train recipes/smollm2-135m-mtp.yaml"
+	@echo "Not built yet: eval, export and a quickstart that trains (open issue)."
 
 lint: setup
 	$(BIN)/ruff check headstart tests
