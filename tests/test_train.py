@@ -567,3 +567,14 @@ def test_more_bad_input_is_refused_before_any_work(tmp_path, chat_model_dir, cap
     ckpt = out / "checkpoints" / "last.ckpt"
     ckpt.write_bytes(ckpt.read_bytes()[:1000])
     fails("--resume", "--set", "train.max_steps=3", match="damaged")
+
+
+def test_weights_and_biases_logs_offline_without_an_api_key(tmp_path, chat_model_dir, monkeypatch, capsys):
+    monkeypatch.delenv("WANDB_API_KEY", raising=False)
+    monkeypatch.delenv("WANDB_MODE", raising=False)
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    path = _recipe(tmp_path, chat_model_dir, train={"max_steps": 2, "val_every_steps": 0, "val_prompts": 1})
+    assert main(["train", str(path), "--no-progress", "--set", "logging.wandb=true"]) == 0
+    assert "logs offline" in capsys.readouterr().out
+    runs = list((tmp_path / "run" / "wandb").glob("offline-run-*"))
+    assert len(runs) == 1 and any(runs[0].glob("*.wandb"))
