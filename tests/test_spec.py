@@ -264,3 +264,31 @@ def test_unseeded_requests_do_not_repeat(target):
     assert a[0].token_ids != a[1].token_ids and b[0].token_ids not in (a[0].token_ids, a[1].token_ids)
     same = Engine(target, page_size=4, spec=_spec(target, "mtp", draft_sampling=True)).generate(prompt * 2, params)
     assert [o.token_ids for o in same] == [o.token_ids for o in a]  # a seeded engine stays reproducible
+
+
+@pytest.mark.parametrize("kind", ["medusa", "eagle3"])
+def test_reduced_draft_vocabularies_in_the_engine(target, kind):
+    """Medusa and eagle3 with a draft vocabulary: lossless greedy, and draft sampling verified with
+    the full-q rule on q spread over the target vocabulary (no shape error, seeded)."""
+    from headstart.heads import build_vocab_maps
+
+    head = build_head(HeadConfig(head_type=kind, draft_vocab_size=64,
+                                 aux_layer_ids=[0, 1, 2] if kind == "eagle3" else None), target)
+    d2t, _ = build_vocab_maps(torch.arange(320, 0, -1).float() ** 0.5, 64)
+    head.set_vocab_maps(d2t + 3 * (torch.arange(64) > 20), _t2d(d2t, 3))
+    method = "medusa" if kind == "medusa" else "chain"
+    prompts = _prompts(3, seed=14)
+    greedy = SamplingParams(max_tokens=10, ignore_eos=True)
+    ref = [o.token_ids for o in Engine(target, page_size=4).generate(prompts, greedy)]
+    eng = Engine(target, page_size=4, spec=SpecConfig(method=method, k=3, head=head))
+    assert [o.token_ids for o in eng.generate(prompts, greedy)] == ref
+    sampled = [SamplingParams(max_tokens=10, temperature=0.8, seed=i, ignore_eos=True) for i in range(3)]
+    outs = Engine(target, page_size=4, spec=SpecConfig(method=method, k=3, head=head, draft_sampling=True)
+                  ).generate(prompts, sampled)
+    assert all(len(o.token_ids) == 10 for o in outs)
+
+
+def _t2d(d2t, shift):
+    t2d = torch.zeros(320, dtype=torch.bool)
+    t2d[torch.arange(d2t.numel()) + d2t + shift * (torch.arange(d2t.numel()) > 20)] = True
+    return t2d

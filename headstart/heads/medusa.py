@@ -89,6 +89,14 @@ class MedusaHead(DraftHead):
         shifted = Shifted(ids, rows, tgt.clamp(max=n - 1), next_tokens, token_mask, list(batch.seq_lens))
         return self.forward_heads(self.target_features(batch.hidden)), shifted
 
+    def set_vocab_maps(self, d2t: torch.Tensor, t2d: torch.Tensor | None = None) -> None:
+        """Install the draft vocabulary (draft id i = target id i + d2t[i]) and start the draft
+        lm_head from the target's rows for those ids."""
+        if d2t.numel() != self.d2t.numel():
+            raise ValueError(f"d2t has {d2t.numel()} entries, the draft vocabulary {self.d2t.numel()}")
+        self.d2t.copy_(d2t)
+        self.init_from_target(self.target.model)
+
     def to_target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
         return draft_to_target(draft_ids, self.d2t)
 

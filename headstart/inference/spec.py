@@ -237,13 +237,7 @@ class HeadChainProposer(_ChainProposer):
         return self.head.compute_logits(self._feats)
 
     def _to_target_dist(self, q: torch.Tensor) -> torch.Tensor:
-        """A reduced-vocabulary q (eagle3) spread over the target vocabulary for the full-q rule."""
-        vocab = self.head.target.lm_head.weight.shape[0]
-        if q.numel() == vocab:
-            return q
-        full = torch.zeros(vocab, dtype=q.dtype, device=q.device)
-        full[self.to_target(torch.arange(q.numel(), device=q.device))] = q
-        return full
+        return spread_to_target(q, self.head.target.lm_head.weight.shape[0], self.to_target)
 
     def after_verify(self, seq: Sequence, n: int, accepted: int) -> None:
         """Rows n.. used the head's own states: drop them; absorb() re-runs them with the target's."""
@@ -332,11 +326,21 @@ class MedusaProposer(_Proposer):
             for b, c in enumerate(choice):
                 drafts[b].append(c)
                 if q[b] is not None:
-                    qs[b].append(q[b])
+                    qs[b].append(spread_to_target(q[b], self.head.target.lm_head.weight.shape[0], self.to_target))
         return Proposal(drafts, [torch.stack(q) if q else None for q in qs])
 
     def after_verify(self, seq: Sequence, n: int, accepted: int) -> None:
         self.cached[seq.id] = n
+
+
+def spread_to_target(q: torch.Tensor, vocab: int, to_target: Any) -> torch.Tensor:
+    """A q over a reduced draft vocabulary (eagle3, Medusa) placed on the target vocabulary, as the
+    full-q rule compares it with p token by token."""
+    if q.numel() == vocab:
+        return q
+    full = torch.zeros(vocab, dtype=q.dtype, device=q.device)
+    full[to_target(torch.arange(q.numel(), device=q.device))] = q
+    return full
 
 
 def draft_kv_spec(draft: Any) -> KVCacheSpec | None:

@@ -340,11 +340,7 @@ class TrainRun:
             t = torch.tensor(ids)[torch.tensor(mask, dtype=torch.bool)]
             counts += torch.bincount(t, minlength=vocab).double()
         d2t, t2d = build_vocab_maps(counts, self.head.config.draft_vocab_size)
-        if hasattr(self.head, "set_vocab_maps"):
-            self.head.set_vocab_maps(d2t, t2d)
-        else:
-            self.head.d2t.copy_(d2t)
-            self.head.init_from_target(self.target)
+        self.head.set_vocab_maps(d2t, t2d)
 
     @torch.no_grad()
     def validate(self, module: HeadModule) -> dict[str, Any]:
