@@ -257,3 +257,32 @@ def test_a_full_disk_while_writing_a_shard_is_named(tmp_path, monkeypatch):
         shards.write_shard(tmp_path / "shard-00000.safetensors", 0, torch.ones(3), torch.ones(3), [3],
                            torch.ones(3, 4), None, "bf16")
     assert list(tmp_path.iterdir()) == []
+
+
+def test_many_short_rows_fit_the_page_pool_and_leak_nothing(tmp_path, model_dir):
+    from headstart.models.llama import load_llama
+    from headstart.precompute.run import EngineForward
+
+    model = load_llama(model_dir, "fp32")
+    fwd = EngineForward(model, torch.device("cpu"), max_tokens=200)
+    seqs = [[5, 6]] * 100  # 100 pages of 16 for 200 tokens: more than the pool holds
+    h, _ = fwd(seqs, [])
+    one, _ = fwd([[5, 6]], [])
+    assert h.shape[0] == 200
+    torch.testing.assert_close(h[-2:], one, rtol=1e-4, atol=1e-4)
+    assert fwd.allocator.num_free == fwd.allocator.num_pages
+    with pytest.raises(Exception):
+        fwd._forward([[5] * 16] * (fwd.allocator.num_pages + 1), [])  # a reservation fails half-way
+    assert fwd.allocator.num_free == fwd.allocator.num_pages  # ... and returns what it took
+
+
+def test_stale_shard_temporaries_are_removed_on_resume(tmp_path, model_dir):
+    path = _recipe(tmp_path, model_dir, name="s", n=20)
+    assert main(["precompute", str(path)]) == 0
+    out = tmp_path / "s" / "precompute"
+    dead = out / ".shard-00000.safetensors.tmp-999999999"
+    live = out / f".shard-00001.safetensors.tmp-{os.getpid()}"
+    dead.write_bytes(b"half")
+    live.write_bytes(b"writing")
+    assert main(["precompute", str(path), "--resume"]) == 0
+    assert not dead.exists() and live.exists()

@@ -92,19 +92,38 @@ class EngineForward:
 
     @torch.inference_mode()
     def __call__(self, seqs: list[list[int]], aux_layers: list[int]) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Sequences -> (h (N, d), aux (N, A, d)). Each sequence takes whole pages, so many short rows
+        can need more pages than their tokens suggest: the batch is cut into groups that fit the pool
+        (attention never crosses sequences, so the grouping does not change the numbers)."""
+        page = self.allocator.page_size
+        groups, cur, need = [], [], 0
+        for s in seqs:
+            pages = -(-len(s) // page)
+            if cur and need + pages > self.allocator.num_pages:
+                groups.append(cur)
+                cur, need = [], 0
+            cur.append(s)
+            need += pages
+        groups.append(cur)
+        outs = [self._forward(g, aux_layers) for g in groups]
+        h = torch.cat([o[0] for o in outs])
+        aux = torch.cat([o[1] for o in outs]) if aux_layers else None
+        return h, aux
+
+    def _forward(self, seqs: list[list[int]], aux_layers: list[int]) -> tuple[torch.Tensor, torch.Tensor | None]:
         from headstart.inference.scheduler import build_metadata
 
         items = []
-        for i, s in enumerate(seqs):
-            self.allocator.reserve(f"p{i}", len(s))
-            items.append((f"p{i}", 0, len(s)))
         try:
+            for i, s in enumerate(seqs):
+                self.allocator.reserve(f"p{i}", len(s))
+                items.append((f"p{i}", 0, len(s)))
             meta = build_metadata(self.allocator, items, self.device)
             ids = torch.tensor([t for s in seqs for t in s], device=self.device)
             h, aux = self.model(ids, meta, self.cache.layers, self.backend, capture=tuple(aux_layers))
-        finally:
-            for i in range(len(seqs)):
-                self.allocator.release(f"p{i}")
+        finally:  # pages are returned even when a reservation fails half-way
+            for name, _, _ in items:
+                self.allocator.release(name)
         stacked = torch.stack([aux[j] for j in aux_layers], dim=1) if aux_layers else None
         return h, stacked
 
@@ -134,7 +153,11 @@ class HFForward:
             out = self.model.model(torch.tensor([s], device=dev), output_hidden_states=bool(aux_layers))
             hs.append(self._last[0].cpu())
             if aux_layers:
-                auxs.append(torch.stack([out.hidden_states[j][0].cpu() for j in aux_layers], dim=1))
+                # HF's hidden_states[L] is post-norm; the convention (and the engine) stores the state
+                # entering "layer L" pre-norm: the last layer's output, as for the last hidden state.
+                last = len(out.hidden_states) - 1
+                auxs.append(torch.stack([(self._last[0] if j == last else out.hidden_states[j][0]).cpu()
+                                         for j in aux_layers], dim=1))
         return torch.cat(hs), torch.cat(auxs) if aux_layers else None
 
 
@@ -172,6 +195,8 @@ def run_precompute(recipe: Recipe, resume: bool = False, progress: bool = True) 
     model_dir = resolve_model(recipe.target.model)
     device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0"))) if torch.cuda.is_available() else \
         torch.device("cpu")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)  # otherwise every rank's kernels may land on GPU 0
     from headstart.hardware import describe, resolve_dtype
 
     dtype = resolve_dtype(recipe.target.dtype, device)
@@ -217,6 +242,7 @@ def _run(recipe: Recipe, out: Path, header: dict[str, Any], resume: bool, rank: 
 
     dtype = header["target"]["dtype"]
     _check_output_dir(out, header, resume, rank)
+    _remove_stale_temporaries(out)
     lengths = list(ds["num_tokens"])
     shards = plan_shards(lengths, recipe.precompute.shard_tokens)
     mine = [i for i in range(len(shards)) if i % world == rank]
@@ -259,6 +285,21 @@ def _run(recipe: Recipe, out: Path, header: dict[str, Any], resume: bool, rank: 
         torch.distributed.barrier()
         torch.distributed.destroy_process_group()
     return manifest or json.loads((out / "manifest.json").read_text())
+
+
+def _remove_stale_temporaries(out: Path) -> None:
+    """Shard temporaries left by a killed process (`.shard-NNNNN.safetensors.tmp-PID` whose PID is
+    gone); those of live processes (other ranks) are left alone."""
+    for tmp in out.glob(".shard-*.safetensors.tmp-*"):
+        pid = tmp.name.rsplit("-", 1)[-1]
+        if not pid.isdigit():
+            continue
+        try:
+            os.kill(int(pid), 0)
+        except ProcessLookupError:
+            tmp.unlink(missing_ok=True)
+        except PermissionError:
+            pass  # alive, someone else's
 
 
 def _check_output_dir(out: Path, header: dict[str, Any], resume: bool, rank: int) -> None:
