@@ -271,7 +271,9 @@ def test_many_short_rows_fit_the_page_pool_and_leak_nothing(tmp_path, model_dir)
     assert h.shape[0] == 200
     torch.testing.assert_close(h[-2:], one, rtol=1e-4, atol=1e-4)
     assert fwd.allocator.num_free == fwd.allocator.num_pages
-    with pytest.raises(Exception):
+    from headstart.inference.kv_cache import OutOfPages
+
+    with pytest.raises(OutOfPages):
         fwd._forward([[5] * 16] * (fwd.allocator.num_pages + 1), [])  # a reservation fails half-way
     assert fwd.allocator.num_free == fwd.allocator.num_pages  # ... and returns what it took
 
