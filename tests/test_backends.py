@@ -121,13 +121,46 @@ def test_flashinfer_matches_torch(q_lens, kv_lens):
             backend_state={},
         )
 
+    for scale in (128**-0.5, 0.05):  # the model's own scale, and another one (must not be ignored)
+        outs = []
+        for be in (make_backend("torch", dev), make_backend("flashinfer", dev)):
+            m = to(meta, torch.bfloat16)
+            cache = (kc.to(dev, torch.bfloat16).clone(), vc.to(dev, torch.bfloat16).clone())
+            be.plan(m, 8, 2, 128, torch.bfloat16)
+            outs.append(be.forward(q.to(dev, torch.bfloat16), k.to(dev, torch.bfloat16),
+                                   v.to(dev, torch.bfloat16), cache, m, scale).float())
+        torch.testing.assert_close(outs[0], outs[1], rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.cuda
+def test_flashinfer_tree_mask_matches_torch():
+    """The custom-mask (tree) path on FlashInfer, which plans FA2 kernels (FA3 has no custom masks)."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    pytest.importorskip("flashinfer")
+    import dataclasses
+
+    dev = torch.device("cuda")
+    parents, prefix, q0 = [-1, 0, 0, 1], 20, 4
+    m = torch.zeros(q0, prefix + q0, dtype=torch.bool)
+    m[:, :prefix] = True
+    for i in range(q0):
+        j = i
+        while j >= 0:
+            m[i, prefix + j] = True
+            j = parents[j]
+    masks = [m, None]
+    q_lens, kv_lens = [q0, 3], [prefix + q0, 9]
+    meta, q, k, v, (kc, vc), _, _ = _setup(q_lens, kv_lens, hq=8, hkv=2, d=128, page_size=16, masks=masks)
     outs = []
     for be in (make_backend("torch", dev), make_backend("flashinfer", dev)):
-        m = to(meta, torch.bfloat16)
+        mm = dataclasses.replace(meta, positions=meta.positions.to(dev), slot_mapping=meta.slot_mapping.to(dev),
+                                 qo_indptr=meta.qo_indptr.to(dev), kv_lens=meta.kv_lens.to(dev),
+                                 page_table=meta.page_table.to(dev), backend_state={})
         cache = (kc.to(dev, torch.bfloat16).clone(), vc.to(dev, torch.bfloat16).clone())
-        be.plan(m, 8, 2, 128, torch.bfloat16)
+        be.plan(mm, 8, 2, 128, torch.bfloat16)
         outs.append(be.forward(q.to(dev, torch.bfloat16), k.to(dev, torch.bfloat16), v.to(dev, torch.bfloat16),
-                               cache, m, 128**-0.5).float())
+                               cache, mm, 128**-0.5).float())
     torch.testing.assert_close(outs[0], outs[1], rtol=2e-2, atol=2e-2)
 
 

@@ -138,10 +138,14 @@ class FlashInferAttention:
         state = meta.backend_state.setdefault("flashinfer", {})
         if key in state:
             return
-        wrapper = self._wrappers.get(key)
+        # Hopper's FA3 prefill kernel has no custom-mask support ("operation not supported" on an
+        # H200): tree steps plan FlashInfer's FA2 kernels, everything else lets FlashInfer choose.
+        kernel = "fa2" if meta.custom_masks is not None else "auto"
+        wrapper = self._wrappers.get((*key, kernel))
         if wrapper is None:
-            wrapper = self._flashinfer.BatchPrefillWithPagedKVCacheWrapper(self._workspace, kv_layout="NHD")
-            self._wrappers[key] = wrapper
+            wrapper = self._flashinfer.BatchPrefillWithPagedKVCacheWrapper(self._workspace, kv_layout="NHD",
+                                                                           backend=kernel)
+            self._wrappers[(*key, kernel)] = wrapper
         device = meta.positions.device
         ps = meta.page_size
         pages = [-(-kv // ps) for kv in meta.kv_lens_cpu]
@@ -162,6 +166,7 @@ class FlashInferAttention:
         wrapper.plan(
             meta.qo_indptr.to(device).int(), indptr, indices, last, num_q_heads, num_kv_heads, head_dim, ps,
             causal=custom is None, custom_mask=custom, q_data_type=dtype, kv_data_type=dtype,
+            sm_scale=head_dim**-0.5,
         )
         state[key] = wrapper
 
@@ -172,6 +177,9 @@ class FlashInferAttention:
         kc.view(-1, hkv, dh).index_copy_(0, meta.slot_mapping, k.to(kc.dtype))
         vc.view(-1, hkv, dh).index_copy_(0, meta.slot_mapping, v.to(vc.dtype))
         wrapper = meta.backend_state["flashinfer"][(q.shape[1], hkv, dh, q.dtype)]
+        planned = dh**-0.5  # the softmax scale the plan was made with
+        if scale != planned:  # q * (scale / planned) . k * planned = q . k * scale
+            q = q * (scale / planned)
         return wrapper.run(q.contiguous(), (kc, vc))
 
 
