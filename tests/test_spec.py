@@ -315,3 +315,52 @@ def _t2d(d2t, shift):
     t2d = torch.zeros(320, dtype=torch.bool)
     t2d[torch.arange(d2t.numel()) + d2t + shift * (torch.arange(d2t.numel()) > 20)] = True
     return t2d
+
+
+def _exact_first_tokens(target, prompt, params, n=3):
+    """The target's own law of the first n sampled tokens (processed like the sampler does)."""
+    from headstart.inference.sampler import processed_probs
+    from headstart.nn.attention import PackedCausalAttention, packed_metadata
+
+    def next_probs(prefixes):
+        seqs = [prompt + list(p) for p in prefixes]
+        ids = torch.tensor([t for s in seqs for t in s])
+        meta = packed_metadata([len(s) for s in seqs])
+        with torch.no_grad():
+            h, _ = target(ids, meta, [None] * target.num_layers, PackedCausalAttention())
+        last = torch.tensor([len(s) for s in seqs]).cumsum(0) - 1
+        return processed_probs(target.compute_logits(h, last), [params] * len(seqs)).double()
+
+    law = {(): 1.0}
+    for _ in range(n):
+        prefixes = list(law)
+        probs = next_probs(prefixes)
+        law = {pre + (t,): pr * float(probs[i, t]) for i, (pre, pr) in enumerate(law.items())
+               for t in torch.nonzero(probs[i] > 0).flatten().tolist()}
+    return law
+
+
+@pytest.mark.parametrize("method", ["chain", "full_q", "draft", "tree"])
+def test_sampled_speculation_follows_the_target_law_at_every_position(target, method):
+    """T = 0.8, top-k 3: the first three emitted tokens (one from prefill, two from a speculative
+    step) follow the target's own sequential law, for every proposer and rule."""
+    prompt = _prompts(1, seed=21)[0]
+    n = 1200
+    params = [SamplingParams(max_tokens=3, temperature=0.8, top_k=3, seed=1000 + i, ignore_eos=True)
+              for i in range(n)]
+    if method == "tree":
+        spec = SpecConfig(method="tree", k=2, head=_spec(target, "mtp").head, tree_topk=2, tree_tokens=4)
+    elif method == "draft":
+        spec = _spec(target, "draft_lm", k=2)
+    else:
+        spec = _spec(target, "mtp", k=2, draft_sampling=method == "full_q")
+    eng = Engine(target, page_size=4, max_batch_size=64, spec=spec)
+    outs = eng.generate([prompt] * n, params)
+    assert eng.spec_metrics.summary()["steps"] > 0
+    law = _exact_first_tokens(target, prompt, params[0])
+    counts: dict = {}
+    for o in outs:
+        counts[tuple(o.token_ids)] = counts.get(tuple(o.token_ids), 0) + 1
+    assert set(counts) <= set(law)
+    z = max(abs(counts.get(s, 0) / n - p) / max((p * (1 - p) / n) ** 0.5, 1e-9) for s, p in law.items())
+    assert z < 5, z
