@@ -105,3 +105,20 @@ def write_jsonl(path: Path, rows: list) -> Path:
         for r in rows:
             f.write((r if isinstance(r, str) else json.dumps(r)) + "\n")
     return path
+
+
+def random_conversations(n: int, seed: int = 0, max_rounds: int = 3, user_words: tuple[int, int] = (2, 12),
+                         reply_words: tuple[int, int] = (2, 30)) -> list[dict]:
+    """n ShareGPT-style rows of random words over a small vocabulary (1..max_rounds user/reply rounds)."""
+    import random
+
+    rng = random.Random(seed)
+    words = ["hello", "speculative", "decoding", "heads", "draft", "target", "tokens", "fast", "the", "a"]
+    rows = []
+    for i in range(n):
+        turns = []
+        for _ in range(rng.randint(1, max_rounds)):
+            for role, span in (("human", user_words), ("gpt", reply_words)):
+                turns.append({"from": role, "value": " ".join(rng.choice(words) for _ in range(rng.randint(*span)))})
+        rows.append({"id": f"c{i}", "conversations": turns})
+    return rows

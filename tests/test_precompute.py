@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import write_jsonl
+from conftest import random_conversations, write_jsonl
 
 from headstart.cli import main
 from headstart.config import load_recipe
@@ -28,18 +28,7 @@ def model_dir(chat_model_dir):
 
 
 def _conversations(n, seed=0):
-    import random
-
-    rng = random.Random(seed)
-    words = ["hello", "speculative", "decoding", "heads", "draft", "target", "tokens", "fast", "the", "a"]
-    rows = []
-    for i in range(n):
-        turns = []
-        for _ in range(rng.randint(1, 3)):
-            turns.append({"from": "human", "value": " ".join(rng.choice(words) for _ in range(rng.randint(2, 12)))})
-            turns.append({"from": "gpt", "value": " ".join(rng.choice(words) for _ in range(rng.randint(2, 30)))})
-        rows.append({"id": f"c{i}", "conversations": turns})
-    return rows
+    return random_conversations(n, seed)
 
 
 def _recipe(tmp_path, model_dir, name="r", n=40, **pc):

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import write_jsonl
+from conftest import random_conversations, write_jsonl
 
 from headstart.cli import main
 from headstart.config import load_recipe
@@ -33,18 +33,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def _conversations(n, seed=0):
-    import random
-
-    rng = random.Random(seed)
-    words = ["hello", "speculative", "decoding", "heads", "draft", "target", "tokens", "fast", "the", "a"]
-    rows = []
-    for i in range(n):
-        turns = []
-        for _ in range(rng.randint(1, 2)):
-            turns.append({"from": "human", "value": " ".join(rng.choice(words) for _ in range(rng.randint(2, 10)))})
-            turns.append({"from": "gpt", "value": " ".join(rng.choice(words) for _ in range(rng.randint(4, 24)))})
-        rows.append({"id": f"c{i}", "conversations": turns})
-    return rows
+    return random_conversations(n, seed, max_rounds=2, user_words=(2, 10), reply_words=(4, 24))
 
 
 def _recipe(tmp_path, model_dir, name="run", n=48, head="mtp", train=None, extra=""):
