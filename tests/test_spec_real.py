@@ -57,3 +57,20 @@ def test_cli_spec_chain_json(tmp_path, capsys):
     for key in ("tau", "alpha", "accept_rate_per_pos", "cond_accept_per_pos", "accept_histogram", "tokens_per_s"):
         assert key in summary
     assert len(summary["accept_rate_per_pos"]) == 3 and "tau" in lines[0]
+
+
+@pytest.mark.real
+def test_the_shipped_head_speculates_losslessly():
+    """assets/heads/smollm2-135m-mtp loads on the embedded target (fingerprint and weights checked)
+    and drafts tokens the engine accepts, with output identical to plain decoding."""
+    from headstart.inference import Engine, SamplingParams
+    from headstart.inference.spec import SpecConfig
+
+    head = Path(__file__).resolve().parents[1] / "assets" / "heads" / "smollm2-135m-mtp"
+    dtype = "fp32"  # exact equality with plain decoding: bf16 verify rows may round a near-tie differently
+    prompts = ["Write a haiku about the sea", "What is speculative decoding?"]
+    params = SamplingParams(max_tokens=24)
+    ref = [o.token_ids for o in Engine("smollm2-135m", dtype=dtype).generate(prompts, params)]
+    eng = Engine("smollm2-135m", dtype=dtype, spec=SpecConfig(method="chain", k=3, head=str(head)))
+    assert [o.token_ids for o in eng.generate(prompts, params)] == ref
+    assert eng.spec_metrics.summary()["alpha"] > 0
