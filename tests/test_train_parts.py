@@ -1,0 +1,258 @@
+"""Training pieces on a tiny random target: the chunked losses (exact, with their gradient, flat in
+memory), the module's weighted loss, the TTT unroll against the engine's draft steps, the Shifted
+contract of Medusa / draft_lm, and the data stream (packing, epochs, ranks, workers, resume)."""
+
+import pytest
+import torch
+
+from headstart.errors import DataError
+from headstart.heads import HeadConfig, PackedBatch, build_head
+from headstart.inference.backends import TorchAttention
+from headstart.inference.kv_cache import KVCache, KVCacheSpec, PageAllocator
+from headstart.inference.scheduler import build_metadata
+from headstart.models.llama import load_llama
+from headstart.train.data import PackedStream, TokenSequences, pack
+from headstart.train.losses import distill, target_logits
+from headstart.train.module import target_forward
+from headstart.train.ttt import unroll
+
+
+@pytest.fixture(scope="module")
+def target(tmp_path_factory):
+    from tiny_models import make_hf_model
+
+    d = tmp_path_factory.mktemp("target")
+    make_hf_model("llama", d, seed=5, vocab_size=512)
+    return load_llama(d, "fp32")
+
+
+def _batch(target, lens=(11, 7, 14), seed=0):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(2, target.config.vocab_size, (sum(lens),), generator=g)
+    mask = (torch.rand(sum(lens), generator=g) > 0.3).to(torch.uint8)
+    return target_forward(target, PackedBatch(ids, list(lens), None, None, mask), [0, 1, 2])
+
+
+# ------------------------------------------------------------------------------------------ losses
+
+
+def test_chunked_kl_equals_the_plain_formula_and_its_gradient(target):
+    head = build_head(HeadConfig(head_type="mtp"), target)
+    b = _batch(target)
+    hh = (torch.randn(b.input_ids.numel(), 64) * 2).requires_grad_()
+    rows = torch.tensor([0, 3, 4, 9, 10, 20, 30])
+    part = distill(head, hh, b.hidden, rows, None, chunk=3)
+    part.kl.backward()
+    g_chunked = hh.grad.clone()
+    hh.grad = None
+    logq = torch.log_softmax(head.compute_logits(hh[rows]), -1)
+    logp = torch.log_softmax(target_logits(head, b.hidden[rows]), -1)
+    plain = (logp.exp() * (logp - logq)).sum()
+    plain.backward()
+    torch.testing.assert_close(part.kl, plain.detach(), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(g_chunked, hh.grad, rtol=1e-5, atol=1e-6)
+    assert part.rows == 7
+    top = (logq.argmax(-1) == logp.argmax(-1)).sum()
+    assert float(part.correct) == float(top)
+    expected = torch.minimum(logp.exp(), logq.exp()).sum().detach()
+    assert float(part.accept) == pytest.approx(float(expected), rel=1e-5)
+
+
+def test_reduced_vocabulary_kl_and_statistics(target):
+    """eagle3: KL against p restricted to the draft vocabulary and renormalised; top-1 compares the
+    draft argmax mapped to target ids with the target argmax; acceptance uses the unrenormalised p."""
+    from headstart.heads import build_vocab_maps
+
+    head = build_head(HeadConfig(head_type="eagle3", aux_layer_ids=[0, 1, 2], draft_vocab_size=96), target)
+    d2t, t2d = build_vocab_maps(torch.arange(512, 0, -1).float(), 96)  # ids 0..95 most frequent... then shifted
+    d2t = d2t + 7 * (torch.arange(96) >= 40)  # a non-trivial map: draft ids 40.. point 7 further
+    t2d = torch.zeros(512, dtype=torch.bool)
+    t2d[torch.arange(96) + d2t] = True
+    head.set_vocab_maps(d2t, t2d)
+    b = _batch(target)
+    hh = torch.randn(b.input_ids.numel(), 64)
+    rows = torch.arange(0, 30, 2)
+    part = distill(head, hh, b.hidden, rows, None, chunk=4)
+    ids = torch.arange(96) + d2t
+    logq = torch.log_softmax(head.compute_logits(hh[rows]), -1)
+    p_full = torch.softmax(target_logits(head, b.hidden[rows]), -1)
+    p = p_full[:, ids] / p_full[:, ids].sum(-1, keepdim=True)
+    torch.testing.assert_close(part.kl, (p * (p.log() - logq)).sum(), rtol=1e-5, atol=1e-5)
+    assert float(part.correct) == float((ids[logq.argmax(-1)] == p_full.argmax(-1)).sum())
+    assert float(part.accept) == pytest.approx(float(torch.minimum(p_full[:, ids], logq.exp()).sum()), rel=1e-5)
+
+
+def _plain_kl(head, hh, th):
+    logq = torch.log_softmax(head.compute_logits(hh), -1)
+    logp = torch.log_softmax(target_logits(head, th), -1)
+    return (logp.exp() * (logp - logq)).sum()
+
+
+def test_module_loss_is_the_documented_weighted_sum(target):
+    """mtp with 3 unrolled steps: sum_j decay^j (KL_j / n_j + w_f * smoothL1_j / (n_j d)), over the
+    supervised rows valid at step j, against the target's next row; medusa: head j against row i+1+j."""
+    import torch.nn.functional as F
+
+    from headstart.config import recipe_from_dict
+    from headstart.train.module import HeadModule
+
+    recipe = recipe_from_dict({"train": {"ttt_steps": 3, "ttt_decay": 0.7, "loss_weights": {"kl": 1.0,
+                                                                                            "feature": 0.5}}})
+    head = build_head(HeadConfig(head_type="mtp"), target)
+    module = HeadModule(recipe, target, head)
+    b = _batch(target)
+    with torch.no_grad():
+        loss, stats = module.losses(b)
+        outs, valid, sh = unroll(head, b, 3)
+        th = b.hidden[sh.target_rows]
+        expected = 0.0
+        for j in range(3):
+            rows = torch.nonzero((sh.token_mask > 0) & valid[j]).flatten()
+            n = rows.numel()
+            scale = th[rows].pow(2).mean(-1, keepdim=True).sqrt()
+            feat = F.smooth_l1_loss(outs[j][rows] / scale, th[rows] / scale, reduction="sum")
+            expected += 0.7 ** j * (_plain_kl(head, outs[j][rows], th[rows]) / n + 0.5 * feat / (n * 64))
+            assert stats["rows"][j] == n
+    torch.testing.assert_close(loss, torch.as_tensor(expected, dtype=loss.dtype), rtol=1e-5, atol=1e-5)
+    med = build_head(HeadConfig(head_type="medusa", medusa_num_heads=2), target)
+    module = HeadModule(recipe, target, med)
+    with torch.no_grad():
+        loss, _ = module.losses(b)
+        states = med.forward_heads(med.target_features(b.hidden))
+        lens, ends, expected = [11, 7, 14], [11, 18, 32], 0.0
+        seq_end = torch.tensor([e for n, e in zip(lens, ends) for _ in range(n)])
+        for j in range(2):
+            i = torch.arange(32)
+            ok = (i + 2 + j < seq_end) & (b.loss_mask[(i + 2 + j).clamp(max=31)] > 0)
+            rows = i[ok]
+            expected += _plain_kl(med, states[rows, j], b.hidden[rows + 1 + j]) / rows.numel()
+    torch.testing.assert_close(loss, torch.as_tensor(expected, dtype=loss.dtype), rtol=1e-5, atol=1e-5)
+
+
+def test_no_tokens_by_vocab_tensor_is_kept_for_backward(target):
+    """Saved activations grow with tokens x width, never tokens x vocab: the logits of a chunk are
+    recomputed in the backward pass."""
+    head = build_head(HeadConfig(head_type="mtp"), target)
+    vocab = target.config.vocab_size
+
+    def saved_bytes(n):
+        g = torch.Generator().manual_seed(1)
+        h = torch.randn(n, 64, generator=g)
+        hh = torch.randn(n, 64, generator=g).requires_grad_()
+        sizes = []
+
+        def pack_hook(t):
+            sizes.append(t.numel() * t.element_size())
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack_hook, lambda t: t):
+            part = distill(head, hh, h, torch.arange(n), None, chunk=16)
+        part.kl.backward()
+        return sum(sizes), max(sizes)
+
+    small_total, small_max = saved_bytes(64)
+    big_total, big_max = saved_bytes(512)
+    assert big_max < 16 * vocab * 4  # nothing as large as one chunk's logits is saved
+    assert big_total < 8 * small_total * 1.2  # linear in tokens (with a tokens x vocab tensor: ~ 8x vocab/width more)
+    assert big_total < 3 * 512 * 64 * 4  # a few copies of the (tokens, width) input; a [tokens x vocab] is 8x that
+
+
+# ------------------------------------------------------------------------------ TTT == draft steps
+
+
+@pytest.mark.parametrize("kind", ["mtp", "eagle1", "deepseek_mtp", "eagle3"])
+def test_unrolled_step_j_is_the_engine_draft_step_j(target, kind):
+    """Absorb positions 0..m with the target's states through the paged cache, then draft steps
+    j = 1..3 one row each (own output fed back, ground-truth tokens): step j of the unroll at row
+    m + j computes the same hidden state."""
+    kw = {"aux_layer_ids": [0, 1, 2]} if kind == "eagle3" else {}
+    head = build_head(HeadConfig(head_type=kind, **kw), target).eval()
+    b = _batch(target, lens=(7, 16, 5))  # checked in the middle sequence: its neighbours must not leak in
+    steps = 4
+    with torch.no_grad():
+        outs, valid, sh = unroll(head, b, steps)
+    first = 6  # the middle sequence's shifted rows start after the first one's 7 - 1
+    feats = head.target_features(b.hidden[sh.src_rows], b.aux_hidden[sh.src_rows] if kind == "eagle3" else None)
+    feats, tokens = feats[first:first + 15], sh.tokens[first:first + 15]
+    outs = [o[first:first + 15] for o in outs]
+    cfg = head.config
+    backend = TorchAttention()
+    for m in (4, 9):
+        alloc = PageAllocator(32, 4)
+        cache = KVCache(KVCacheSpec(num_layers=head.kv_layers(), num_kv_heads=cfg.num_key_value_heads,
+                                    head_dim=cfg.head_dim, dtype=torch.float32), 32, 4, "cpu")
+        alloc.reserve("s", m + steps + 1)
+        with torch.no_grad():
+            meta = build_metadata(alloc, [("s", 0, m + 1)], torch.device("cpu"))
+            h, _ = head.draft_step(tokens[:m + 1], feats[:m + 1], meta, cache.layers, backend)
+            own = h[-1:]
+            torch.testing.assert_close(h[-1], outs[0][m], rtol=1e-4, atol=1e-4)
+            for j in range(1, steps):
+                meta = build_metadata(alloc, [("s", m + j, m + j + 1)], torch.device("cpu"))
+                own, _ = head.draft_step(tokens[m + j:m + j + 1], own, meta, cache.layers, backend)
+                torch.testing.assert_close(own[0], outs[j][m + j], rtol=1e-4, atol=1e-4)
+    assert valid[2].tolist() == [p >= 2 for p in range(6)] + [p >= 2 for p in range(15)] + [p >= 2 for p in range(4)]
+
+
+def test_one_unrolled_step_is_train_forward(target):
+    head = build_head(HeadConfig(head_type="mtp"), target)
+    b = _batch(target)
+    with torch.no_grad():
+        outs, _, _ = unroll(head, b, 1)
+        ref, _ = head.train_forward(b)
+    torch.testing.assert_close(outs[0], ref, rtol=1e-5, atol=1e-5)
+
+
+def test_medusa_and_draft_lm_keep_the_loss_mask(target):
+    ids = torch.tensor([10, 11, 12, 13, 20, 21, 22])
+    mask = torch.tensor([0, 1, 1, 0, 0, 0, 1], dtype=torch.uint8)
+    h = torch.randn(7, 64)
+    med = build_head(HeadConfig(head_type="medusa", medusa_num_heads=2), target)
+    _, s = med.train_forward(PackedBatch(ids, [4, 3], h, None, mask))
+    # head 0 at row i predicts t_{i+2} (target row i+1), head 1 predicts t_{i+3} (target row i+2)
+    assert s.next_tokens[:, 0].tolist() == [12, 13, -100, -100, 22, -100, -100]
+    assert s.token_mask[:, 0].tolist() == [1, 0, 0, 0, 1, 0, 0]
+    assert s.next_tokens[:, 1].tolist() == [13, -100, -100, -100, -100, -100, -100]
+    assert s.token_mask[:, 1].tolist() == [0, 0, 0, 0, 0, 0, 0]
+    assert s.target_rows[:2, 0].tolist() == [1, 2] and s.target_rows[4, 0] == 5
+    lm = build_head(HeadConfig(head_type="draft_lm"), target)
+    _, s = lm.train_forward(PackedBatch(ids, [4, 3], h, None, mask))
+    assert s.next_tokens.tolist() == [11, 12, 13, -100, 21, 22, -100]
+    assert s.token_mask.tolist() == [1, 1, 0, 0, 0, 1, 0]
+    assert s.target_rows.tolist() == list(range(7))
+
+
+# ---------------------------------------------------------------------------------------- data
+
+
+def test_stream_packs_shuffles_per_epoch_splits_ranks_and_resumes():
+    lens = [5, 9, 3, 7, 8, 4, 6, 10, 3, 5]
+    src = TokenSequences([[1] * n for n in lens], [[1] * n for n in lens])
+    s = PackedStream(src, batch_tokens=16, seed=1, epochs=3)
+    e0, e1 = s.epoch_batches(0), s.epoch_batches(1)
+    assert e0 != e1 and sorted(i for b in e0 for i in b) == list(range(10))
+    assert all(sum(lens[i] for i in b) <= 16 for b in e0)
+    assert s.epoch_batches(0) == e0  # deterministic
+    full = [it["batch"].input_ids.numel() for it in s]
+    resumed = PackedStream(src, batch_tokens=16, seed=1, epochs=3)
+    resumed.skip = 5
+    assert [it["batch"].input_ids.numel() for it in resumed] == full[5:]
+    n0 = len(e0)
+    crossing = PackedStream(src, batch_tokens=16, seed=1, epochs=3)
+    crossing.skip = n0 + 2  # into the second epoch
+    assert [it["batch"].input_ids.numel() for it in crossing] == full[n0 + 2:]
+    assert [it["epoch"] for it in PackedStream(src, 16, 1, epochs=2)] == [0] * n0 + [1] * len(e1)
+    odd = next(e for e in range(20) if len(s.epoch_batches(e)) % 2)  # an epoch that does not split evenly
+    r0 = PackedStream(src, 16, 1, rank=0, world=2).epoch_batches(odd)
+    r1 = PackedStream(src, 16, 1, rank=1, world=2).epoch_batches(odd)
+    whole = s.epoch_batches(odd)
+    assert len(r0) == len(r1) == len(whole) // 2  # the tail that does not fill every rank is dropped
+    assert r0 == whole[0:-1:2] and r1 == whole[1::2]
+    workers = torch.utils.data.DataLoader(PackedStream(src, 16, 1, epochs=3), batch_size=1, num_workers=2,
+                                          collate_fn=lambda x: x[0])
+    assert [it["batch"].input_ids.numel() for it in workers] == full  # workers split, never repeat
+    assert pack([0, 1, 2], lens, 14) == [[0, 1], [2]]
+    with pytest.raises(DataError, match="batch_tokens=8 is smaller than the longest"):
+        PackedStream(src, batch_tokens=8, seed=1)
+
+
