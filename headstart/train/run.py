@@ -267,7 +267,9 @@ class TrainRun:
         self.rank = global_rank(tr.devices)
         self.world = tr.devices * tr.num_nodes
         out = run_dir(recipe)
-        check_output_path(out, replaces=lambda p: True)  # resolves; refuses '.', '..', root, links
+        # Only '.', '..', the root and links are refused here (the directory is shared with precompute's
+        # output); what it may already hold is checked with the resume identity below.
+        check_output_path(out, replaces=lambda p: True)
         if out.exists() and not out.is_dir():
             raise ConfigError(f"output_dir {out} is a file")
         use_cuda = tr.accelerator in ("gpu", "cuda") or (tr.accelerator == "auto" and torch.cuda.is_available())
