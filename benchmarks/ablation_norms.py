@@ -21,14 +21,20 @@ SETTINGS = ["train.max_steps=60", "train.batch_tokens=2048", "train.val_every_st
             "logging.wandb=false", "logging.every_steps=5"]
 
 
-def run_dir(kind: str) -> Path:
-    return ROOT / "runs" / f"ablation-{kind}"
+# arm -> (recipe, extra overrides): eagle1 as the recipes build it (last target layer copied, like
+# mtp), and eagle1 from a random layer as the original EAGLE trained it.
+ARMS = {"mtp": ("mtp", []), "eagle1": ("eagle1", []), "eagle1-scratch": ("eagle1", ["head.init_from_target=false"])}
 
 
-def train(kind: str) -> None:
-    cmd = [sys.executable, "-m", "headstart.cli", "train", f"recipes/smollm2-135m-{kind}.yaml", "--no-progress",
-           "--set", f"output_dir={run_dir(kind)}"]
-    for s in SETTINGS:
+def run_dir(arm: str) -> Path:
+    return ROOT / "runs" / f"ablation-{arm}"
+
+
+def train(arm: str) -> None:
+    recipe, extra = ARMS[arm]
+    cmd = [sys.executable, "-m", "headstart.cli", "train", f"recipes/smollm2-135m-{recipe}.yaml", "--no-progress",
+           "--set", f"output_dir={run_dir(arm)}"]
+    for s in SETTINGS + extra:
         cmd += ["--set", s]
     subprocess.run(cmd, cwd=ROOT, check=True)
 
@@ -39,7 +45,8 @@ def curve(kind: str) -> list[dict[str, str]]:
 
 
 def report(cpu: str) -> str:
-    runs = {k: json.loads((run_dir(k) / "metrics.json").read_text()) for k in ("mtp", "eagle1")}
+    runs = {k: json.loads((run_dir(k) / "metrics.json").read_text())
+            for k in ARMS if (run_dir(k) / "metrics.json").exists()}
     lines = [
         "# Norm placement: `mtp` (RMSNorm restored) vs `eagle1`, SmolLM2-135M, same data, steps and seed",
         "",
@@ -76,13 +83,15 @@ def plot() -> None:
     import matplotlib.pyplot as plt
 
     fig, (a, b) = plt.subplots(1, 2, figsize=(10, 4))
-    for kind in ("mtp", "eagle1"):
+    for kind in ARMS:
+        if not (run_dir(kind) / "metrics.csv").exists():
+            continue
         rows = curve(kind)
         train = [r for r in rows if r["kind"] == "train"]
         val = [r for r in rows if r["kind"] == "val"]
         a.plot([int(r["step"]) for r in train], [float(r["loss"]) for r in train], label=kind)
         b.plot([int(r["step"]) for r in val], [float(r["tau"]) for r in val], marker="o", label=kind)
-    a.set(xlabel="step", ylabel="training loss (KL + feature)", title="training loss")
+    a.set(xlabel="step", ylabel="training loss (KL + feature)", title="training loss", yscale="log")
     b.set(xlabel="step", ylabel="engine tau (k=3, greedy)", title="validation: engine tau")
     for ax in (a, b):
         ax.legend()
@@ -96,8 +105,8 @@ def main() -> None:
     ap.add_argument("--report-only", action="store_true")
     args = ap.parse_args()
     if not args.report_only:
-        for kind in ("mtp", "eagle1"):
-            train(kind)
+        for arm in ARMS:
+            train(arm)
     from headstart.hardware import describe
 
     (ROOT / "benchmarks" / "ablation_norms.md").write_text(report(describe("cpu")))
