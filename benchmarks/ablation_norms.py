@@ -50,11 +50,12 @@ def report(cpu: str) -> str:
     lines = [
         "# Norm placement: `mtp` (RMSNorm restored) vs `eagle1`, SmolLM2-135M, same data, steps and seed",
         "",
-        f"Run on this project's 2-core CPU ({cpu}) by `benchmarks/ablation_norms.py`: both heads from",
-        "`recipes/smollm2-135m-{mtp,eagle1}.yaml` with `" + " ".join(f"--set {s}" for s in SETTINGS) + "`",
-        "(4,000 ShareGPT rows, online target, bf16-mixed where native). Validation = the engine, greedy,",
-        "k = 3 drafts, 16 held-out first user turns, 48 new tokens each; top-1 / expected acceptance on",
-        "held-out micro-batches.",
+        f"Run on this project's 2-core CPU ({cpu}) by `benchmarks/ablation_norms.py`: three arms from",
+        "`recipes/smollm2-135m-{mtp,eagle1}.yaml` with `" + " ".join(f"--set {s}" for s in SETTINGS) + "`;",
+        "`eagle1` starts like `mtp` from the target's last layer (the recipes' `head.init_from_target: true`),",
+        "`eagle1-scratch` adds `--set head.init_from_target=false` (a random layer, as the original EAGLE).",
+        "4,000 ShareGPT rows, online target, bf16-mixed. Validation = the engine, greedy, k = 3 drafts,",
+        "16 held-out first user turns, 48 new tokens each; top-1 / expected acceptance on held-out batches.",
         "",
         "| head | step | tokens | val_loss | top-1 (step 0) | E[accept] (step 0) | engine tau (k=3) | alpha "
         "| accept_rate_per_pos |",
@@ -109,7 +110,10 @@ def main() -> None:
             train(arm)
     from headstart.hardware import describe
 
-    (ROOT / "benchmarks" / "ablation_norms.md").write_text(report(describe("cpu")))
+    md = ROOT / "benchmarks" / "ablation_norms.md"
+    old = md.read_text() if md.exists() else ""
+    reading = old[old.index("\n## Reading"):] if "\n## Reading" in old else ""  # hand-written, kept
+    md.write_text(report(describe("cpu")) + reading)
     plot()
     print((ROOT / "benchmarks" / "ablation_norms.md").read_text())
 
