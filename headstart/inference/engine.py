@@ -21,7 +21,7 @@ import torch
 from headstart.inference.backends import make_backend
 from headstart.inference.kv_cache import KVCache, KVCacheSpec, PageAllocator, pages_for_budget
 from headstart.inference.rejection import verify_full_q, verify_greedy, verify_one_hot, verify_tree
-from headstart.inference.sampler import SamplingParams, processed_probs, sample, token_logprobs
+from headstart.inference.sampler import SamplingParams, processed_probs, rows_logprobs, sample, token_logprobs
 from headstart.inference.scheduler import ScheduledBatch, Scheduler, Sequence, Status, build_metadata
 from headstart.inference.spec import (
     DraftModelProposer,
@@ -349,7 +349,8 @@ class Engine:
             seq.spec_metrics.add(a, k)
             self.spec_metrics.add(a, k)
             rows = list(range(b * (k + 1), b * (k + 1) + a + 1))  # the rows whose logits gave each token
-            outputs.append(self._commit(seq, n, a, verdict.tokens, self._logprobs(seq, logits, rows, verdict.tokens)))
+            outputs.append(self._commit(seq, n, a, verdict.tokens, rows_logprobs(seq.params, logits, rows,
+                                                                                 verdict.tokens)))
             if seq.status is not Status.FINISHED:
                 absorb.append((seq, n, n + a + 1, rows))
         return self._finish_spec_step(outputs, absorb, h, aux, t0, t1)
@@ -393,7 +394,7 @@ class Engine:
                         flat = c.view(-1, c.shape[2], c.shape[3])
                         flat.index_copy_(0, to_slots, flat[from_slots])
             rows = [row] + [row + node for node in path]
-            outputs.append(self._commit(seq, n, a, emitted, self._logprobs(seq, logits, rows, emitted)))
+            outputs.append(self._commit(seq, n, a, emitted, rows_logprobs(seq.params, logits, rows, emitted)))
             if seq.status is not Status.FINISHED:
                 absorb.append((seq, n, n + a + 1, rows))
             row += m
@@ -410,13 +411,6 @@ class Engine:
         self.spec_metrics.verify_seconds += t2 - t1
         self.stats.decode_tokens += sum(len(o.new_token_ids) for o in outputs)
         return outputs
-
-    @staticmethod
-    def _logprobs(seq: Sequence, logits: torch.Tensor, rows: list[int], tokens: list[int]) -> list[dict] | None:
-        """Log-probabilities of the emitted tokens (row i of `rows` gave tokens[i]), if requested."""
-        if seq.params.logprobs is None:
-            return None
-        return token_logprobs(logits[rows], torch.tensor(tokens), seq.params.logprobs)
 
     def _commit(self, seq: Sequence, n: int, a: int, tokens: list[int],
                 logprobs: list[dict] | None = None) -> RequestOutput:

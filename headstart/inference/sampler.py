@@ -142,6 +142,14 @@ def sample(
     return tokens
 
 
+def rows_logprobs(params: SamplingParams, logits: torch.Tensor, rows: list[int], tokens: list[int]
+                  ) -> list[dict] | None:
+    """Log-probabilities of tokens emitted from `rows` of a verify step's logits, if the request asked."""
+    if params.logprobs is None:
+        return None
+    return token_logprobs(logits[rows], torch.tensor(tokens), params.logprobs)
+
+
 def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, top_n: int) -> list[dict]:
     """Per row: the chosen token's log-probability under the raw model distribution, and the top n."""
     logp = torch.log_softmax(logits.float(), dim=-1)
