@@ -91,7 +91,8 @@ def read_json_object(path: Path, what: str = "file") -> dict[str, Any]:
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise DataError(f"{path}: the {what} is not valid JSON ({str(e)[:80]}); it is damaged") from None
     if not isinstance(obj, dict):
-        raise DataError(f"{path}: the {what} should be a JSON object, got {type(obj).__name__}; it is damaged")
+        raise DataError(f"{path}: the {what} should be a JSON object (expected a JSON object, got "
+                        f"{type(obj).__name__}); it is damaged")
     return obj
 
 

@@ -29,7 +29,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from headstart.errors import AssetError
-from headstart.fileio import apply_umask, atomic_path, check_output_path, sha256_file
+from headstart.fileio import apply_umask, atomic_path, check_output_path, read_json_object, sha256_file
 from headstart.models.llama import LlamaForCausalLM
 from headstart.nn.attention import AttentionBackend, AttentionMetadata, KVPages
 from headstart.nn.decoder import DecoderLayerConfig
@@ -373,12 +373,7 @@ def _read_head_config(path: str | Path) -> tuple[HeadConfig, str | None]:
     f = path / "config.json"
     if not f.is_file():
         raise AssetError(f"{path}: not a head checkpoint (no config.json)")
-    try:
-        raw = json.loads(f.read_text(encoding="utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise AssetError(f"{f}: not valid JSON ({str(e)[:80]}); the head checkpoint is damaged") from None
-    if not isinstance(raw, dict):
-        raise AssetError(f"{f}: expected a JSON object, got {type(raw).__name__}; the head checkpoint is damaged")
+    raw = read_json_object(f, "head checkpoint's config")
     sha = raw.pop("weights_sha256", None)
     raw.pop("hidden_state_convention", None)
     fmt = raw.pop("format", None)

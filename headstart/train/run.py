@@ -22,7 +22,7 @@ from lightning.pytorch.callbacks import RichProgressBar
 
 from headstart.config import Recipe
 from headstart.errors import ConfigError, DataError, HeadstartError
-from headstart.fileio import atomic_write_text, check_output_path
+from headstart.fileio import atomic_write_text, check_output_path, read_json_object
 from headstart.heads import build_head, head_config_from_recipe, save_head
 from headstart.heads.base import check_head_output
 from headstart.train.data import PackedStream, ShardSequences, TokenSequences, TrainData, pack
@@ -85,12 +85,7 @@ def _check_resume(out: Path, identity: dict[str, Any], resume: bool, rank: int =
     if not zipfile.is_zipfile(last):
         raise DataError(f"{last}: damaged (not a complete checkpoint archive); restore it from a copy, or delete "
                         f"the checkpoints directory to start over")
-    try:
-        prev = json.loads(info.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError):
-        raise DataError(f"{info}: not valid JSON; it cannot say which run this is") from None
-    if not isinstance(prev, dict):
-        raise DataError(f"{info}: expected a JSON object")
+    prev = read_json_object(info, "training run record")
     diffs = []
     for key in ("target_fingerprint", "data_fingerprint"):
         if prev.get(key) != identity[key]:
