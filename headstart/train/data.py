@@ -28,7 +28,7 @@ from headstart.precompute.shards import from_fp8
 
 @dataclass
 class SeqRef:
-    shard: int  # index into the source's shard list (-1: in-memory token lists)
+    shard: int  # index into the source's shard list
     start: int  # first token row in the shard
     length: int
 
@@ -60,19 +60,13 @@ class ShardSequences:
             with safe_open(str(path), framework="pt") as f:
                 offsets = f.get_tensor("seq_offsets").tolist()
             self.refs += [SeqRef(si, a, b - a) for a, b in zip(offsets[:-1], offsets[1:])]
+        self.lengths = [r.length for r in self.refs]
         self._handles: dict[int, Any] = {}
-
-    @property
-    def lengths(self) -> list[int]:
-        return [r.length for r in self.refs]
 
     def _handle(self, shard: int) -> Any:
         if shard not in self._handles:
             self._handles[shard] = safe_open(str(self.dir / self.records[shard]["name"]), framework="pt")
         return self._handles[shard]
-
-    def _rows(self, f: Any, name: str, a: int, b: int) -> torch.Tensor:
-        return f.get_slice(name)[a:b]
 
     def load(self, indices: list[int]) -> PackedBatch:
         ids, masks, hs, auxs, lens = [], [], [], [], []
@@ -80,14 +74,17 @@ class ShardSequences:
             ref = self.refs[i]
             f = self._handle(ref.shard)
             a, b = ref.start, ref.start + ref.length
+
+            def rows(name: str, f: Any = f, a: int = a, b: int = b) -> torch.Tensor:
+                return f.get_slice(name)[a:b]
+
             keys = set(f.keys())
-            ids.append(self._rows(f, "input_ids", a, b).long())
-            masks.append(self._rows(f, "loss_mask", a, b))
-            h = self._rows(f, "hidden", a, b)
-            hs.append(from_fp8(h, self._rows(f, "hidden_scale", a, b)) if "hidden_scale" in keys else h)
+            ids.append(rows("input_ids").long())
+            masks.append(rows("loss_mask"))
+            hs.append(from_fp8(rows("hidden"), rows("hidden_scale")) if "hidden_scale" in keys else rows("hidden"))
             if "aux_hidden" in keys:
-                x = self._rows(f, "aux_hidden", a, b)
-                auxs.append(from_fp8(x, self._rows(f, "aux_scale", a, b)) if "aux_scale" in keys else x)
+                x = rows("aux_hidden")
+                auxs.append(from_fp8(x, rows("aux_scale")) if "aux_scale" in keys else x)
             lens.append(ref.length)
         return PackedBatch(torch.cat(ids), lens, torch.cat(hs), torch.cat(auxs) if auxs else None, torch.cat(masks))
 
@@ -100,14 +97,11 @@ class TokenSequences:
 
     def __init__(self, input_ids: list[list[int]], loss_mask: list[list[int]]) -> None:
         self.ids, self.masks = input_ids, loss_mask
+        self.lengths = [len(x) for x in input_ids]
 
     @classmethod
     def from_dataset(cls, ds: Any) -> TokenSequences:
         return cls([list(x) for x in ds["input_ids"]], [list(x) for x in ds["loss_mask"]])
-
-    @property
-    def lengths(self) -> list[int]:
-        return [len(x) for x in self.ids]
 
     def load(self, indices: list[int]) -> PackedBatch:
         ids = torch.tensor([t for i in indices for t in self.ids[i]], dtype=torch.long)
