@@ -209,15 +209,39 @@ def test_a_perfect_draft_model_gives_tau_k_plus_one_exactly(target):
         assert s["tau"] == k + 1 and s["accept_histogram"][k] == s["steps"] == 4 * 6
 
 
+def test_the_draft_model_follows_the_scheduler(target):
+    """Long prompts under a small token budget and a tight page pool: every draft forward stays within
+    the budget (the draft runs the target's chunks, not the rest of a prompt at once), the draft takes
+    no page of its own, and speculation stays on: a perfect draft still gives tau = k + 1 exactly."""
+    draft = build_head(HeadConfig(head_type="draft_lm", num_layers=target.num_layers), target)
+    rng = random.Random(5)
+    prompts = [[rng.randrange(2, 320) for _ in range(n)] for n in (45, 30, 38)]
+    k, budget = 3, 8
+    params = SamplingParams(max_tokens=1 + (k + 1) * 5, ignore_eos=True)
+    ref = [o.token_ids for o in Engine(target, page_size=4).generate(prompts, params)]
+    # 3 x (45 + 21 + k + 1) slots at most: 18 + 13 + 16 pages; 48 leave no room for a draft's own pages.
+    eng = Engine(target, page_size=4, num_pages=48, max_batched_tokens=budget,
+                 spec=SpecConfig(method="draft", k=k, draft=draft))
+    sizes = []
+    forward = eng.proposer.forward_fn
+
+    def recording(tokens, meta, caches, backend):
+        sizes.append(tokens.numel())
+        return forward(tokens, meta, caches, backend)
+
+    eng.proposer.forward_fn = recording
+    assert [o.token_ids for o in eng.generate(prompts, params)] == ref
+    assert max(sizes) <= budget and sum(sizes) >= sum(map(len, prompts))
+    s = eng.spec_metrics.summary()
+    assert s["tau"] == k + 1 and s["steps"] >= 12  # at most 3 x 5; a few tokens come while others prefill
+    assert eng.allocator.num_free == eng.allocator.num_pages and eng.stats.preemptions == 0
+
+
 @pytest.mark.parametrize("kind", ["mtp", "eagle3"])
 def test_engine_drafts_equal_the_unrolled_training_forward(target, kind):
     """Each draft the engine proposes is the argmax of the training unroll over the same tokens:
     step j of the unroll at row n-1+j, where t_n is the pending token (positions, KV rows and fed-back
     features must all match)."""
-    from headstart.heads import PackedBatch
-    from headstart.train.module import target_forward
-    from headstart.train.ttt import unroll
-
     k = 3
     spec = _spec(target, kind, k=k)
     head = spec.head
@@ -233,18 +257,68 @@ def test_engine_drafts_equal_the_unrolled_training_forward(target, kind):
     eng.proposer.propose = recording
     eng.generate(_prompts(3, seed=9), SamplingParams(max_tokens=12, ignore_eos=True))
     assert len(seen) >= 6
-    aux = list(head.config.aux_layer_ids or [])
     for tokens, drafts in seen:
-        n = len(tokens) - 1
-        seq = tokens + drafts[:-1]
-        b = target_forward(target, PackedBatch(torch.tensor(seq), [len(seq)], None, None, None), aux)
-        with torch.no_grad():
-            outs, _, _ = unroll(head, b, k)
-        expect = [int(head.compute_logits(outs[j][n - 1 + j]).argmax()) for j in range(k)]
+        expect = [int(x.argmax()) for x in _unrolled_logits(head, target, tokens, drafts[:-1], k)]
         to_target = getattr(head, "to_target_ids", None)
         if to_target is not None:
             expect = to_target(torch.tensor(expect)).tolist()
         assert drafts == expect
+
+
+def _unrolled_logits(head, target, tokens, drafts, k):
+    """Per unroll step j, the head's logits at row n-1+j over tokens (t_n last) + drafts."""
+    from headstart.heads import PackedBatch
+    from headstart.train.module import target_forward
+    from headstart.train.ttt import unroll
+
+    n, seq = len(tokens) - 1, tokens + drafts
+    aux = list(head.config.aux_layer_ids or [])
+    b = target_forward(target, PackedBatch(torch.tensor(seq), [len(seq)], None, None, None), aux)
+    with torch.no_grad():
+        outs, _, _ = unroll(head, b, k)
+    return [head.compute_logits(outs[j][n - 1 + j]).detach() for j in range(k)]
+
+
+@pytest.mark.parametrize("kind", ["mtp", "eagle3"])
+def test_tree_node_scores_equal_the_unrolled_training_forward(target, kind):
+    """Every candidate node of an EAGLE-2 tree carries the head's log-probability along its path, as
+    the training unroll computes it over the path's tokens (tree masks, RoPE positions and the
+    parents' features must all match a chain)."""
+    k = 3
+    head = _spec(target, kind).head
+    eng = Engine(target, page_size=4, spec=SpecConfig(method="tree", k=k, head=head, tree_topk=2, tree_tokens=5))
+    seen = []
+    propose, rerank = eng.proposer.propose_trees, eng.proposer._rerank
+    trees = []
+
+    def recording_propose(seqs):
+        seen.append([list(s.token_ids) for s in seqs])
+        return propose(seqs)
+
+    def capture(tok, par, dep, score):
+        trees.append((tok, par, dep, score))
+        return rerank(tok, par, dep, score)
+
+    eng.proposer.propose_trees = recording_propose
+    eng.proposer._rerank = capture
+    eng.generate(_prompts(2, seed=10), SamplingParams(max_tokens=8, ignore_eos=True))
+    prefixes = [t for step in seen for t in step]
+    assert len(prefixes) == len(trees) >= 4
+    checked = 0
+    for tokens, (tok, par, dep, score) in zip(prefixes, trees):
+        assert tok[0] == tokens[-1]
+        for i in range(1, len(tok)):
+            path, a = [], par[i]
+            while a > 0:
+                path.append(tok[a])
+                a = par[a]
+            logits = _unrolled_logits(head, target, tokens, path[::-1], dep[i])[dep[i] - 1]
+            lp = torch.log_softmax(logits.float(), -1)
+            to_target = getattr(head, "to_target_ids", None)
+            draft_id = tok[i] if to_target is None else int(torch.nonzero(to_target(torch.arange(lp.numel())) == tok[i]))
+            assert score[i] - score[par[i]] == pytest.approx(float(lp[draft_id]), abs=1e-4)
+            checked += 1
+    assert checked >= 4 * 2 * (1 + 2 + 2)  # 2 roots' children, then 2 x 2 per deeper level
 
 
 @pytest.mark.parametrize("method", ["chain", "tree"])
@@ -364,3 +438,42 @@ def test_sampled_speculation_follows_the_target_law_at_every_position(target, me
     assert set(counts) <= set(law)
     z = max(abs(counts.get(s, 0) / n - p) / max((p * (1 - p) / n) ** 0.5, 1e-9) for s, p in law.items())
     assert z < 5, z
+
+
+@pytest.mark.parametrize("kind", ["eagle3", "medusa"])
+def test_trained_heads_with_draft_vocabularies_accept_in_the_engine(target, kind):
+    """eagle3 and Medusa heads with a 64-token draft vocabulary, fitted for a few seconds (our own
+    loss) to the target's greedy continuations of four prompts, accept most drafts in the engine,
+    whole steps included, greedy and with sampled drafts verified by the full-q rule."""
+    from headstart.config import recipe_from_dict
+    from headstart.heads import PackedBatch, build_vocab_maps
+    from headstart.train.module import HeadModule
+
+    prompts = _prompts(4, seed=0)
+    greedy = SamplingParams(max_tokens=24, ignore_eos=True)
+    ref = Engine(target, page_size=4).generate(prompts, greedy)
+    seqs = [p + o.token_ids for p, o in zip(prompts, ref)]
+    ids = torch.tensor([t for s in seqs for t in s])
+    mask = torch.tensor([float(i >= len(p)) for p, s in zip(prompts, seqs) for i in range(len(s))])
+    torch.manual_seed(0)
+    head = build_head(HeadConfig(head_type=kind, draft_vocab_size=64,
+                                 aux_layer_ids=[0, 1, 2] if kind == "eagle3" else None), target)
+    counts = torch.bincount(ids[mask > 0], minlength=320).float()
+    head.set_vocab_maps(*build_vocab_maps(counts, 64))
+    module = HeadModule(recipe_from_dict({"train": {"ttt_steps": 3}}), target, head)
+    batch = PackedBatch(ids, [len(s) for s in seqs], None, None, mask)
+    opt = torch.optim.AdamW([p for p in head.parameters() if p.requires_grad], lr=3e-3)
+    for _ in range(150):
+        loss, _ = module.losses(batch, with_stats=False)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    method = "medusa" if kind == "medusa" else "chain"
+    eng = Engine(target, page_size=4, spec=SpecConfig(method=method, k=3, head=head))
+    assert [o.token_ids for o in eng.generate(prompts, greedy)] == [o.token_ids for o in ref]
+    s = eng.spec_metrics.summary()
+    assert s["tau"] > 2.5 and s["accept_histogram"][3] > s["steps"] / 3, s
+    sampled = [SamplingParams(max_tokens=24, temperature=0.5, seed=i, ignore_eos=True) for i in range(4)]
+    eng = Engine(target, page_size=4, spec=SpecConfig(method=method, k=3, head=head, draft_sampling=True))
+    eng.generate(prompts, sampled)
+    assert eng.spec_metrics.summary()["accept_histogram"][3] > 0

@@ -259,40 +259,53 @@ class DraftModelProposer(_ChainProposer):
 
     def absorb(self, items: list[tuple[Sequence, int, int, list[int]]], hidden: torch.Tensor | None = None,
                aux: dict[int, torch.Tensor] | None = None) -> None:
-        """Run the draft over every known token of these sequences it has not seen (it reads tokens
-        only; the target states are ignored)."""
+        """Run the draft over the tokens the target just ran (it reads tokens only; the target states
+        are ignored), in the slots the scheduler reserved for them, so the draft's work per step stays
+        within the scheduler's token budget and its pages. Rows between the draft's cache and the
+        target's step (d_k after a step that accepted every draft) are run first."""
         work = []
-        for seq, *_ in items:
-            start = self.cached.get(seq.id, 0)
-            end = seq.total_len
-            if end <= start or not self.allocator.can_reserve(seq.id, end):
-                continue  # nothing new, or no page free now: catch up at a later step
-            self.allocator.reserve(seq.id, end)
-            work.append((seq, start, end))
+        for seq, start, end, _ in items:
+            if start == 0:
+                self.forget(seq.id)
+            cached = self.cached.get(seq.id, 0)
+            if not start <= cached <= end:
+                raise RuntimeError(f"{seq.id}: the draft cache has {cached} rows but the target step ran "
+                                   f"positions {start}..{end - 1}")
+            if cached < end:
+                work.append((seq, cached, end))
         if not work:
             return
         tokens = torch.tensor([t for seq, s, e in work for t in seq.token_ids[s:e]], device=self.device)
         meta = build_metadata(self.allocator, [(seq.id, s, e) for seq, s, e in work], self.device)
         with torch.inference_mode():
-            h = self.forward_fn(tokens, meta, self.cache.layers, self.backend)
-            last = meta.qo_indptr[1:].long() - 1
-            logits = self.logits_fn(h[last])
-        for b, (seq, _, e) in enumerate(work):
+            self.forward_fn(tokens, meta, self.cache.layers, self.backend)
+        for seq, _, e in work:
             self.cached[seq.id] = e
-            self.carry[seq.id] = (torch.zeros(0), logits[b].unsqueeze(0))
 
     def ready(self, seq: Sequence) -> bool:
-        return self.cached.get(seq.id) == seq.total_len
+        return self.cached.get(seq.id) == seq.num_cached
+
+    def propose(self, seqs: list[Sequence], k: int) -> Proposal:
+        # The pending token t_n goes first, at position n, in the slot the speculative step reserved.
+        with torch.inference_mode():
+            meta = build_metadata(self.allocator, [(s.id, s.num_cached, s.num_cached + 1) for s in seqs], self.device)
+            pending = torch.tensor([s.token_ids[-1] for s in seqs], device=self.device)
+            logits = self.logits_fn(self.forward_fn(pending, meta, self.cache.layers, self.backend))
+        for b, s in enumerate(seqs):
+            self.carry[s.id] = (torch.zeros(0), logits[b].unsqueeze(0))
+        return super().propose(seqs, k)
 
     def _step(self, seqs: list[Sequence], j: int, tokens: torch.Tensor) -> torch.Tensor:
-        # The draft has seen positions 0..total_len-1; draft j goes to position total_len + j.
-        meta = build_metadata(self.allocator, [(s.id, s.total_len + j, s.total_len + j + 1) for s in seqs],
+        # Draft j + 1 goes to position n + 1 + j (t_n sits at n = num_cached).
+        meta = build_metadata(self.allocator, [(s.id, s.num_cached + 1 + j, s.num_cached + 2 + j) for s in seqs],
                               self.device)
         return self.logits_fn(self.forward_fn(tokens, meta, self.cache.layers, self.backend))
 
     def after_verify(self, seq: Sequence, n: int, accepted: int) -> None:
-        """Drafts d_1..d_{k-1} were fed at positions n+1..n+k-1; the accepted ones stay valid."""
+        """t_n and drafts d_1..d_{k-1} were fed at positions n..n+k-1; the accepted ones stay valid
+        (d_k, never fed, is run by the next absorb)."""
         self.cached[seq.id] = n + 1 + min(accepted, self.config.k - 1)
+        self.carry.pop(seq.id, None)
 
 
 class MedusaProposer(_Proposer):
