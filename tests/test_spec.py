@@ -315,7 +315,8 @@ def test_tree_node_scores_equal_the_unrolled_training_forward(target, kind):
             logits = _unrolled_logits(head, target, tokens, path[::-1], dep[i])[dep[i] - 1]
             lp = torch.log_softmax(logits.float(), -1)
             to_target = getattr(head, "to_target_ids", None)
-            draft_id = tok[i] if to_target is None else int(torch.nonzero(to_target(torch.arange(lp.numel())) == tok[i]))
+            draft_id = tok[i] if to_target is None else int(torch.nonzero(to_target(torch.arange(lp.numel()))
+                                                                         == tok[i]))
             assert score[i] - score[par[i]] == pytest.approx(float(lp[draft_id]), abs=1e-4)
             checked += 1
     assert checked >= 4 * 2 * (1 + 2 + 2)  # 2 roots' children, then 2 x 2 per deeper level
