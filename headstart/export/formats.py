@@ -1,0 +1,387 @@
+"""The serving layouts (DESIGN.md §6), checked against the loaders' sources:
+
+| format         | heads                  | loader it targets                                                      |
+|----------------|------------------------|------------------------------------------------------------------------|
+| `sglang`       | eagle3, eagle1         | SGLang `LlamaForCausalLMEagle3` / `LlamaForCausalLMEagle` (EAGLE code) |
+| `vllm`         | eagle3, mtp (Qwen3)    | vLLM speculators format (`speculators` 0.9.0 `eagle3` / `mtp`)         |
+| `deepseek-mtp` | deepseek_mtp, mtp      | DeepSeek-V3 MTP module at `model.layers.{L}` (vLLM/SGLang MTP loaders) |
+| `medusa`       | medusa                 | vLLM `Medusa` (`blocks.*`, `lm_heads.*`, `token_map`)                 |
+| `hf`           | draft_lm               | a plain HF `LlamaForCausalLM` directory (any engine's draft model)    |
+
+Aux-layer ids: ours name the hidden state ENTERING a layer (HF hidden_states[j]); vLLM's
+`eagle_aux_hidden_state_layer_ids` use the same convention, SGLang's name a layer's OUTPUT (it
+captures at id + 1), so SGLang exports write j - 1.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import torch
+
+from headstart.errors import AssetError
+from headstart.export.layout import (
+    Layout,
+    invert,
+    join_fused,
+    native_state,
+    rename,
+    require,
+    split_fused,
+    target_hf_config,
+)
+from headstart.heads import DraftHead, HeadConfig
+from headstart.heads.base import EAGLE_FLAGS
+from headstart.models.llama import LlamaForCausalLM
+
+SPECULATORS_VERSION = "0.9.0"
+_DIMS = ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim")
+
+
+def _layer_config(head: DraftHead, target: LlamaForCausalLM, model_type: str | None = None) -> dict[str, Any]:
+    """The target's HF config with the head's dimensions and depth (a decoder-layer config)."""
+    cfg = target_hf_config(target)
+    for key in _DIMS:
+        cfg[key] = getattr(head.config, key)
+    cfg["num_hidden_layers"] = head.config.num_layers
+    if model_type:
+        cfg["model_type"] = model_type
+    for key in ("architectures", "auto_map", "torch_dtype", "dtype", "transformers_version"):
+        cfg.pop(key, None)
+    return cfg
+
+
+def _meta(head: DraftHead, fmt: str) -> dict[str, Any]:
+    from headstart import __version__
+
+    return {"export_format": fmt, "head_type": head.config.head_type, "version": __version__,
+            "head_config": dataclasses.asdict(head.config)}
+
+
+def _head_config(config: dict[str, Any], head_type: str, target: LlamaForCausalLM, **fields: Any) -> HeadConfig:
+    """Our head config: the recorded one when we wrote the export, else built from the layout."""
+    meta = config.get("headstart")
+    if isinstance(meta, dict) and isinstance(meta.get("head_config"), dict):
+        raw = dict(meta["head_config"])
+        raw.pop("target", None)
+        try:
+            return HeadConfig(**raw)
+        except (TypeError, ValueError) as e:
+            raise AssetError(f"config.json: the recorded headstart head_config is invalid ({str(e)[:160]})") from None
+    return HeadConfig(head_type=head_type, **fields)
+
+
+def _dims(cfg: dict[str, Any]) -> dict[str, Any]:
+    return {k: cfg[k] for k in _DIMS if cfg.get(k) is not None}
+
+
+def _no_qk_norm(head: DraftHead, name: str) -> str | None:
+    if head.config.head_type != "medusa" and any(".q_norm." in k for k in head.state_dict()):
+        return f"{name}'s Llama decoder layer has no q/k norms, which this target family's layers have"
+    return None
+
+
+# --------------------------------------------------------------------------------------- SGLang
+
+
+class SGLang(Layout):
+    name = "sglang"
+    families = ("eagle3", "eagle1")
+
+    def refuse(self, head: DraftHead) -> str | None:
+        why = super().refuse(head) or _no_qk_norm(head, "SGLang")
+        if why:
+            return why
+        cfg = head.config
+        if cfg.head_type == "eagle3":
+            if cfg.num_layers != 1:
+                return f"SGLang's LlamaForCausalLMEagle3 has one layer (`midlayer`); this head has {cfg.num_layers}"
+            if 0 in cfg.aux_layer_ids:
+                return "SGLang names aux layers by the layer whose output they are: aux 0 (the embedding) has none"
+        else:
+            flags = {k: getattr(cfg, k) for k in EAGLE_FLAGS["eagle1"]}
+            if flags != EAGLE_FLAGS["eagle1"]:
+                return f"SGLang's LlamaForCausalLMEagle is the original EAGLE head; these norm flags differ: {flags}"
+        return None
+
+    @staticmethod
+    def _rules(head_type: str) -> list[tuple[str, str]]:
+        if head_type == "eagle3":
+            return [("layers.0", "midlayer"), ("embed_norm", "midlayer.input_layernorm"),
+                    ("hidden_norm", "midlayer.hidden_norm")]
+        return []
+
+    def write(self, head, target):  # noqa: ANN001, ANN201
+        cfg = head.config
+        state = split_fused(rename(native_state(head), self._rules(cfg.head_type)), cfg)
+        config = _layer_config(head, target, "llama")
+        config["tie_word_embeddings"] = False
+        if cfg.head_type == "eagle3":
+            if "lm_head.weight" not in state:  # no draft vocabulary: the target's rows, identity maps
+                state["lm_head.weight"] = target.lm_head.weight.detach().cpu().clone()
+            config.update(architectures=["LlamaForCausalLMEagle3"], draft_vocab_size=int(state["d2t"].numel()),
+                          target_hidden_size=target.config.hidden_size,
+                          eagle_config={"eagle_aux_hidden_state_layer_ids": [j - 1 for j in cfg.aux_layer_ids],
+                                        "use_aux_hidden_state": True})
+        else:
+            config.update(architectures=["LlamaForCausalLMEagle"])
+        config["headstart"] = _meta(head, self.name)
+        return config, state
+
+    def recognise(self, config):  # noqa: ANN001, ANN201
+        arch = config.get("architectures") or []
+        if arch in (["LlamaForCausalLMEagle3"], ["LlamaForCausalLMEagle"]):
+            return None
+        return f"architectures {arch!r} (expected LlamaForCausalLMEagle3 or LlamaForCausalLMEagle)"
+
+    def read(self, config, tensors, target):  # noqa: ANN001, ANN201
+        eagle3 = config["architectures"] == ["LlamaForCausalLMEagle3"]
+        state = rename(join_fused(tensors), invert(self._rules("eagle3" if eagle3 else "eagle1")))
+        if eagle3:
+            ids = (config.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
+            n = target.config.num_hidden_layers
+            aux = [j + 1 for j in ids] if ids else [min(2, n - 1), n // 2, max(n - 3, 0)]
+            cfg = _head_config(config, "eagle3", target, aux_layer_ids=aux,
+                               draft_vocab_size=int(require(config, "draft_vocab_size", "config.json")),
+                               **_dims(config))
+            cfg.draft_vocab_size = int(config["draft_vocab_size"])
+            state.pop("embed_tokens.weight", None)  # EAGLE-3 checkpoints may carry the target's embedding
+        else:
+            cfg = _head_config(config, "eagle1", target, num_layers=int(config.get("num_hidden_layers", 1)),
+                               **_dims(config))
+            state.pop("embed_tokens.weight", None)
+            state.pop("lm_head.weight", None)
+        return cfg, state
+
+
+# ----------------------------------------------------------------------------- vLLM speculators
+
+
+class VLLM(Layout):
+    name = "vllm"
+    families = ("eagle3", "mtp")
+
+    def refuse(self, head: DraftHead) -> str | None:
+        why = super().refuse(head)
+        if why:
+            return (why + "; eagle1 heads: use --format sglang (the EAGLE layout); speculators "
+                    f"{SPECULATORS_VERSION} has no `eagle` type") if head.config.head_type == "eagle1" else why
+        cfg = head.config
+        if cfg.head_type == "mtp":
+            family = cfg.target.get("model_type")
+            if family != "qwen3":
+                return (f"the speculators `mtp` type takes Qwen3-family targets only, this target is {family!r}; "
+                        "use --format deepseek-mtp for an mtp head of another family")
+            flags = {k: getattr(cfg, k) for k in EAGLE_FLAGS["mtp"]}
+            if flags != EAGLE_FLAGS["mtp"] or cfg.num_layers != 1:
+                return f"the speculators `mtp` layer is one RMSNorm-restored layer; this head has {cfg.num_layers} " \
+                       f"layers and flags {flags}"
+        return None
+
+    @staticmethod
+    def _rules(head_type: str) -> list[tuple[str, str]]:
+        if head_type == "eagle3":
+            return [("embed_norm", "layers.0.input_layernorm"), ("hidden_norm", "layers.0.hidden_norm")]
+        return [("embed_norm", "mtp_layers.0.token_layernorm"), ("hidden_norm", "mtp_layers.0.hidden_layernorm"),
+                ("fc", "mtp_layers.0.input_proj"), ("norm", "mtp_layers.0.final_layernorm"),
+                ("layers.0", "mtp_layers.0")]
+
+    def write(self, head, target):  # noqa: ANN001, ANN201
+        cfg = head.config
+        family = "qwen3" if cfg.target.get("model_type") == "qwen3" else "llama"
+        layer = _layer_config(head, target, family)
+        verifier = {"name_or_path": str(target.source_dir) if target.source_dir else None,
+                    "architectures": target_hf_config(target).get("architectures") or ["LlamaForCausalLM"]}
+        state = split_fused(rename(native_state(head), self._rules(cfg.head_type)), cfg)
+        common = {"transformer_layer_config": layer, "speculators_version": SPECULATORS_VERSION}
+        if cfg.head_type == "eagle3":
+            if "lm_head.weight" not in state:
+                state["lm_head.weight"] = target.lm_head.weight.detach().cpu().clone()
+            config = {"speculators_model_type": "eagle3", "architectures": ["Eagle3Speculator"], **common,
+                      "draft_vocab_size": int(state["d2t"].numel()), "norm_before_residual": False,
+                      "target_hidden_size": target.config.hidden_size,
+                      "eagle_aux_hidden_state_layer_ids": list(cfg.aux_layer_ids)}
+        else:
+            config = {"speculators_model_type": "mtp", "architectures": ["MTPDraftModel"], **common,
+                      "num_nextn_predict_layers": 1}
+        config["speculators_config"] = {
+            "algorithm": cfg.head_type, "default_proposal_method": "greedy", "verifier": verifier,
+            "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": 3}]}
+        config["headstart"] = _meta(head, self.name)
+        return config, state
+
+    def recognise(self, config):  # noqa: ANN001, ANN201
+        kind = config.get("speculators_model_type")
+        if kind in ("eagle3", "mtp"):
+            return None
+        return f"speculators_model_type {kind!r} (expected 'eagle3' or 'mtp')"
+
+    def read(self, config, tensors, target):  # noqa: ANN001, ANN201
+        kind = config["speculators_model_type"]
+        layer = require(config, "transformer_layer_config", "config.json")
+        state = rename(join_fused(tensors), invert(self._rules(kind)))
+        for extra in ("embed_tokens.weight", "verifier_lm_head.weight", "verifier_norm.weight"):
+            state.pop(extra, None)
+        if kind == "eagle3":
+            ids = config.get("eagle_aux_hidden_state_layer_ids")
+            n = target.config.num_hidden_layers
+            cfg = _head_config(config, "eagle3", target, aux_layer_ids=list(ids) if ids else
+                               [min(2, n - 1), n // 2, max(n - 3, 0)],
+                               num_layers=int(layer.get("num_hidden_layers", 1)), **_dims(layer))
+            cfg.draft_vocab_size = int(require(config, "draft_vocab_size", "config.json"))
+            if "t2d" not in state and "d2t" in state:  # vLLM ignores t2d; rebuild it from d2t
+                t2d = torch.zeros(target.config.vocab_size, dtype=torch.bool)
+                t2d[torch.arange(state["d2t"].numel()) + state["d2t"]] = True
+                state["t2d"] = t2d
+        else:
+            cfg = _head_config(config, "mtp", target, **_dims(layer))
+            state.pop("lm_head.weight", None)
+        return cfg, state
+
+
+# ------------------------------------------------------------------------------- DeepSeek MTP
+
+
+class DeepSeekMTP(Layout):
+    name = "deepseek-mtp"
+    families = ("deepseek_mtp", "mtp")
+
+    def refuse(self, head: DraftHead) -> str | None:
+        why = super().refuse(head)
+        if why:
+            return why
+        cfg = head.config
+        if cfg.num_layers != 1:
+            return f"the DeepSeek MTP module holds one decoder block; this head has {cfg.num_layers}"
+        if cfg.head_type == "mtp" and {k: getattr(cfg, k) for k in EAGLE_FLAGS["mtp"]} != EAGLE_FLAGS["mtp"]:
+            return "only an mtp head with the default norm flags maps onto enorm / hnorm / eh_proj / shared_head.norm"
+        return None
+
+    @staticmethod
+    def _rules(head_type: str, layer: int) -> list[tuple[str, str]]:
+        p = f"model.layers.{layer}"
+        if head_type == "mtp":
+            return [("embed_norm", f"{p}.enorm"), ("hidden_norm", f"{p}.hnorm"), ("fc", f"{p}.eh_proj"),
+                    ("norm", f"{p}.shared_head.norm"), ("layers.0", p)]
+        return [("enorm", f"{p}.enorm"), ("hnorm", f"{p}.hnorm"), ("eh_proj", f"{p}.eh_proj"),
+                ("shared_head", f"{p}.shared_head"), ("layers.0", p)]
+
+    def write(self, head, target):  # noqa: ANN001, ANN201
+        n = target.config.num_hidden_layers
+        state = split_fused(rename(native_state(head), self._rules(head.config.head_type, n)), head.config)
+        # DeepSeek-V3 ships the shared embedding and head inside the MTP layer; loaders may read them there.
+        state[f"model.layers.{n}.embed_tokens.weight"] = target.model.embed_tokens.weight.detach().cpu().clone()
+        state[f"model.layers.{n}.shared_head.head.weight"] = target.lm_head.weight.detach().cpu().clone()
+        config = target_hf_config(target)
+        config.update(num_nextn_predict_layers=1, headstart=_meta(head, self.name))
+        return config, state
+
+    def recognise(self, config):  # noqa: ANN001, ANN201
+        if config.get("num_nextn_predict_layers") == 1:
+            return None
+        return f"num_nextn_predict_layers {config.get('num_nextn_predict_layers')!r} (expected 1)"
+
+    def read(self, config, tensors, target):  # noqa: ANN001, ANN201
+        n = target.config.num_hidden_layers
+        meta = config.get("headstart") or {}
+        kind = "mtp" if meta.get("head_type") == "mtp" else "deepseek_mtp"
+        p = f"model.layers.{n}"
+        shared = (f"{p}.embed_tokens.weight", f"{p}.shared_head.head.weight")
+        state = {k: v for k, v in tensors.items() if k not in shared}
+        state = rename(join_fused(state), invert(self._rules(kind, n)))
+        return _head_config(config, kind, target), state
+
+
+# ------------------------------------------------------------------------------------- Medusa
+
+
+class Medusa(Layout):
+    name = "medusa"
+    families = ("medusa",)
+
+    @staticmethod
+    def _rules(cfg: HeadConfig) -> list[tuple[str, str]]:
+        return [(f"heads.{h}.{j}.linear", f"blocks.{h}.layers.{j}") for h in range(cfg.medusa_num_heads)
+                for j in range(cfg.medusa_num_layers)] + [("lm_head", "lm_heads.0")]
+
+    def write(self, head, target):  # noqa: ANN001, ANN201
+        cfg = head.config
+        state = rename(native_state(head), self._rules(cfg))
+        d2t = state.pop("d2t")
+        vocab = target.config.vocab_size
+        if cfg.draft_vocab_size:
+            state["token_map"] = torch.arange(d2t.numel()) + d2t  # draft id -> target id
+        else:
+            state["lm_heads.0.weight"] = target.lm_head.weight.detach().cpu().clone()
+        config = {"architectures": ["MedusaModel"], "model_type": "medusa", "hidden_size": cfg.hidden_size,
+                  "vocab_size": vocab, "num_heads": cfg.medusa_num_heads, "num_hidden_layers": cfg.medusa_num_layers,
+                  "truncated_vocab_size": int(d2t.numel()), "medusa_fc_bias": True, "original_lm_head": True,
+                  "headstart": _meta(head, self.name)}
+        return config, state
+
+    def recognise(self, config):  # noqa: ANN001, ANN201
+        if config.get("model_type") == "medusa" or "medusa_num_heads" in config:
+            return None
+        return f"model_type {config.get('model_type')!r} (expected 'medusa')"
+
+    def read(self, config, tensors, target):  # noqa: ANN001, ANN201
+        heads = int(config.get("num_heads", config.get("medusa_num_heads", 0)))
+        layers = int(config.get("num_hidden_layers", config.get("medusa_num_layers", 1)))
+        state = {k.removeprefix("medusa_heads."): v for k, v in tensors.items()}
+        vocab = target.config.vocab_size
+        truncated = int(config.get("truncated_vocab_size") or vocab)
+        cfg = _head_config(config, "medusa", target, medusa_num_heads=heads, medusa_num_layers=layers)
+        token_map = state.pop("token_map", None)
+        if token_map is not None and truncated < vocab:
+            cfg.draft_vocab_size = truncated
+            state["d2t"] = token_map.long() - torch.arange(truncated)
+        else:  # the full vocabulary: the head reads through the target's lm_head
+            cfg.draft_vocab_size = None
+            state.pop("lm_heads.0.weight", None)
+            state["d2t"] = torch.zeros(vocab, dtype=torch.int64)
+        for h in range(1, heads):
+            state.pop(f"lm_heads.{h}.weight", None)  # per-head copies of the same lm_head
+        return cfg, rename(state, invert(self._rules(cfg)))
+
+
+# ------------------------------------------------------------------------------ HF draft model
+
+
+class HF(Layout):
+    name = "hf"
+    families = ("draft_lm",)
+
+    def write(self, head, target):  # noqa: ANN001, ANN201
+        cfg = head.config
+        state = split_fused(rename(native_state(head), [("layers", "model.layers"), ("norm", "model.norm"),
+                                                        ("embed_tokens", "model.embed_tokens")]), cfg)
+        if cfg.share_target_embeddings:
+            state["model.embed_tokens.weight"] = target.model.embed_tokens.weight.detach().cpu().clone()
+            state["lm_head.weight"] = target.lm_head.weight.detach().cpu().clone()
+        config = _layer_config(head, target)
+        config.update(architectures=target_hf_config(target).get("architectures") or ["LlamaForCausalLM"],
+                      tie_word_embeddings=False, headstart=_meta(head, self.name))
+        return config, state
+
+    def recognise(self, config):  # noqa: ANN001, ANN201
+        if config.get("model_type") and "num_hidden_layers" in config and "speculators_model_type" not in config:
+            return None
+        return "no model_type / num_hidden_layers: not an HF model config"
+
+    def read(self, config, tensors, target):  # noqa: ANN001, ANN201
+        state = rename(join_fused(tensors), [("model.layers", "layers"), ("model.norm", "norm"),
+                                             ("model.embed_tokens", "embed_tokens")])
+        shared = (state["embed_tokens.weight"].shape == target.model.embed_tokens.weight.shape
+                  and torch.equal(state["embed_tokens.weight"], target.model.embed_tokens.weight.cpu())
+                  and torch.equal(state["lm_head.weight"], target.lm_head.weight.cpu()))
+        cfg = _head_config(config, "draft_lm", target, num_layers=int(config["num_hidden_layers"]),
+                           share_target_embeddings=shared, **_dims(config))
+        if cfg.share_target_embeddings:
+            state.pop("embed_tokens.weight")
+            state.pop("lm_head.weight")
+        return cfg, state
+
+
+LAYOUTS: dict[str, Layout] = {x.name: x for x in (SGLang(), VLLM(), DeepSeekMTP(), Medusa(), HF())}
+LAYOUTS["eagle"] = LAYOUTS["sglang"]  # the EAGLE research code's checkpoints use SGLang's names
