@@ -111,6 +111,38 @@ def build_parser() -> argparse.ArgumentParser:
     q.add_argument("--out", required=True, help="checkpoint directory to write (a new or empty directory)")
     q.add_argument("--force", action="store_true", help="replace --out if it is an existing head checkpoint")
     q.set_defaults(func=cmd_head_init)
+
+    p = verbs.add_parser("eval", help="acceptance and speed of heads vs plain decoding, with the engine")
+    _add_recipe_args(p)
+    p.add_argument("--head", action="append", required=True, help="a head checkpoint directory (repeatable)")
+    src = p.add_mutually_exclusive_group()
+    src.add_argument("--prompts", help="JSONL with \"prompt\" or \"messages\" (+ optional \"category\") per row")
+    src.add_argument("--heldout", type=int, default=32, help="first user turns of N held-out conversations")
+    p.add_argument("--k", default="1,2,3,4,5", help="draft lengths (tree: depths), comma-separated")
+    p.add_argument("--temperature", default="0", help="temperatures, comma-separated")
+    p.add_argument("--spec", default="chain", help="chain and/or tree for chain heads, comma-separated")
+    p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--out", help="report directory (default: <output_dir>/eval)")
+    p.add_argument("--no-progress", action="store_true")
+    p.set_defaults(func=cmd_eval)
+
+    p = verbs.add_parser("export", help="write a head in a serving engine's layout (checked by reading it back)")
+    p.add_argument("head", help="a native head checkpoint directory")
+    p.add_argument("--format", required=True, choices=["sglang", "vllm", "deepseek-mtp", "medusa", "hf", "native"])
+    p.add_argument("--out", required=True)
+    p.add_argument("--model", default="smollm2-135m", help="the head's target: embedded name or local directory")
+    p.add_argument("--force", action="store_true", help="replace --out if it is an earlier export")
+    p.add_argument("--allow-other-target", action="store_true")
+    p.set_defaults(func=cmd_export)
+
+    p = verbs.add_parser("import", help="turn a serving-layout checkpoint into a native head")
+    p.add_argument("src", help="checkpoint directory (config.json + *.safetensors or pytorch_model*.bin)")
+    p.add_argument("--format", required=True, choices=["sglang", "vllm", "eagle", "deepseek-mtp", "medusa", "hf"])
+    p.add_argument("--target", default="smollm2-135m", help="the target: embedded name or local directory")
+    p.add_argument("--out", required=True)
+    p.add_argument("--force", action="store_true", help="replace --out if it is a head checkpoint")
+    p.set_defaults(func=cmd_import)
     return parser
 
 
@@ -336,6 +368,106 @@ def cmd_head_init(args: argparse.Namespace) -> int:
     path = save_head(head, args.out, overwrite=args.force)
     n = sum(p.numel() for p in head.trainable_parameters())
     print(f"{args.type} head for {args.model} ({n:,} trainable parameters, initialised from the target) -> {path}")
+    return 0
+
+
+def _csv(text: str, kind: type, flag: str) -> list:
+    try:
+        return [kind(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise HeadstartError(f"{flag}: expected comma-separated {kind.__name__} values, got {text!r}") from None
+
+
+def cmd_eval(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from headstart.assets import resolve_model
+    from headstart.config import load_recipe
+    from headstart.evaluate import EvalPlan, check_plan, evaluate, read_prompt_file, write_reports
+    from headstart.hardware import resolve_dtype
+    from headstart.models.llama import load_llama
+
+    recipe = load_recipe(args.recipe, args.overrides)
+    plan = EvalPlan(heads=args.head, ks=_csv(args.k, int, "--k"), temperatures=_csv(args.temperature, float,
+                    "--temperature"), methods=_csv(args.spec, str, "--spec"), batch_size=args.batch_size,
+                    max_tokens=args.max_tokens, seed=recipe.seed)
+    check_plan(plan)
+    for h in plan.heads:
+        if not (Path(h) / "config.json").is_file():
+            raise HeadstartError(f"--head {h}: not a head checkpoint directory")
+    model_dir = resolve_model(recipe.target.model)
+    dtype = resolve_dtype(recipe.target.dtype)
+    target = load_llama(model_dir, dtype=dtype)
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+    if args.prompts:
+        rows = read_prompt_file(args.prompts)
+        prompts = []
+        for r in rows:
+            msgs = r["messages"] if "messages" in r else [{"role": "user", "content": r["prompt"]}]
+            out = tokenizer.apply_chat_template(msgs, tokenize=True, add_generation_prompt=True)
+            prompts.append(list(out["input_ids"] if hasattr(out, "keys") else out))
+        categories = [r.get("category") for r in rows]
+        source = str(args.prompts)
+    else:
+        from headstart.data.dataset import build_dataset
+        from headstart.train.validate import heldout_prompts
+
+        built = build_dataset(recipe.data, str(model_dir), progress=not args.no_progress)
+        prompts = heldout_prompts([list(x) for x in built.heldout["input_ids"]],
+                                  [list(x) for x in built.heldout["loss_mask"]], args.heldout)
+        categories = [None] * len(prompts)
+        source = f"{recipe.data.source} held-out, first {len(prompts)} first user turns"
+    print(f"eval: {len(prompts)} prompts ({source}); target {recipe.target.model} in {dtype}")
+    info = {"target": recipe.target.model, "dtype": dtype, "device": "cpu", "prompt_source": source,
+            "target_fingerprint": target.fingerprint()}
+    report = evaluate(target, tokenizer, prompts, categories, plan, progress=not args.no_progress, info=info)
+    out = Path(args.out or Path(recipe.output_dir) / "eval")
+    files = write_reports(report, out)
+    for r in report["runs"]:
+        print(f"eval: {Path(r['head']).name} {r['method']} k={r['k']} T={r['temperature']}: tau {r['tau']:.3f}, "
+              f"{r['tokens_per_s']:.1f} tok/s vs AR {r['ar_tokens_per_s']:.1f} = {r['speedup']:.2f}x"
+              + (f", lossless_check {r['lossless_check']}" if "lossless_check" in r else ""))
+    print("eval: wrote " + ", ".join(str(f) for f in files))
+    return 0
+
+
+def cmd_export(args: argparse.Namespace) -> int:
+    from headstart.assets import resolve_model
+    from headstart.export import check_export_output, export_head
+    from headstart.heads import load_head, read_head_config
+    from headstart.models.llama import load_llama
+
+    if args.format != "native":
+        check_export_output(args.out, overwrite=args.force)
+    cfg = read_head_config(args.head)
+    target = load_llama(resolve_model(args.model), dtype="fp32")
+    head = load_head(args.head, target, allow_other_target=args.allow_other_target)
+    target = target.to(head.dtype)
+    info = export_head(head, target, args.format, args.out, overwrite=args.force)
+    print(f"export: {cfg.head_type} head -> {args.format} at {info['out']} ({info['tensors']} tensors; read back: "
+          f"logits {info['roundtrip']})")
+    if args.format == "deepseek-mtp" and cfg.head_type == "mtp":
+        print("export: note: DeepSeek MTP loaders zero the embedding at position 0; this mtp head was trained "
+              "without that, so its first row of a sequence differs there (every later row is identical)")
+    if args.format == "vllm" and cfg.head_type == "mtp":
+        print("export: note: speculators' mtp feeds its final-normed output to the next draft step; this head "
+              "feeds back its pre-norm output, so step 1 matches exactly and later steps differ in vLLM")
+    return 0
+
+
+def cmd_import(args: argparse.Namespace) -> int:
+    from headstart.assets import resolve_model
+    from headstart.export import import_head
+    from headstart.heads.base import check_head_output
+    from headstart.models.llama import load_llama
+
+    check_head_output(args.out, overwrite=args.force)
+    target = load_llama(resolve_model(args.target), dtype="fp32")
+    head = import_head(args.src, args.format, target, args.out, overwrite=args.force)
+    n = sum(p.numel() for p in head.parameters())
+    print(f"import: {args.format} checkpoint -> {head.config.head_type} head ({n:,} parameters) at {args.out}")
     return 0
 
 

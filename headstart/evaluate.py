@@ -1,0 +1,298 @@
+"""`headstart eval`: the engine with and without speculation on the same prompts, per head x method x
+k x temperature; writes report.json, report.md and PNG plots.
+
+Tokens/s are wall-clock over the whole batch (prefill included) on this machine, after a warm-up
+run; speedup = speculative tokens/s / AR tokens/s from the same process. At temperature 0 the report
+says whether speculative output equals AR output token for token (`lossless_check`).
+"""
+
+from __future__ import annotations
+
+import json
+import platform
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from headstart.errors import DataError, HeadstartError
+from headstart.fileio import atomic_path
+
+
+@dataclass
+class EvalPlan:
+    heads: list[str]
+    ks: list[int] = field(default_factory=lambda: [1, 2, 3, 4, 5])
+    temperatures: list[float] = field(default_factory=lambda: [0.0])
+    methods: list[str] = field(default_factory=lambda: ["chain"])
+    batch_size: int = 8
+    max_tokens: int = 64
+    seed: int = 0
+    tree_topk: int = 4
+    tree_tokens: int = 16
+
+
+def read_prompt_file(path: str | Path) -> list[dict[str, Any]]:
+    """JSONL rows with "prompt" (text) or "messages" (chat turns), optional "category"."""
+    rows = []
+    path = Path(path)
+    if not path.is_file():
+        raise DataError(f"{path}: no such prompts file")
+    for i, line in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise DataError(f"{path}:{i}: not JSON ({e.msg})") from None
+        if not isinstance(row, dict) or not (isinstance(row.get("prompt"), str)
+                                             or isinstance(row.get("messages"), list)):
+            raise DataError(f"{path}:{i}: a row needs a \"prompt\" string or a \"messages\" list")
+        rows.append(row)
+    if not rows:
+        raise DataError(f"{path}: no prompts")
+    return rows
+
+
+def _engine(target: Any, tokenizer: Any, prompts: list[list[int]], plan: EvalPlan, spec: Any) -> Any:
+    from headstart.inference import Engine
+
+    page = 16
+    longest = max(len(p) for p in prompts) + plan.max_tokens + (spec.lookahead if spec else 0) + 1
+    pages = min(len(prompts), plan.batch_size) * (-(-longest // page) + 1) + 8
+    return Engine(target, tokenizer=tokenizer, device=target.model.embed_tokens.weight.device, page_size=page,
+                  num_pages=pages, max_batch_size=plan.batch_size, seed=plan.seed, spec=spec)
+
+
+def _run(engine: Any, prompts: list[list[int]], temperature: float, plan: EvalPlan, bar: Any = None,
+         task: Any = None, label: str = "") -> tuple[list[Any], float]:
+    from headstart.inference import SamplingParams
+
+    params = [SamplingParams(max_tokens=plan.max_tokens, temperature=temperature, seed=plan.seed + i,
+                             ignore_eos=False) for i in range(len(prompts))]
+    engine.generate(prompts[:1], SamplingParams(max_tokens=4, temperature=0.0))  # warm-up
+    if engine.proposer is not None:
+        engine.spec_metrics = type(engine.spec_metrics)()
+    done = [0]
+
+    def tick(out: Any) -> None:
+        if out.finished and bar is not None:
+            done[0] += 1
+            s = engine.spec_metrics.summary() if engine.proposer is not None else {}
+            tau = f"tau {s['tau']:.2f}" if s.get("tau") else "AR"
+            bar.update(task, advance=1, description=f"{label} {tau}")
+
+    t0 = time.perf_counter()
+    with torch.inference_mode():
+        outs = engine.generate(prompts, params, on_output=tick)
+    return outs, time.perf_counter() - t0
+
+
+def evaluate(target: Any, tokenizer: Any, prompts: list[list[int]], categories: list[str | None], plan: EvalPlan,
+             *, progress: bool = True, info: dict[str, Any] | None = None) -> dict[str, Any]:
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from headstart.heads import load_head
+    from headstart.inference.spec import SpecConfig
+    from headstart.train.validate import spec_method
+
+    if not prompts:
+        raise DataError("eval: no prompts")
+    heads = {path: load_head(path, target) for path in plan.heads}
+    runs, ar = [], {}
+    n_runs = len(plan.temperatures) * (1 + sum(len(plan.ks) * len(_methods(h, plan)) for h in heads.values()))
+    with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                  disable=not progress) as bar:
+        task = bar.add_task("eval", total=n_runs * len(prompts))
+        for temp in plan.temperatures:
+            outs, secs = _run(_engine(target, tokenizer, prompts, plan, None), prompts, temp, plan, bar, task,
+                              f"AR T={temp}")
+            ar[temp] = {"outputs": [o.token_ids for o in outs], "seconds": secs,
+                        "tokens": sum(len(o.token_ids) for o in outs)}
+            ar[temp]["tokens_per_s"] = ar[temp]["tokens"] / secs
+            for path, head in heads.items():
+                kind = spec_method(head.config.head_type)
+                for method in _methods(head, plan):
+                    for k in plan.ks:
+                        if kind == "medusa" and k > head.config.medusa_num_heads:
+                            bar.update(task, advance=len(prompts))
+                            continue
+                        spec = SpecConfig(method=method, k=k, head=head if method != "draft" else None,
+                                          draft=head if method == "draft" else None, tree_topk=plan.tree_topk,
+                                          tree_tokens=plan.tree_tokens)
+                        outs, secs = _run(_engine(target, tokenizer, prompts, plan, spec), prompts, temp, plan, bar,
+                                          task, f"{Path(path).name} {method} k={k} T={temp}")
+                        runs.append(_summarise(path, head, method, k, temp, outs, secs, categories, ar[temp]))
+    return {
+        "runs": runs,
+        "ar": {str(t): {k: v for k, v in r.items() if k != "outputs"} for t, r in ar.items()},
+        "prompts": len(prompts), "max_tokens": plan.max_tokens, "batch_size": plan.batch_size, "seed": plan.seed,
+        "settings": {**(info or {}), "torch": torch.__version__, "python": platform.python_version(),
+                     "machine": platform.machine(), "cpu_bf16": _cpu_flag(), "threads": torch.get_num_threads()},
+    }
+
+
+def _methods(head: Any, plan: EvalPlan) -> list[str]:
+    from headstart.train.validate import spec_method
+
+    kind = spec_method(head.config.head_type)
+    if kind == "chain":
+        return [m for m in plan.methods if m in ("chain", "tree")] or ["chain"]
+    return [kind]
+
+
+def _cpu_flag() -> bool:
+    from headstart.hardware import cpu_has_native_bf16
+
+    return cpu_has_native_bf16()
+
+
+def _summarise(path: str, head: Any, method: str, k: int, temp: float, outs: list[Any], secs: float,
+               categories: list[str | None], ar: dict[str, Any]) -> dict[str, Any]:
+    from headstart.inference.spec import SpecMetrics
+
+    pooled = SpecMetrics(positions=k if method != "tree" else None)
+    per_cat: dict[str, list[float]] = {}
+    for o, cat in zip(outs, categories):
+        m = o.spec_metrics or {}
+        steps = m.get("steps") or 0
+        acc = round(((m.get("tau") or 1.0) - 1.0) * steps)
+        if cat is not None and steps:
+            c = per_cat.setdefault(cat, [0, 0])
+            c[0] += acc
+            c[1] += steps
+    for o in outs:
+        m = o.spec_metrics or {}
+        hist = m.get("accept_histogram") or []
+        for a, count in enumerate(hist):
+            pooled.accepted += [a] * count
+    pooled.drafted = [k] * len(pooled.accepted)
+    s = pooled.summary()
+    if method == "tree":  # alpha over verified nodes is not comparable: keep the requests' own
+        s["alpha"] = None
+    tokens = sum(len(o.token_ids) for o in outs)
+    row = {"head": path, "head_type": head.config.head_type, "method": method, "k": k, "temperature": temp,
+           "tau": s["tau"], "alpha": s["alpha"], "accept_rate_per_pos": s["accept_rate_per_pos"],
+           "cond_accept_per_pos": s["cond_accept_per_pos"], "accept_histogram": s["accept_histogram"],
+           "steps": s["steps"], "tokens": tokens, "seconds": secs, "tokens_per_s": tokens / secs,
+           "ar_tokens_per_s": ar["tokens_per_s"], "speedup": (tokens / secs) / ar["tokens_per_s"],
+           "tau_by_category": {c: 1 + a / n for c, (a, n) in sorted(per_cat.items())}}
+    if temp == 0:
+        same = sum(o.token_ids == ref for o, ref in zip(outs, ar["outputs"]))
+        row["lossless_check"] = "identical" if same == len(outs) else f"differs in {len(outs) - same} of {len(outs)}"
+    return row
+
+
+# ------------------------------------------------------------------------------------ reports
+
+
+def write_reports(report: dict[str, Any], out: Path) -> list[Path]:
+    out.mkdir(parents=True, exist_ok=True)
+    written = []
+    with atomic_path(out / "report.json") as tmp:
+        tmp.write_text(json.dumps(report, indent=2))
+    written.append(out / "report.json")
+    with atomic_path(out / "report.md") as tmp:
+        tmp.write_text(markdown(report))
+    written.append(out / "report.md")
+    written += plots(report, out)
+    return written
+
+
+def markdown(report: dict[str, Any]) -> str:
+    s = report["settings"]
+    lines = [f"# headstart eval: {s.get('target', '?')} ({s.get('dtype', '?')}, {s.get('device', '?')})", "",
+             f"{report['prompts']} prompts, up to {report['max_tokens']} new tokens, batch {report['batch_size']}, "
+             f"seed {report['seed']}; torch {s['torch']}, {s['threads']} threads, CPU bf16 native: {s['cpu_bf16']}.",
+             "", "| T | AR tok/s |", "|---|---|"]
+    lines += [f"| {t} | {r['tokens_per_s']:.1f} |" for t, r in report["ar"].items()]
+    lines += ["", "| head | method | k | T | tau | alpha | accept rate per position | tok/s | speedup | lossless |",
+              "|---|---|---|---|---|---|---|---|---|---|"]
+    for r in report["runs"]:
+        rate = " ".join(f"{x:.2f}" for x in r["accept_rate_per_pos"])
+        alpha = f"{r['alpha']:.3f}" if r["alpha"] is not None else "-"
+        lines.append(f"| {Path(r['head']).name} | {r['method']} | {r['k']} | {r['temperature']} | {r['tau']:.3f} | "
+                     f"{alpha} | {rate} | {r['tokens_per_s']:.1f} | {r['speedup']:.2f}x | "
+                     f"{r.get('lossless_check', '-')} |")
+    cats = [r for r in report["runs"] if r["tau_by_category"]]
+    if cats:
+        lines += ["", "## tau by prompt category", "", "| head | method | k | T | " +
+                  " | ".join(sorted(cats[0]["tau_by_category"])) + " |", "|---" * (4 + len(cats[0]["tau_by_category"]))
+                  + "|"]
+        for r in cats:
+            lines.append(f"| {Path(r['head']).name} | {r['method']} | {r['k']} | {r['temperature']} | " +
+                         " | ".join(f"{r['tau_by_category'].get(c, float('nan')):.3f}"
+                                    for c in sorted(cats[0]["tau_by_category"])) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def plots(report: dict[str, Any], out: Path) -> list[Path]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    runs = report["runs"]
+    written = []
+    if not runs:
+        return written
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for r in runs:
+        if r["k"] == max(x["k"] for x in runs if x["head"] == r["head"] and x["method"] == r["method"]):
+            ax.plot(range(1, len(r["accept_rate_per_pos"]) + 1), r["accept_rate_per_pos"], marker="o",
+                    label=f"{Path(r['head']).name} {r['method']} k={r['k']} T={r['temperature']}")
+    ax.set(xlabel="draft position", ylabel="P(accepted up to here)", title="acceptance per position", ylim=(0, 1))
+    ax.legend(fontsize=7)
+    written.append(_save(fig, out / "accept_per_position.png"))
+    fig, (a1, a2) = plt.subplots(1, 2, figsize=(10, 4))
+    groups: dict[tuple, list] = {}
+    for r in runs:
+        groups.setdefault((Path(r["head"]).name, r["method"], r["temperature"]), []).append(r)
+    for (name, method, temp), rs in groups.items():
+        rs = sorted(rs, key=lambda r: r["k"])
+        a1.plot([r["k"] for r in rs], [r["tau"] for r in rs], marker="o", label=f"{name} {method} T={temp}")
+        a2.plot([r["k"] for r in rs], [r["speedup"] for r in rs], marker="o", label=f"{name} {method} T={temp}")
+    a1.set(xlabel="k", ylabel="tau", title="tau by k")
+    a2.set(xlabel="k", ylabel="speedup vs AR", title="speedup by k")
+    a2.axhline(1.0, color="grey", lw=0.8)
+    a1.legend(fontsize=7)
+    written.append(_save(fig, out / "tau_speedup_by_k.png"))
+    cats = [r for r in runs if r["tau_by_category"]]
+    if cats:
+        fig, ax = plt.subplots(figsize=(7, 4))
+        names = sorted({c for r in cats for c in r["tau_by_category"]})
+        width = 0.8 / len(cats)
+        for i, r in enumerate(cats):
+            ax.bar([j + i * width for j in range(len(names))], [r["tau_by_category"].get(c, 0) for c in names],
+                   width, label=f"{Path(r['head']).name} {r['method']} k={r['k']} T={r['temperature']}")
+        ax.set_xticks([j + 0.4 - width / 2 for j in range(len(names))], names, rotation=30, fontsize=8)
+        ax.set(ylabel="tau", title="tau by prompt category")
+        ax.legend(fontsize=6)
+        written.append(_save(fig, out / "tau_by_category.png"))
+    return written
+
+
+def _save(fig: Any, path: Path) -> Path:
+    import matplotlib.pyplot as plt
+
+    fig.tight_layout()
+    with atomic_path(path) as tmp:
+        fig.savefig(tmp, format="png", dpi=110)
+    plt.close(fig)
+    return path
+
+
+def check_plan(plan: EvalPlan) -> None:
+    if not plan.heads:
+        raise HeadstartError("eval: give at least one --head")
+    if any(k < 1 for k in plan.ks) or not plan.ks:
+        raise HeadstartError(f"eval: --k must list integers >= 1, got {plan.ks}")
+    if any(t < 0 for t in plan.temperatures) or not plan.temperatures:
+        raise HeadstartError(f"eval: --temperature must list values >= 0, got {plan.temperatures}")
+    bad = [m for m in plan.methods if m not in ("chain", "tree")]
+    if bad:
+        raise HeadstartError(f"eval: --spec takes chain and/or tree, got {bad}")
+    if plan.batch_size < 1 or plan.max_tokens < 1:
+        raise HeadstartError("eval: --batch-size and --max-tokens must be >= 1")
