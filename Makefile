@@ -33,21 +33,20 @@ assets: setup
 	$(BIN)/headstart assets
 
 QS := runs/quickstart
+QR := recipes/quickstart.yaml
+SHIPPED := assets/heads/smollm2-135m-mtp
+# The whole job on the embedded defaults: precompute -> train -> eval (vs AR, beside the shipped
+# head) -> export. Every stage resumes or reuses what an earlier run finished.
 quickstart: setup
 	$(BIN)/headstart assets
-	$(BIN)/headstart data inspect recipes/smollm2-135m-mtp.yaml --limit 200
-	$(BIN)/headstart generate --prompt "Write a haiku about the sea" --max-tokens 48
-	$(BIN)/headstart head init --type mtp --out $(QS)/mtp-init --force  # --force: replaces its own earlier head
-	$(BIN)/headstart generate --prompt "Write a haiku about the sea" --max-tokens 48 --spec chain --head $(QS)/mtp-init --k 3
-	rm -rf $(QS)/precompute  # a fresh small run each time (a changed recipe would be refused on resume)
-	$(BIN)/headstart precompute recipes/smollm2-135m-mtp.yaml --set data.limit=64 --set output_dir=$(QS)
-	$(BIN)/headstart precompute verify $(QS)/precompute
-	$(BIN)/headstart precompute inspect $(QS)/precompute
-	@echo
-	@echo "quickstart: assets, data, generation, speculation (untrained head: expect tau near 1) and"
-	@echo "precompute ran on the embedded defaults. Training is one command (about 90 min on a 2-core CPU):"
-	@echo "  $(BIN)/headstart train recipes/smollm2-135m-mtp.yaml"
-	@echo "Not built yet: eval, export and a quickstart that trains (open issue)."
+	$(BIN)/headstart precompute $(QR)
+	@if [ -f $(QS)/checkpoints/last.ckpt ]; then \
+		$(BIN)/headstart train $(QR) --resume; else $(BIN)/headstart train $(QR); fi
+	$(BIN)/headstart eval $(QR) --set target.dtype=fp32 --head $(QS)/head-best --head $(SHIPPED) \
+		--heldout 16 --k 1,3 --max-tokens 48 --batch-size 8 --out $(QS)/eval
+	$(BIN)/headstart export $(QS)/head-best --format deepseek-mtp --out $(QS)/export/deepseek-mtp --force
+	$(BIN)/headstart export $(QS)/head-best --format native --out $(QS)/export/native --force
+	@$(BIN)/python -m headstart.quickstart_summary $(QS)
 
 lint: setup
 	$(BIN)/ruff check headstart tests

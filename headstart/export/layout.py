@@ -84,8 +84,9 @@ def join_fused(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 
 
 def rename(state: dict[str, torch.Tensor], rules: list[tuple[str, str]]) -> dict[str, torch.Tensor]:
-    """Replace the first matching prefix of each name (rules: (from, to); '' matches everything)."""
+    """Replace the longest matching prefix of each name (rules: (from, to); '' matches everything)."""
     out = {}
+    rules = sorted(rules, key=lambda r: -len(r[0]))
     for name, t in state.items():
         for src, dst in rules:
             if src == "" or name == src or name.startswith(src + "."):

@@ -1,0 +1,31 @@
+"""Print where `make quickstart` left everything and its headline numbers (from the eval report)."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+
+def main(run: str) -> int:
+    root = Path(run)
+    report = json.loads((root / "eval" / "report.json").read_text())
+    train = json.loads((root / "metrics.json").read_text())
+    print("\nquickstart: done. Everything is under", root)
+    print(f"  shards          {root / 'precompute'}")
+    print(f"  trained head    {root / 'head-best'}  (step {train.get('step')}, {train.get('tokens'):,} tokens, "
+          f"validation tau {train.get('tau') or float('nan'):.3f})")
+    print(f"  curves          {root / 'metrics.csv'}")
+    print(f"  eval report     {root / 'eval' / 'report.md'} (+ report.json, PNG plots)")
+    print(f"  exports         {root / 'export' / 'deepseek-mtp'}, {root / 'export' / 'native'}")
+    ar = {t: r["tokens_per_s"] for t, r in report["ar"].items()}
+    print(f"\n  {report['prompts']} held-out ShareGPT prompts, {report['settings'].get('dtype')}, "
+          f"AR {', '.join(f'{v:.1f} tok/s (T={t})' for t, v in ar.items())}")
+    for r in report["runs"]:
+        print(f"  {Path(r['head']).parent.name + '/' + Path(r['head']).name:<36} k={r['k']}  tau {r['tau']:.3f}  "
+              f"speedup {r['speedup']:.2f}x  lossless {r.get('lossless_check', '-')}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1] if len(sys.argv) > 1 else "runs/quickstart"))

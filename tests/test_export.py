@@ -1,0 +1,183 @@
+"""Export -> import round trips for every head family x layout (logits identical), the serving names
+and config fields of DESIGN.md §6, refusals with their reasons, and the CLI verbs."""
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+from tiny_models import make_hf_model
+
+from headstart.cli import main
+from headstart.errors import AssetError
+from headstart.export import export_head, import_head
+from headstart.heads import HeadConfig, PackedBatch, build_head, build_vocab_maps, save_head
+from headstart.models.llama import load_llama
+
+CASES = [  # (target family, head type, draft vocab, format)
+    ("llama", "eagle3", None, "sglang"), ("llama", "eagle3", 64, "sglang"), ("llama", "eagle3", 64, "vllm"),
+    ("qwen3", "eagle3", 64, "vllm"), ("llama", "eagle1", None, "sglang"), ("qwen3", "mtp", None, "vllm"),
+    ("llama", "mtp", None, "deepseek-mtp"), ("llama", "deepseek_mtp", None, "deepseek-mtp"),
+    ("qwen2", "deepseek_mtp", None, "deepseek-mtp"), ("llama", "medusa", None, "medusa"),
+    ("llama", "medusa", 64, "medusa"), ("llama", "draft_lm", None, "hf"), ("llama", "mtp", None, "native"),
+]
+
+
+@pytest.fixture(scope="module")
+def targets(tmp_path_factory):
+    out = {}
+    for fam in ("llama", "qwen3", "qwen2"):
+        d = tmp_path_factory.mktemp(fam)
+        make_hf_model(fam, d, seed=4)
+        out[fam] = load_llama(d, "fp32")
+    return out
+
+
+def _head(target, kind, dv, seed=1):
+    torch.manual_seed(seed)
+    head = build_head(HeadConfig(head_type=kind, draft_vocab_size=dv,
+                                 aux_layer_ids=[1, 1, 2] if kind == "eagle3" else None), target)
+    if dv:
+        d2t, t2d = build_vocab_maps(torch.rand(320), dv)
+        head.set_vocab_maps(d2t, t2d) if kind == "eagle3" else head.set_vocab_maps(d2t)
+    with torch.no_grad():  # away from the target-copied start, so a swapped tensor shows
+        for p in head.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    return head
+
+
+def _logits(head, target):
+    gen = torch.Generator().manual_seed(7)
+    n, d = 9, target.config.hidden_size
+    aux = len(head.config.aux_layer_ids or [])
+    batch = PackedBatch(torch.randint(0, 320, (n,), generator=gen), [4, 5], torch.randn(n, d, generator=gen),
+                        torch.randn(n, aux, d, generator=gen) if aux else None, None)
+    with torch.no_grad():
+        h, _ = head.train_forward(batch)
+        return head.compute_logits(h)
+
+
+@pytest.mark.parametrize(("family", "kind", "dv", "fmt"), CASES)
+def test_export_then_import_reproduces_the_logits_exactly(tmp_path, targets, family, kind, dv, fmt):
+    target = targets[family]
+    head = _head(target, kind, dv)
+    export_head(head, target, fmt, tmp_path / "exp")
+    if fmt == "native":
+        from headstart.heads import load_head
+
+        back = load_head(tmp_path / "exp", target)
+    else:
+        back = import_head(tmp_path / "exp", fmt, target, tmp_path / "native")
+        assert (tmp_path / "native" / "config.json").exists()
+    assert back.config.head_type == kind
+    assert torch.equal(_logits(back, target), _logits(head, target))
+
+
+def _names(path):
+    return set(load_file(str(path / "model.safetensors")))
+
+
+def test_serving_names_and_config_fields(tmp_path, targets):
+    """The names and fields of DESIGN.md §6 (checked against SGLang / vLLM / speculators sources)."""
+    llama, qwen3 = targets["llama"], targets["qwen3"]
+    layer = {f"self_attn.{p}_proj.weight" for p in "qkvo"} | {f"mlp.{p}_proj.weight" for p in ("gate", "up", "down")} \
+        | {"post_attention_layernorm.weight"}
+    # SGLang EAGLE-3
+    export_head(_head(llama, "eagle3", 64), llama, "sglang", tmp_path / "sg3")
+    assert _names(tmp_path / "sg3") == {"fc.weight", "norm.weight", "lm_head.weight", "d2t", "t2d",
+                                        "midlayer.input_layernorm.weight", "midlayer.hidden_norm.weight"} \
+        | {f"midlayer.{n}" for n in layer}
+    t = load_file(str(tmp_path / "sg3" / "model.safetensors"))
+    assert list(t["fc.weight"].shape) == [64, 192] and list(t["midlayer.self_attn.q_proj.weight"].shape) == [64, 128]
+    assert t["d2t"].dtype == torch.int64 and t["t2d"].dtype == torch.bool and list(t["lm_head.weight"].shape) == [64, 64]
+    c = json.loads((tmp_path / "sg3" / "config.json").read_text())
+    assert c["architectures"] == ["LlamaForCausalLMEagle3"] and c["num_hidden_layers"] == 1
+    assert c["draft_vocab_size"] == 64 and c["target_hidden_size"] == 64 and c["tie_word_embeddings"] is False
+    assert c["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [0, 0, 1]  # SGLang: layer outputs
+    # vLLM speculators eagle3
+    export_head(_head(llama, "eagle3", 64), llama, "vllm", tmp_path / "v3")
+    assert _names(tmp_path / "v3") == {"fc.weight", "norm.weight", "lm_head.weight", "d2t", "t2d",
+                                       "layers.0.input_layernorm.weight", "layers.0.hidden_norm.weight"} \
+        | {f"layers.0.{n}" for n in layer}
+    c = json.loads((tmp_path / "v3" / "config.json").read_text())
+    assert c["speculators_model_type"] == "eagle3" and c["draft_vocab_size"] == 64
+    assert c["norm_before_residual"] is False and c["target_hidden_size"] == 64
+    assert c["eagle_aux_hidden_state_layer_ids"] == [1, 1, 2]  # vLLM: the states entering the layers
+    assert c["speculators_config"]["proposal_methods"][0]["speculative_tokens"] >= 1
+    assert c["speculators_config"]["verifier"]["name_or_path"] == str(llama.source_dir)
+    assert c["transformer_layer_config"]["model_type"] == "llama"
+    # vLLM speculators mtp (Qwen3 target)
+    export_head(_head(qwen3, "mtp", None), qwen3, "vllm", tmp_path / "vm")
+    p = "mtp_layers.0."
+    assert _names(tmp_path / "vm") == {p + n for n in layer | {
+        "hidden_layernorm.weight", "token_layernorm.weight", "input_proj.weight", "final_layernorm.weight",
+        "input_layernorm.weight", "self_attn.q_norm.weight", "self_attn.k_norm.weight"}}
+    c = json.loads((tmp_path / "vm" / "config.json").read_text())
+    assert c["speculators_model_type"] == "mtp" and c["num_nextn_predict_layers"] == 1
+    assert c["transformer_layer_config"]["model_type"] == "qwen3"
+    # DeepSeek MTP at model.layers.{L}
+    export_head(_head(llama, "deepseek_mtp", None), llama, "deepseek-mtp", tmp_path / "ds")
+    p = "model.layers.2."
+    assert _names(tmp_path / "ds") == {p + n for n in layer | {
+        "enorm.weight", "hnorm.weight", "eh_proj.weight", "shared_head.norm.weight", "shared_head.head.weight",
+        "embed_tokens.weight", "input_layernorm.weight"}}
+    assert json.loads((tmp_path / "ds" / "config.json").read_text())["num_nextn_predict_layers"] == 1
+    # vLLM Medusa
+    export_head(_head(llama, "medusa", 64), llama, "medusa", tmp_path / "md")
+    assert _names(tmp_path / "md") == {f"blocks.{h}.layers.0.{w}" for h in range(4) for w in ("weight", "bias")} \
+        | {"lm_heads.0.weight", "token_map"}
+    c = json.loads((tmp_path / "md" / "config.json").read_text())
+    assert (c["num_heads"], c["num_hidden_layers"], c["truncated_vocab_size"]) == (4, 1, 64)
+
+
+@pytest.mark.parametrize(("family", "kind", "fmt", "reason"), [
+    ("llama", "mtp", "sglang", "holds eagle3, eagle1 heads, not 'mtp'"),
+    ("llama", "mtp", "vllm", "Qwen3-family targets only"),
+    ("llama", "eagle1", "vllm", "no `eagle` type"),
+    ("qwen3", "eagle3", "sglang", "no q/k norms"),
+    ("llama", "medusa", "hf", "holds draft_lm heads"),
+])
+def test_a_layout_that_cannot_hold_the_head_is_refused_with_the_reason(tmp_path, targets, family, kind, fmt, reason):
+    target = targets[family]
+    with pytest.raises(AssetError, match=reason):
+        export_head(_head(target, kind, None), target, fmt, tmp_path / "x")
+    assert not (tmp_path / "x").exists()
+
+
+def test_import_names_a_misfit_tensor_with_both_shapes_and_an_unknown_layout(tmp_path, targets):
+    llama = targets["llama"]
+    export_head(_head(llama, "eagle3", 64), llama, "sglang", tmp_path / "e")
+    t = load_file(str(tmp_path / "e" / "model.safetensors"))
+    t["fc.weight"] = torch.zeros(64, 128)
+    save_file(t, str(tmp_path / "e" / "model.safetensors"))
+    with pytest.raises(AssetError, match=r"fc\.weight has shape \[64, 128\], this target needs \[64, 192\]"):
+        import_head(tmp_path / "e", "sglang", llama, tmp_path / "n")
+    with pytest.raises(AssetError, match="not a vllm checkpoint: found speculators_model_type None"):
+        import_head(tmp_path / "e", "vllm", llama, tmp_path / "n")
+    with pytest.raises(AssetError, match="architectures"):
+        import_head(llama.source_dir, "sglang", llama, tmp_path / "n")
+    del t["norm.weight"]
+    t["fc.weight"] = torch.zeros(64, 192)
+    save_file(t, str(tmp_path / "e" / "model.safetensors"))
+    with pytest.raises(AssetError, match=r"missing \['norm.weight'\]"):
+        import_head(tmp_path / "e", "sglang", llama, tmp_path / "n")
+    assert not (tmp_path / "n").exists()
+
+
+def test_export_and_import_verbs(tmp_path, targets, capsys):
+    llama = targets["llama"]
+    save_head(_head(llama, "eagle3", 64), tmp_path / "head")
+    model = str(llama.source_dir)
+    assert main(["export", str(tmp_path / "head"), "--format", "sglang", "--out", str(tmp_path / "sg"),
+                 "--model", model]) == 0
+    assert "read back: logits identical" in capsys.readouterr().out
+    assert main(["export", str(tmp_path / "head"), "--format", "sglang", "--out", str(tmp_path / "sg"),
+                 "--model", model]) == 2  # exists: refused without --force
+    assert main(["export", str(tmp_path / "head"), "--format", "sglang", "--out", str(tmp_path / "sg"),
+                 "--model", model, "--force"]) == 0
+    assert main(["import", str(tmp_path / "sg"), "--format", "eagle", "--target", model, "--out",
+                 str(tmp_path / "back")]) == 0
+    assert main(["export", str(tmp_path / "head"), "--format", "medusa", "--out", str(tmp_path / "m"),
+                 "--model", model]) == 2
+    err = capsys.readouterr().err
+    assert err.count("headstart: error:") == 2 and "medusa layout holds medusa heads" in err
