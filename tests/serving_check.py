@@ -1,0 +1,51 @@
+"""Run inside the serving venv (`make serving-env`: speculators 0.9.0 and its transformers pin): load an
+export with speculators' own classes and compare its first-step logits with ours.
+
+    python serving_check.py eagle3|mtp EXPORT_DIR VERIFIER_DIR CASE.safetensors
+CASE holds `input_ids` (T,), `hidden` (T, n_aux*H or H) and `expected` (our step-0 logits).
+Prints one JSON line: {"max_abs_diff": ..., "argmax_equal": ...}.
+"""
+
+import json
+import sys
+
+import torch
+from safetensors.torch import load_file
+
+
+def main(kind: str, export_dir: str, verifier_dir: str, case_path: str) -> None:
+    case = load_file(case_path)
+    verifier = {}
+    import glob
+
+    for f in glob.glob(f"{verifier_dir}/*.safetensors"):
+        verifier.update(load_file(f))
+    ids, hidden = case["input_ids"].long(), case["hidden"].float()
+    if kind == "eagle3":
+        from speculators.models.eagle3 import Eagle3DraftModel
+
+        model = Eagle3DraftModel.from_pretrained(export_dir, attn_implementation="eager").float().eval()
+        model.embed_tokens.weight.data.copy_(verifier["model.embed_tokens.weight"])
+        seen = []
+        model.lm_head.register_forward_hook(lambda m, i, o: seen.append(o))
+        t = ids.numel()
+        with torch.no_grad():  # row i = (features_i, t_{i+1})
+            model(hidden_states=hidden[None, : t - 1], input_ids=ids[None, 1:], document_ids=torch.zeros(1, t - 1,
+                  dtype=torch.long), ttt_steps=1)
+        got = seen[0][0]
+    else:
+        from speculators.models.mtp import MTPDraftModel
+
+        model = MTPDraftModel.from_pretrained(export_dir, attn_implementation="eager").float().eval()
+        model.embed_tokens.weight.data.copy_(verifier["model.embed_tokens.weight"])
+        model.lm_head.weight.data.copy_(verifier["lm_head.weight"])
+        with torch.no_grad():
+            logits, _, _ = model(input_ids=ids[None], hidden_states=hidden[None])
+        got = logits[0][0]
+    want = case["expected"].float()[: got.shape[0]]
+    print(json.dumps({"rows": int(got.shape[0]), "max_abs_diff": float((got - want).abs().max()),
+                      "argmax_equal": bool(torch.equal(got.argmax(-1), want.argmax(-1)))}))
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:5])

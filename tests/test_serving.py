@@ -1,0 +1,61 @@
+"""Our vLLM exports load with the `speculators` package's own classes (0.9.0, in .venv-serving) and give
+the same first-step logits as our heads: `eagle3` on a tiny Llama, `mtp` on a tiny Qwen3."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import save_file
+from tiny_models import make_hf_model
+
+from headstart.export import export_head
+from headstart.heads import HeadConfig, PackedBatch, build_head, build_vocab_maps
+from headstart.models.llama import load_llama
+from headstart.train.module import target_forward
+
+ROOT = Path(__file__).resolve().parents[1]
+SERVING_PY = ROOT / ".venv-serving" / "bin" / "python"
+
+
+def _serving_ready() -> bool:
+    if not SERVING_PY.exists():
+        return False
+    return subprocess.run([str(SERVING_PY), "-c", "import speculators.models.eagle3, speculators.models.mtp"],
+                          capture_output=True).returncode == 0
+
+
+pytestmark = [pytest.mark.serving,
+              pytest.mark.skipif(not _serving_ready(), reason="no .venv-serving with speculators (make serving-env)")]
+
+
+@pytest.mark.parametrize(("family", "kind"), [("llama", "eagle3"), ("qwen3", "mtp")])
+def test_speculators_loads_our_export_with_the_same_logits(tmp_path, family, kind):
+    make_hf_model(family, tmp_path / "target", seed=4)
+    target = load_llama(tmp_path / "target", "fp32")
+    torch.manual_seed(1)
+    head = build_head(HeadConfig(head_type=kind, draft_vocab_size=64 if kind == "eagle3" else None,
+                                 aux_layer_ids=[0, 1, 2] if kind == "eagle3" else None), target)
+    if kind == "eagle3":
+        head.set_vocab_maps(*build_vocab_maps(torch.rand(320), 64))
+    with torch.no_grad():
+        for p in head.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    export_head(head, target, "vllm", tmp_path / "export")
+    ids = torch.randint(0, 320, (12,), generator=torch.Generator().manual_seed(3))
+    batch = target_forward(target, PackedBatch(ids, [12]), list(head.config.aux_layer_ids or []))
+    with torch.no_grad():
+        h, _ = head.train_forward(batch)
+        expected = head.compute_logits(h)
+    hidden = batch.aux_hidden.reshape(12, -1) if kind == "eagle3" else batch.hidden
+    save_file({"input_ids": ids, "hidden": hidden.contiguous(), "expected": expected.contiguous()},
+              str(tmp_path / "case.safetensors"))
+    run = subprocess.run([str(SERVING_PY), str(ROOT / "tests" / "serving_check.py"), kind, str(tmp_path / "export"),
+                          str(tmp_path / "target"), str(tmp_path / "case.safetensors")], capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr[-2000:]
+    result = json.loads(run.stdout.strip().splitlines()[-1])
+    assert result["rows"] >= 8 and result["argmax_equal"]
+    assert result["max_abs_diff"] < 1e-4, result
+    assert sys.executable != str(SERVING_PY)  # the check ran in the other environment
