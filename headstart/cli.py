@@ -124,6 +124,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--out", help="report directory (default: <output_dir>/eval)")
+    p.add_argument("--device", help="cpu or cuda[:N] (default: cuda if available)")
     p.add_argument("--no-progress", action="store_true")
     p.set_defaults(func=cmd_eval)
 
@@ -396,8 +397,9 @@ def cmd_eval(args: argparse.Namespace) -> int:
         if not (Path(h) / "config.json").is_file():
             raise HeadstartError(f"--head {h}: not a head checkpoint directory")
     model_dir = resolve_model(recipe.target.model)
-    dtype = resolve_dtype(recipe.target.dtype)
-    target = load_llama(model_dir, dtype=dtype)
+    device = _device(args.device)
+    dtype = resolve_dtype(recipe.target.dtype, device)
+    target = load_llama(model_dir, dtype=dtype, device=device)
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
@@ -420,8 +422,8 @@ def cmd_eval(args: argparse.Namespace) -> int:
         categories = [None] * len(prompts)
         source = f"{recipe.data.source} held-out, first {len(prompts)} first user turns"
     print(f"eval: {len(prompts)} prompts ({source}); target {recipe.target.model} in {dtype}")
-    info = {"target": recipe.target.model, "dtype": dtype, "device": "cpu", "prompt_source": source,
-            "target_fingerprint": target.fingerprint()}
+    info = {"target": recipe.target.model, "dtype": dtype, "device": device, "prompt_source": source,
+            "target_fingerprint": target.fingerprint(), "recipe": str(args.recipe), "headstart": __version__}
     report = evaluate(target, tokenizer, prompts, categories, plan, progress=not args.no_progress, info=info)
     out = Path(args.out or Path(recipe.output_dir) / "eval")
     files = write_reports(report, out)

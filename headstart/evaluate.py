@@ -127,11 +127,23 @@ def evaluate(target: Any, tokenizer: Any, prompts: list[list[int]], categories: 
                         runs.append(_summarise(path, head, method, k, temp, outs, secs, categories, ar[temp]))
     return {
         "runs": runs,
+        "heads": {path: {"head_type": h.config.head_type, "num_layers": h.config.num_layers,
+                         "aux_layer_ids": h.config.aux_layer_ids, "draft_vocab_size": h.config.draft_vocab_size,
+                         "weights_sha256": _sha(path)} for path, h in heads.items()},
+        "engine": {"page_size": 16, "max_batch_size": plan.batch_size, "backend": "auto",
+                   "tree_topk": plan.tree_topk, "tree_tokens": plan.tree_tokens},
         "ar": {str(t): {k: v for k, v in r.items() if k != "outputs"} for t, r in ar.items()},
         "prompts": len(prompts), "max_tokens": plan.max_tokens, "batch_size": plan.batch_size, "seed": plan.seed,
         "settings": {**(info or {}), "torch": torch.__version__, "python": platform.python_version(),
                      "machine": platform.machine(), "cpu_bf16": _cpu_flag(), "threads": torch.get_num_threads()},
     }
+
+
+def _sha(path: str) -> str | None:
+    try:
+        return json.loads((Path(path) / "config.json").read_text()).get("weights_sha256")
+    except (OSError, ValueError):
+        return None
 
 
 def _methods(head: Any, plan: EvalPlan) -> list[str]:
