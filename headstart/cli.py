@@ -133,7 +133,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--format", required=True, choices=["sglang", "vllm", "deepseek-mtp", "medusa", "hf", "native"])
     p.add_argument("--out", required=True)
     p.add_argument("--model", default="smollm2-135m", help="the head's target: embedded name or local directory")
-    p.add_argument("--force", action="store_true", help="replace --out if it is an earlier export")
+    p.add_argument("--force", action="store_true", help="replace --out if an earlier export wrote it")
     p.add_argument("--allow-other-target", action="store_true")
     p.set_defaults(func=cmd_export)
 
@@ -143,6 +143,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--target", default="smollm2-135m", help="the target: embedded name or local directory")
     p.add_argument("--out", required=True)
     p.add_argument("--force", action="store_true", help="replace --out if it is a head checkpoint")
+    p.add_argument("--allow-other-target", action="store_true",
+                   help="import an export of a head made for a same-shaped target with other weights")
     p.set_defaults(func=cmd_import)
     return parser
 
@@ -428,7 +430,8 @@ def cmd_eval(args: argparse.Namespace) -> int:
     out = Path(args.out or Path(recipe.output_dir) / "eval")
     files = write_reports(report, out)
     for r in report["runs"]:
-        print(f"eval: {Path(r['head']).name} {r['method']} k={r['k']} T={r['temperature']}: tau {r['tau']:.3f}, "
+        tau = f"{r['tau']:.3f}" if r["tau"] is not None else "- (no speculative step)"
+        print(f"eval: {Path(r['head']).name} {r['method']} k={r['k']} T={r['temperature']}: tau {tau}, "
               f"{r['tokens_per_s']:.1f} tok/s vs AR {r['ar_tokens_per_s']:.1f} = {r['speedup']:.2f}x"
               + (f", lossless_check {r['lossless_check']}" if "lossless_check" in r else ""))
     print("eval: wrote " + ", ".join(str(f) for f in files))
@@ -441,18 +444,18 @@ def cmd_export(args: argparse.Namespace) -> int:
     from headstart.heads import load_head, read_head_config
     from headstart.models.llama import load_llama
 
-    if args.format != "native":
-        check_export_output(args.out, overwrite=args.force)
+    check_export_output(args.out, overwrite=args.force, source=args.head, native=args.format == "native")
     cfg = read_head_config(args.head)
     target = load_llama(resolve_model(args.model), dtype="fp32")
     head = load_head(args.head, target, allow_other_target=args.allow_other_target)
     target = target.to(head.dtype)
-    info = export_head(head, target, args.format, args.out, overwrite=args.force)
+    info = export_head(head, target, args.format, args.out, overwrite=args.force, source=args.head)
     print(f"export: {cfg.head_type} head -> {args.format} at {info['out']} ({info['tensors']} tensors; read back: "
           f"logits {info['roundtrip']})")
     if args.format == "deepseek-mtp" and cfg.head_type == "mtp":
         print("export: note: DeepSeek MTP loaders zero the embedding at position 0; this mtp head was trained "
-              "without that, so its first row of a sequence differs there (every later row is identical)")
+              "without that, and since every later row attends to row 0, its drafts in such a server differ "
+              "slightly from ours (acceptance may drop a little); a deepseek_mtp head matches exactly")
     if args.format == "vllm" and cfg.head_type == "mtp":
         print("export: note: speculators' mtp feeds its final-normed output to the next draft step; this head "
               "feeds back its pre-norm output, so step 1 matches exactly and later steps differ in vLLM")
@@ -467,7 +470,8 @@ def cmd_import(args: argparse.Namespace) -> int:
 
     check_head_output(args.out, overwrite=args.force)
     target = load_llama(resolve_model(args.target), dtype="fp32")
-    head = import_head(args.src, args.format, target, args.out, overwrite=args.force)
+    head = import_head(args.src, args.format, target, args.out, overwrite=args.force,
+                       allow_other_target=args.allow_other_target)
     n = sum(p.numel() for p in head.parameters())
     print(f"import: {args.format} checkpoint -> {head.config.head_type} head ({n:,} parameters) at {args.out}")
     return 0

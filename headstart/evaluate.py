@@ -35,21 +35,38 @@ class EvalPlan:
 
 
 def read_prompt_file(path: str | Path) -> list[dict[str, Any]]:
-    """JSONL rows with "prompt" (text) or "messages" (chat turns), optional "category"."""
+    """JSONL rows with "prompt" (text) or "messages" (chat turns: role + content strings), optional
+    "category" (a string). Errors name the file and line."""
     rows = []
     path = Path(path)
     if not path.is_file():
         raise DataError(f"{path}: no such prompts file")
-    for i, line in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1):
+    try:
+        text = path.read_bytes().decode("utf-8")
+    except UnicodeDecodeError as e:
+        line = path.read_bytes()[: e.start].count(b"\n") + 1
+        raise DataError(f"{path}:{line}: not UTF-8 text") from None
+    for i, line in enumerate(text.splitlines(), start=1):
         if not line.strip():
             continue
         try:
             row = json.loads(line)
         except json.JSONDecodeError as e:
             raise DataError(f"{path}:{i}: not JSON ({e.msg})") from None
-        if not isinstance(row, dict) or not (isinstance(row.get("prompt"), str)
-                                             or isinstance(row.get("messages"), list)):
-            raise DataError(f"{path}:{i}: a row needs a \"prompt\" string or a \"messages\" list")
+        where = f"{path}:{i}"
+        if not isinstance(row, dict):
+            raise DataError(f"{where}: a row must be a JSON object")
+        if "messages" in row:
+            msgs = row["messages"]
+            if not (isinstance(msgs, list) and msgs and all(
+                    isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+                    for m in msgs)):
+                raise DataError(f"{where}: \"messages\" must be a non-empty list of "
+                                "{\"role\": str, \"content\": str}")
+        elif not (isinstance(row.get("prompt"), str) and row["prompt"].strip()):
+            raise DataError(f"{where}: a row needs a non-empty \"prompt\" string or a \"messages\" list")
+        if row.get("category") is not None and not isinstance(row["category"], str):
+            raise DataError(f"{where}: \"category\" must be a string, got {type(row['category']).__name__}")
         rows.append(row)
     if not rows:
         raise DataError(f"{path}: no prompts")
@@ -165,24 +182,19 @@ def _summarise(path: str, head: Any, method: str, k: int, temp: float, outs: lis
                categories: list[str | None], ar: dict[str, Any]) -> dict[str, Any]:
     from headstart.inference.spec import SpecMetrics
 
-    pooled = SpecMetrics(positions=k if method != "tree" else None)
-    per_cat: dict[str, list[float]] = {}
+    pooled = SpecMetrics(positions=k)  # tree: k is the depth, the longest acceptable run
+    per_cat: dict[str, list[int]] = {}
     for o, cat in zip(outs, categories):
-        m = o.spec_metrics or {}
-        steps = m.get("steps") or 0
-        acc = round(((m.get("tau") or 1.0) - 1.0) * steps)
-        if cat is not None and steps:
+        accepted = [a for a, count in enumerate((o.spec_metrics or {}).get("accept_histogram") or [])
+                    for _ in range(count)]
+        pooled.accepted += accepted
+        if cat is not None and accepted:
             c = per_cat.setdefault(cat, [0, 0])
-            c[0] += acc
-            c[1] += steps
-    for o in outs:
-        m = o.spec_metrics or {}
-        hist = m.get("accept_histogram") or []
-        for a, count in enumerate(hist):
-            pooled.accepted += [a] * count
+            c[0] += sum(accepted)
+            c[1] += len(accepted)
     pooled.drafted = [k] * len(pooled.accepted)
     s = pooled.summary()
-    if method == "tree":  # alpha over verified nodes is not comparable: keep the requests' own
+    if method == "tree":  # accepted / tree nodes verified is not comparable with a chain alpha: not reported
         s["alpha"] = None
     tokens = sum(len(o.token_ids) for o in outs)
     row = {"head": path, "head_type": head.config.head_type, "method": method, "k": k, "temperature": temp,
@@ -225,7 +237,8 @@ def markdown(report: dict[str, Any]) -> str:
     for r in report["runs"]:
         rate = " ".join(f"{x:.2f}" for x in r["accept_rate_per_pos"])
         alpha = f"{r['alpha']:.3f}" if r["alpha"] is not None else "-"
-        lines.append(f"| {Path(r['head']).name} | {r['method']} | {r['k']} | {r['temperature']} | {r['tau']:.3f} | "
+        tau = f"{r['tau']:.3f}" if r["tau"] is not None else "-"
+        lines.append(f"| {Path(r['head']).name} | {r['method']} | {r['k']} | {r['temperature']} | {tau} | "
                      f"{alpha} | {rate} | {r['tokens_per_s']:.1f} | {r['speedup']:.2f}x | "
                      f"{r.get('lossless_check', '-')} |")
     cats = [r for r in report["runs"] if r["tau_by_category"]]
@@ -264,7 +277,8 @@ def plots(report: dict[str, Any], out: Path) -> list[Path]:
         groups.setdefault((Path(r["head"]).name, r["method"], r["temperature"]), []).append(r)
     for (name, method, temp), rs in groups.items():
         rs = sorted(rs, key=lambda r: r["k"])
-        a1.plot([r["k"] for r in rs], [r["tau"] for r in rs], marker="o", label=f"{name} {method} T={temp}")
+        a1.plot([r["k"] for r in rs], [r["tau"] or float("nan") for r in rs], marker="o",
+                label=f"{name} {method} T={temp}")
         a2.plot([r["k"] for r in rs], [r["speedup"] for r in rs], marker="o", label=f"{name} {method} T={temp}")
     a1.set(xlabel="k", ylabel="tau", title="tau by k")
     a2.set(xlabel="k", ylabel="speedup vs AR", title="speedup by k")

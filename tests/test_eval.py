@@ -97,3 +97,40 @@ def test_bad_eval_input(tmp_path):
     f.write_text('{"prompt": "hi"}\nnot json\n')
     with pytest.raises(DataError, match=r"p.jsonl:2: not JSON"):
         read_prompt_file(f)
+
+
+def test_summary_numbers_from_known_per_request_metrics():
+    """Pooled tau / alpha / rates / histogram / per-category tau / speedup / lossless from known inputs."""
+    from types import SimpleNamespace
+
+    from headstart.evaluate import _summarise
+
+    def out(hist, ids):
+        return SimpleNamespace(spec_metrics={"accept_histogram": hist}, token_ids=ids)
+
+    # request 1: a = 0, 3, 3; request 2: a = 1, 2; request 3: no step.
+    outs = [out([1, 0, 0, 2], [1, 2, 3]), out([0, 1, 1, 0], [4, 5]), out([0, 0, 0, 0], [6])]
+    ar = {"tokens_per_s": 3.0, "outputs": [[1, 2, 3], [4, 9], [6]]}
+    head = SimpleNamespace(config=SimpleNamespace(head_type="mtp"))
+    r = _summarise("h", head, "chain", 3, 0.0, outs, 1.0, ["a", "b", "a"], ar)
+    assert r["steps"] == 5 and r["tau"] == pytest.approx(1 + 9 / 5) and r["alpha"] == pytest.approx(9 / 15)
+    assert r["accept_histogram"] == [1, 1, 1, 2]
+    assert r["accept_rate_per_pos"] == pytest.approx([4 / 5, 3 / 5, 2 / 5])
+    assert r["cond_accept_per_pos"] == pytest.approx([4 / 5, 3 / 4, 2 / 3])
+    assert r["tau_by_category"] == pytest.approx({"a": 1 + 6 / 3, "b": 1 + 3 / 2})
+    assert r["tokens_per_s"] == 6.0 and r["speedup"] == pytest.approx(2.0)
+    assert r["lossless_check"] == "differs in 1 of 3"
+    assert "lossless_check" not in _summarise("h", head, "chain", 3, 1.0, outs, 1.0, [None] * 3, ar)
+
+
+def test_more_bad_prompt_files(tmp_path):
+    f = tmp_path / "p.jsonl"
+    for body, match in [('{"messages": ["hi"]}\n', r":1: \"messages\" must be"),
+                        ('{"prompt": "ok"}\n{"prompt": "x", "category": ["a"]}\n', r":2: \"category\" must be"),
+                        ('{"prompt": ""}\n', r":1: a row needs a non-empty")]:
+        f.write_text(body)
+        with pytest.raises(DataError, match=match):
+            read_prompt_file(f)
+    f.write_bytes(b'{"prompt": "ok"}\n{"prompt": "\xff"}\n')
+    with pytest.raises(DataError, match=r"p.jsonl:2: not UTF-8"):
+        read_prompt_file(f)

@@ -183,3 +183,163 @@ def test_export_and_import_verbs(tmp_path, targets, capsys):
                  "--model", model]) == 2
     err = capsys.readouterr().err
     assert err.count("headstart: error:") == 2 and "medusa layout holds medusa heads" in err
+
+
+STRIPPABLE = [c for c in CASES if c[3] != "native" and not (c[1] == "mtp" and c[3] == "deepseek-mtp")]
+
+
+@pytest.mark.parametrize(("family", "kind", "dv", "fmt"), STRIPPABLE)
+def test_import_without_our_metadata_reads_the_layout_itself(tmp_path, targets, family, kind, dv, fmt):
+    """A checkpoint written by another tool carries no `headstart` key: the layout alone must give the
+    same head (type, aux layers, vocabulary, shape) and the same logits."""
+    target = targets[family]
+    head = _head(target, kind, dv, aux=(0, 1, 2) if fmt == "vllm" else (1, 1, 2))
+    export_head(head, target, fmt, tmp_path / "exp")
+    cfg_path = tmp_path / "exp" / "config.json"
+    raw = json.loads(cfg_path.read_text())
+    del raw["headstart"]
+    cfg_path.write_text(json.dumps(raw))
+    back = import_head(tmp_path / "exp", fmt, target, tmp_path / "native")
+    for key in ("head_type", "num_layers", "aux_layer_ids", "medusa_num_heads", "share_target_embeddings"):
+        assert getattr(back.config, key) == getattr(head.config, key), key
+    assert (back.config.draft_vocab_size or 320) == (head.config.draft_vocab_size or 320)
+    assert torch.equal(_logits(back, target), _logits(head, target))
+
+
+def test_the_hf_export_is_what_transformers_computes(tmp_path, targets):
+    """An independent reader of our q/k/v and gate/up split: transformers itself."""
+    from transformers import AutoModelForCausalLM
+
+    from headstart.nn.attention import PackedCausalAttention, packed_metadata
+
+    llama = targets["llama"]
+    head = _head(llama, "draft_lm", None)
+    export_head(head, llama, "hf", tmp_path / "hf")
+    hf = AutoModelForCausalLM.from_pretrained(tmp_path / "hf", dtype=torch.float32).eval()
+    ids = torch.randint(0, 320, (10,), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        want = hf(ids[None]).logits[0]
+        h = head.forward_hidden(ids, None, packed_metadata([10]), None, PackedCausalAttention())
+        got = head.compute_logits(h)
+    assert torch.allclose(got, want, atol=1e-5)
+
+
+def test_layouts_agree_with_the_layouts_speculators_checks(tmp_path, targets):
+    """SGLang's EAGLE-3 and DeepSeek's MTP names hold the same tensors as the vLLM layouts that
+    tests/test_serving.py loads with speculators' own classes; and the values are the head's own."""
+    llama, qwen3 = targets["llama"], targets["qwen3"]
+    head = _head(llama, "eagle3", 64, aux=(1, 2))
+    export_head(head, llama, "sglang", tmp_path / "sg")
+    export_head(head, llama, "vllm", tmp_path / "vl")
+    sg = load_file(str(tmp_path / "sg" / "model.safetensors"))
+    vl = load_file(str(tmp_path / "vl" / "model.safetensors"))
+    assert {k.replace("midlayer.", "layers.0."): v for k, v in sg.items()}.keys() == vl.keys()
+    for k, v in sg.items():
+        assert torch.equal(v, vl[k.replace("midlayer.", "layers.0.")]), k
+    assert torch.equal(sg["fc.weight"], head.fc.weight)
+    qkv = head.layers[0].self_attn.qkv_proj.weight
+    assert torch.equal(torch.cat([sg[f"midlayer.self_attn.{p}_proj.weight"] for p in "qkv"]), qkv)
+    assert torch.equal(sg["midlayer.input_layernorm.weight"], head.embed_norm.weight)
+    assert torch.equal(sg["midlayer.hidden_norm.weight"], head.hidden_norm.weight)
+    mtp = _head(qwen3, "mtp", None)
+    export_head(mtp, qwen3, "vllm", tmp_path / "vm")
+    export_head(mtp, qwen3, "deepseek-mtp", tmp_path / "ds")
+    vm = load_file(str(tmp_path / "vm" / "model.safetensors"))
+    ds = load_file(str(tmp_path / "ds" / "model.safetensors"))
+    names = {"enorm": "token_layernorm", "hnorm": "hidden_layernorm", "eh_proj": "input_proj",
+             "shared_head.norm": "final_layernorm"}
+    for k, v in ds.items():
+        rest = k.removeprefix("model.layers.2.")
+        if rest in ("embed_tokens.weight", "shared_head.head.weight"):
+            continue
+        base = rest.removesuffix(".weight")
+        assert torch.equal(v, vm["mtp_layers.0." + names.get(base, base) + ".weight"]), k
+    assert torch.equal(ds["model.layers.2.enorm.weight"], mtp.embed_norm.weight)
+    medusa = _head(llama, "medusa", 64)
+    export_head(medusa, llama, "medusa", tmp_path / "md")
+    md = load_file(str(tmp_path / "md" / "model.safetensors"))
+    assert torch.equal(md["token_map"], torch.arange(64) + medusa.d2t)
+    assert torch.equal(md["blocks.2.layers.0.weight"], medusa.heads[2][0].linear.weight)
+
+
+def test_an_export_that_would_not_reproduce_the_head_is_not_kept(tmp_path, targets, monkeypatch):
+    from headstart.export.formats import LAYOUTS
+
+    llama = targets["llama"]
+    head = _head(llama, "eagle3", 64)
+    write = LAYOUTS["sglang"].write
+
+    def faulty(h, t):  # a writer bug: one tensor slightly off
+        config, tensors = write(h, t)
+        tensors["fc.weight"] = tensors["fc.weight"] * 1.01
+        return config, tensors
+
+    monkeypatch.setattr(LAYOUTS["sglang"], "write", faulty)
+    with pytest.raises(AssetError, match="read back gives other logits"):
+        export_head(head, llama, "sglang", tmp_path / "x")
+    assert not (tmp_path / "x").exists() and not list(tmp_path.glob(".x*"))
+    with torch.no_grad():
+        head.fc.weight[0, 0] = float("nan")
+    monkeypatch.undo()
+    with pytest.raises(AssetError, match="fc.weight holds NaN"):
+        export_head(head, llama, "sglang", tmp_path / "x")
+
+
+def test_force_replaces_only_an_earlier_export_and_never_the_source(tmp_path, targets, capsys):
+    llama = targets["llama"]
+    save_head(_head(llama, "eagle3", 64), tmp_path / "head")
+    model = str(llama.source_dir)
+    other = tmp_path / "other-head"
+    save_head(_head(llama, "mtp", None), other)
+    for out in (tmp_path / "head", other):
+        assert main(["export", str(tmp_path / "head"), "--format", "sglang", "--out", str(out), "--model", model,
+                     "--force"]) == 2
+    assert main(["export", str(tmp_path / "head"), "--format", "native", "--out", str(tmp_path / "head"),
+                 "--model", model, "--force"]) == 2
+    err = capsys.readouterr().err
+    assert "the head being exported" in err
+    assert json.loads((other / "config.json").read_text())["head_type"] == "mtp"  # untouched
+
+
+def test_import_refuses_bad_values_and_another_targets_export(tmp_path, targets):
+    llama, qwen2 = targets["llama"], targets["qwen2"]
+    export_head(_head(llama, "eagle3", 64, aux=(0, 1, 2)), llama, "vllm", tmp_path / "e")
+    f = tmp_path / "e" / "model.safetensors"
+    good = load_file(str(f))
+    cfg_path = tmp_path / "e" / "config.json"
+    good_cfg = json.loads(cfg_path.read_text())
+    other = load_llama(llama.source_dir, "fp32")
+    with torch.no_grad():
+        other.lm_head.weight.mul_(1.5)  # same shape, other weights
+    other._fingerprint = "0" * 64
+    with pytest.raises(AssetError, match="made for target"):
+        import_head(tmp_path / "e", "vllm", other, tmp_path / "n")
+    cases = [
+        ({"fc.weight": good["fc.weight"].clone().fill_(float("nan"))}, None, "fc.weight holds NaN"),
+        ({"d2t": good["d2t"] + 400}, None, "d2t maps draft ids outside the target vocabulary"),
+        ({"t2d": torch.zeros_like(good["t2d"])}, None, "t2d does not mark the tokens d2t maps to"),
+        ({"norm.weight": good["norm.weight"].to(torch.int32)}, None, "norm.weight has dtype torch.int32"),
+        ({}, {"draft_vocab_size": "abc"}, "draft_vocab_size"),
+        ({}, {"transformer_layer_config": [1]}, "transformer_layer_config"),
+    ]
+    for tensors, config, match in cases:
+        save_file({**good, **tensors}, str(f))
+        cfg = {**good_cfg, **(config or {})}
+        cfg.pop("headstart")
+        cfg_path.write_text(json.dumps(cfg))
+        with pytest.raises(AssetError, match=match):
+            import_head(tmp_path / "e", "vllm", llama, tmp_path / "n")
+    no_t2d = dict(good)
+    del no_t2d["t2d"]  # vLLM ignores t2d: it is rebuilt from d2t
+    save_file(no_t2d, str(f))
+    cfg_path.write_text(json.dumps({k: v for k, v in good_cfg.items() if k != "headstart"}))
+    import_head(tmp_path / "e", "vllm", llama, tmp_path / "n")
+    save_file(good, str(tmp_path / "e" / "extra.safetensors"))
+    with pytest.raises(AssetError, match="several weight files"):
+        import_head(tmp_path / "e", "vllm", llama, tmp_path / "n2")
+    (tmp_path / "e" / "extra.safetensors").unlink()
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(AssetError, match="config.json"):
+        import_head(tmp_path / "empty", "vllm", llama, tmp_path / "n2")
+    with pytest.raises(AssetError, match=r"missing \['layers.0.self_attn.k_proj.bias'"):  # qwen2: qkv biases
+        import_head(tmp_path / "e", "vllm", qwen2, tmp_path / "n2")

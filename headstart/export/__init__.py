@@ -13,7 +13,7 @@ from typing import Any
 import torch
 from safetensors.torch import load_file, save_file
 
-from headstart.errors import AssetError
+from headstart.errors import AssetError, HeadstartError
 from headstart.export.formats import LAYOUTS
 from headstart.export.layout import Layout, check_tensors
 from headstart.fileio import apply_umask, atomic_path, check_output_path, read_json_object
@@ -34,19 +34,26 @@ def is_export(path: str | Path) -> bool:
         return False
 
 
-def _rules(overwrite: bool) -> dict[str, Any]:
-    return {"replaces": (lambda p: is_export(p) or is_head_checkpoint(p)) if overwrite else None,
-            "hint": "pass --force to replace an earlier export"}
+def _rules(overwrite: bool, native: bool = False) -> dict[str, Any]:
+    replaceable = is_head_checkpoint if native else is_export
+    return {"replaces": replaceable if overwrite else None, "hint": "pass --force to replace an earlier export"}
 
 
-def check_export_output(out: str | Path, overwrite: bool = False) -> Path:
-    return check_output_path(out, **_rules(overwrite))
+def check_export_output(out: str | Path, overwrite: bool = False, *, source: str | Path | None = None,
+                        native: bool = False) -> Path:
+    """Refuse an output path before any work: never the head being exported, and with --force only
+    a directory an earlier export wrote (a native export: a head checkpoint)."""
+    if source is not None and Path(out).resolve() == Path(source).resolve():
+        raise AssetError(f"{out}: that is the head being exported; choose another --out")
+    return check_output_path(out, **_rules(overwrite, native))
 
 
 def export_head(head: DraftHead, target: LlamaForCausalLM, fmt: str, out: str | Path, *,
-                overwrite: bool = False) -> dict[str, Any]:
+                overwrite: bool = False, source: str | Path | None = None) -> dict[str, Any]:
     """Write `head` in layout `fmt` under `out`; returns a summary (files, tensors, checks)."""
+    check_export_output(out, overwrite, source=source, native=fmt == "native")
     if fmt == "native":
+        _check_finite(dict(head.state_dict()), "export as native")
         path = save_head(head, out, overwrite=overwrite)
         return {"format": "native", "out": str(path), "tensors": len(head.state_dict()), "roundtrip": "identical"}
     layout = _layout(fmt, EXPORT_FORMATS)
@@ -62,8 +69,7 @@ def export_head(head: DraftHead, target: LlamaForCausalLM, fmt: str, out: str | 
         apply_umask(tmp / "model.safetensors")
         (tmp / "config.json").write_text(json.dumps(config, indent=2, default=str))
         back = _read_back(layout, tmp, target)
-        same = _same_outputs(head, back)
-        if not same:
+        if not _same_outputs(head, back):
             raise AssetError(f"export as {fmt}: the checkpoint read back gives other logits than the head; "
                              "nothing was kept (a bug: please report it)")
     return {"format": fmt, "out": str(Path(out).resolve()), "tensors": len(tensors),
@@ -71,10 +77,10 @@ def export_head(head: DraftHead, target: LlamaForCausalLM, fmt: str, out: str | 
 
 
 def import_head(src: str | Path, fmt: str, target: LlamaForCausalLM, out: str | Path, *,
-                overwrite: bool = False) -> DraftHead:
+                overwrite: bool = False, allow_other_target: bool = False) -> DraftHead:
     """Read a checkpoint in layout `fmt` and save it as a native head under `out`."""
     layout = _layout(fmt, IMPORT_FORMATS)
-    head = _read_back(layout, Path(src), target)
+    head = _read_back(layout, Path(src), target, allow_other_target=allow_other_target)
     save_head(head, out, overwrite=overwrite)
     return head
 
@@ -89,50 +95,114 @@ def _layout(fmt: str, allowed: tuple[str, ...]) -> Layout:
 
 
 def _load_tensors(src: Path) -> dict[str, torch.Tensor]:
-    files = sorted(src.glob("*.safetensors"))
-    bins = sorted(src.glob("pytorch_model*.bin"))
-    if not files and not bins:
+    """The checkpoint's tensors: one weights file, or the files its safetensors index lists."""
+    index = src / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map = read_json_object(index, "safetensors index").get("weight_map")
+        if not isinstance(weight_map, dict):
+            raise AssetError(f"{index}: no weight_map")
+        files = [src / name for name in sorted(set(map(str, weight_map.values())))]
+    else:
+        files = sorted(src.glob("*.safetensors")) or sorted(src.glob("pytorch_model*.bin"))
+        if len(files) > 1:
+            raise AssetError(f"{src}: several weight files ({', '.join(f.name for f in files[:4])}) and no "
+                             "model.safetensors.index.json saying which to read")
+    if not files:
         raise AssetError(f"{src}: no *.safetensors or pytorch_model*.bin weights")
     tensors: dict[str, torch.Tensor] = {}
-    for f in files or bins:
+    for f in files:
         try:
             part = load_file(str(f)) if f.suffix == ".safetensors" else torch.load(f, map_location="cpu",
                                                                                    weights_only=True)
         except Exception as e:  # safetensors / pickle raise their own error types for damaged files
             raise AssetError(f"{f}: unreadable ({str(e)[:120]})") from None
+        if not isinstance(part, dict) or not all(isinstance(k, str) and isinstance(v, torch.Tensor)
+                                                 for k, v in part.items()):
+            raise AssetError(f"{f}: not a mapping of tensor names to tensors")
+        dup = sorted(set(part) & set(tensors))
+        if dup:
+            raise AssetError(f"{f}: tensors {dup[:4]} also appear in another weights file")
         tensors.update(part)
     return tensors
 
 
-def _read_back(layout: Layout, src: Path, target: LlamaForCausalLM) -> DraftHead:
-    """Checkpoint directory -> a head on `target`, every tensor name and shape checked."""
+def _read_back(layout: Layout, src: Path, target: LlamaForCausalLM, *,
+               allow_other_target: bool = False) -> DraftHead:
+    """Checkpoint directory -> a head on `target`, every tensor name, shape, dtype and value checked."""
     if not src.is_dir():
         raise AssetError(f"{src}: not a directory")
-    config = read_json_object(src / "config.json", "checkpoint config")
+    if not (src / "config.json").is_file():
+        raise AssetError(f"{src}: no config.json; not a checkpoint directory")
+    try:
+        config = read_json_object(src / "config.json", "checkpoint config")
+    except HeadstartError as e:
+        raise AssetError(str(e)) from None
     found = layout.recognise(config)
     if found is not None:
         raise AssetError(f"{src}: not a {layout.name} checkpoint: found {found}")
+    _check_target(config, target, src, allow_other_target)
     tensors = _load_tensors(src)
-    cfg, state = layout.read(config, tensors, target)
-    cfg.target = {}
+    _check_finite(tensors, str(src))
     try:
+        cfg, state = layout.read(config, tensors, target)
+        cfg.target = {}
         cfg = cfg.resolve(target)
-    except (ValueError, AssetError) as e:
+        check_compatible(cfg, target, where=str(src / "config.json"))
+        head = FAMILIES[cfg.head_type](cfg, target).to(device=target.model.embed_tokens.weight.device)
+        fresh = layout.write(head, target)[1] if layout.refuse(head) is None else None
+    except HeadstartError as e:
         raise AssetError(f"{src}: {e}") from None
-    check_compatible(cfg, target, where=str(src / "config.json"))
-    weight = target.model.embed_tokens.weight
-    head = FAMILIES[cfg.head_type](cfg, target).to(device=weight.device)
-    want = {k: tuple(v.shape) for k, v in head.state_dict().items()}
-    # Name the tensors as the checkpoint does: re-export a fresh head of this config for the names.
-    fresh = layout.write(head, target)[1] if layout.refuse(head) is None else None
-    if fresh is not None:
-        check_tensors(str(src), tensors, {k: tuple(v.shape) for k, v in fresh.items()}
-                      | _optional(tensors, fresh))
-    check_tensors(str(src), state, want)
-    dtype = next(iter(state.values())).dtype if state else weight.dtype
-    head = head.to(dtype=dtype if dtype.is_floating_point else weight.dtype)
-    head.load_state_dict({k: v.to(head.state_dict()[k].dtype) for k, v in state.items()}, strict=True)
+    except (ValueError, TypeError, KeyError, AttributeError, IndexError) as e:
+        raise AssetError(f"{src}: config.json or its tensors do not describe a {layout.name} checkpoint "
+                         f"({type(e).__name__}: {str(e)[:160]})") from None
+    if fresh is not None:  # the names as the layout spells them, tolerated extras and omissions
+        want = {k: tuple(v.shape) for k, v in fresh.items() if k in tensors or k not in layout.optional}
+        check_tensors(str(src), tensors, want | _optional(tensors, fresh))
+    own = head.state_dict()
+    check_tensors(str(src), state, {k: tuple(v.shape) for k, v in own.items()})
+    for name, t in state.items():
+        if own[name].is_floating_point() != t.is_floating_point() or (own[name].dtype == torch.bool) != (
+                t.dtype == torch.bool):
+            raise AssetError(f"{src}: {name} has dtype {t.dtype}, expected {own[name].dtype}")
+    _check_vocab_maps(state, target, src)
+    dtype = next((t.dtype for t in state.values() if t.is_floating_point()), target.dtype)
+    head = head.to(dtype=dtype)
+    head.load_state_dict({k: v.to(own[k].dtype if not own[k].is_floating_point() else dtype)
+                          for k, v in state.items()}, strict=True)
     return head
+
+
+def _check_target(config: dict[str, Any], target: LlamaForCausalLM, src: Path, allow_other: bool) -> None:
+    """An export we wrote records its target: another target's (same shape, other weights) is refused."""
+    meta = config.get("headstart")
+    recorded = None
+    if isinstance(meta, dict) and isinstance(meta.get("head_config"), dict):
+        recorded = (meta["head_config"].get("target") or {}).get("fingerprint")
+    actual = target.fingerprint()
+    if recorded and recorded != actual:
+        msg = (f"{src}: exported from a head made for target {str(recorded)[:12]}…, this target is {actual[:12]}… "
+               "(same shape, other weights)")
+        if not allow_other:
+            raise AssetError(msg + "; pass --allow-other-target to import it anyway")
+        import warnings
+
+        warnings.warn(msg, stacklevel=3)
+
+
+def _check_vocab_maps(state: dict[str, torch.Tensor], target: LlamaForCausalLM, src: Path) -> None:
+    """d2t must map every draft id into the target vocabulary, and t2d mark exactly those tokens."""
+    if "d2t" not in state:
+        return
+    vocab = target.config.vocab_size
+    d2t = state["d2t"].long()
+    ids = torch.arange(d2t.numel()) + d2t
+    if d2t.numel() and (ids.min() < 0 or ids.max() >= vocab):
+        raise AssetError(f"{src}: d2t maps draft ids outside the target vocabulary [0, {vocab})")
+    if "t2d" in state:
+        t2d = state["t2d"].bool()
+        if int(t2d.sum()) != d2t.numel() or not bool(t2d[ids].all()):
+            raise AssetError(f"{src}: t2d does not mark the tokens d2t maps to ({int(t2d.sum())} marked, "
+                             f"{d2t.numel()} draft ids)")
 
 
 def _optional(have: dict[str, torch.Tensor], fresh: dict[str, torch.Tensor]) -> dict[str, tuple[int, ...]]:

@@ -23,6 +23,9 @@ import torch
 from headstart.errors import AssetError
 from headstart.export.layout import (
     Layout,
+    config_dict,
+    config_ids,
+    config_int,
     invert,
     join_fused,
     native_state,
@@ -141,16 +144,16 @@ class SGLang(Layout):
         eagle3 = config["architectures"] == ["LlamaForCausalLMEagle3"]
         state = rename(join_fused(tensors), invert(self._rules("eagle3" if eagle3 else "eagle1")))
         if eagle3:
-            ids = (config.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
+            ids = config_ids(config_dict(config, "eagle_config").get("eagle_aux_hidden_state_layer_ids"),
+                             "eagle_config.eagle_aux_hidden_state_layer_ids")
             n = target.config.num_hidden_layers
             aux = [j + 1 for j in ids] if ids else [min(2, n - 1), n // 2, max(n - 3, 0)]
-            cfg = _head_config(config, "eagle3", target, aux_layer_ids=aux,
-                               draft_vocab_size=int(require(config, "draft_vocab_size", "config.json")),
-                               **_dims(config))
-            cfg.draft_vocab_size = int(config["draft_vocab_size"])
+            vocab = config_int(config, "draft_vocab_size")
+            cfg = _head_config(config, "eagle3", target, aux_layer_ids=aux, draft_vocab_size=vocab, **_dims(config))
+            cfg.draft_vocab_size = vocab
             state.pop("embed_tokens.weight", None)  # EAGLE-3 checkpoints may carry the target's embedding
         else:
-            cfg = _head_config(config, "eagle1", target, num_layers=int(config.get("num_hidden_layers", 1)),
+            cfg = _head_config(config, "eagle1", target, num_layers=config_int(config, "num_hidden_layers", 1),
                                **_dims(config))
             state.pop("embed_tokens.weight", None)
             state.pop("lm_head.weight", None)
@@ -163,6 +166,7 @@ class SGLang(Layout):
 class VLLM(Layout):
     name = "vllm"
     families = ("eagle3", "mtp")
+    optional = ("t2d",)  # vLLM ignores t2d; a checkpoint without it gets one rebuilt from d2t
 
     def refuse(self, head: DraftHead) -> str | None:
         why = super().refuse(head)
@@ -223,17 +227,18 @@ class VLLM(Layout):
 
     def read(self, config, tensors, target):  # noqa: ANN001, ANN201
         kind = config["speculators_model_type"]
-        layer = require(config, "transformer_layer_config", "config.json")
+        require(config, "transformer_layer_config", "config.json")
+        layer = config_dict(config, "transformer_layer_config")
         state = rename(join_fused(tensors), invert(self._rules(kind)))
         for extra in ("embed_tokens.weight", "verifier_lm_head.weight", "verifier_norm.weight"):
             state.pop(extra, None)
         if kind == "eagle3":
-            ids = config.get("eagle_aux_hidden_state_layer_ids")
+            ids = config_ids(config.get("eagle_aux_hidden_state_layer_ids"), "eagle_aux_hidden_state_layer_ids")
             n = target.config.num_hidden_layers
             cfg = _head_config(config, "eagle3", target, aux_layer_ids=list(ids) if ids else
                                [min(2, n - 1), n // 2, max(n - 3, 0)],
-                               num_layers=int(layer.get("num_hidden_layers", 1)), **_dims(layer))
-            cfg.draft_vocab_size = int(require(config, "draft_vocab_size", "config.json"))
+                               num_layers=config_int(layer, "num_hidden_layers", 1), **_dims(layer))
+            cfg.draft_vocab_size = config_int(config, "draft_vocab_size")
             if "t2d" not in state and "d2t" in state:  # vLLM ignores t2d; rebuild it from d2t
                 t2d = torch.zeros(target.config.vocab_size, dtype=torch.bool)
                 t2d[torch.arange(state["d2t"].numel()) + state["d2t"]] = True
@@ -330,13 +335,17 @@ class Medusa(Layout):
         return f"model_type {config.get('model_type')!r} (expected 'medusa')"
 
     def read(self, config, tensors, target):  # noqa: ANN001, ANN201
-        heads = int(config.get("num_heads", config.get("medusa_num_heads", 0)))
-        layers = int(config.get("num_hidden_layers", config.get("medusa_num_layers", 1)))
+        heads = config_int(config, "num_heads" if "num_heads" in config else "medusa_num_heads")
+        layers = config_int(config, "num_hidden_layers" if "num_hidden_layers" in config else "medusa_num_layers", 1)
         state = {k.removeprefix("medusa_heads."): v for k, v in tensors.items()}
         vocab = target.config.vocab_size
-        truncated = int(config.get("truncated_vocab_size") or vocab)
+        truncated = config_int(config, "truncated_vocab_size", vocab) if config.get("truncated_vocab_size") else vocab
         cfg = _head_config(config, "medusa", target, medusa_num_heads=heads, medusa_num_layers=layers)
         token_map = state.pop("token_map", None)
+        if token_map is not None and (token_map.is_floating_point() or token_map.dtype == torch.bool
+                                      or token_map.numel() != truncated or token_map.min() < 0
+                                      or token_map.max() >= vocab):
+            raise AssetError(f"token_map must hold {truncated} integer target ids in [0, {vocab})")
         if token_map is not None and truncated < vocab:
             cfg.draft_vocab_size = truncated
             state["d2t"] = token_map.long() - torch.arange(truncated)
@@ -379,7 +388,7 @@ class HF(Layout):
         shared = (state["embed_tokens.weight"].shape == target.model.embed_tokens.weight.shape
                   and torch.equal(state["embed_tokens.weight"], target.model.embed_tokens.weight.cpu())
                   and torch.equal(state["lm_head.weight"], target.lm_head.weight.cpu()))
-        cfg = _head_config(config, "draft_lm", target, num_layers=int(config["num_hidden_layers"]),
+        cfg = _head_config(config, "draft_lm", target, num_layers=config_int(config, "num_hidden_layers"),
                            share_target_embeddings=shared, **_dims(config))
         if cfg.share_target_embeddings:
             state.pop("embed_tokens.weight")

@@ -21,6 +21,7 @@ from headstart.models.llama import LlamaForCausalLM, read_hf_config
 class Layout(abc.ABC):
     name: str = ""
     families: tuple[str, ...] = ()  # head types this layout can hold
+    optional: tuple[str, ...] = ()  # tensor names a checkpoint of this layout may omit
 
     def refuse(self, head: DraftHead) -> str | None:
         """Why this layout cannot represent `head` (None when it can)."""
@@ -139,3 +140,26 @@ def require(config: dict[str, Any], key: str, where: str) -> Any:
     if key not in config:
         raise AssetError(f"{where}: config.json has no {key!r}")
     return config[key]
+
+
+def config_int(config: dict[str, Any], key: str, default: Any = None, *, least: int = 1) -> int:
+    """An integer config field, or an error naming the key and the value found."""
+    value = config.get(key, default)
+    if isinstance(value, bool) or not isinstance(value, int) or value < least:
+        raise AssetError(f"config.json: {key} must be an integer >= {least}, got {str(value)[:40]!r}")
+    return value
+
+
+def config_dict(config: dict[str, Any], key: str) -> dict[str, Any]:
+    value = config.get(key) or {}
+    if not isinstance(value, dict):
+        raise AssetError(f"config.json: {key} must be an object, got {type(value).__name__}")
+    return value
+
+
+def config_ids(value: Any, key: str) -> list[int] | None:
+    if value is None:
+        return None
+    if not isinstance(value, list) or not all(isinstance(j, int) and not isinstance(j, bool) for j in value):
+        raise AssetError(f"config.json: {key} must be a list of layer ids, got {str(value)[:40]!r}")
+    return value

@@ -10,7 +10,8 @@ carried state. The engine calls, per step:
 
 Shift conventions: a head row i is (h_i, t_{i+1}) at position i and predicts t_{i+2}; a draft-model
 row i is t_i at position i and predicts t_{i+1}. So with n cached target positions and the pending
-token t_n, a head has rows 0..n-1 cached, a draft model rows 0..n.
+token t_n, both have rows 0..n-1 cached: a head's row n-1 is (h_{n-1}, t_n); a draft model runs
+t_n itself as the first forward of `propose`, in the slot the speculative step reserved.
 """
 
 from __future__ import annotations
