@@ -59,7 +59,8 @@ SHIPPED := assets/heads/smollm2-135m-mtp
 # head) -> export. Every stage resumes or reuses what an earlier run finished.
 quickstart: setup
 	$(BIN)/headstart assets
-	$(BIN)/headstart precompute $(QR)
+	@if [ -f $(QS)/precompute/run.json ]; then \
+		$(BIN)/headstart precompute $(QR) --resume; else $(BIN)/headstart precompute $(QR); fi
 	@if [ -f $(QS)/checkpoints/last.ckpt ]; then \
 		$(BIN)/headstart train $(QR) --resume; else $(BIN)/headstart train $(QR); fi
 	$(BIN)/headstart eval $(QR) --set target.dtype=fp32 --head $(QS)/head-best --head $(SHIPPED) \

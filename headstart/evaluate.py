@@ -185,14 +185,14 @@ def _summarise(path: str, head: Any, method: str, k: int, temp: float, outs: lis
     pooled = SpecMetrics(positions=k)  # tree: k is the depth, the longest acceptable run
     per_cat: dict[str, list[int]] = {}
     for o, cat in zip(outs, categories):
-        accepted = [a for a, count in enumerate((o.spec_metrics or {}).get("accept_histogram") or [])
-                    for _ in range(count)]
-        pooled.accepted += accepted
-        if cat is not None and accepted:
+        hist = (o.spec_metrics or {}).get("accept_histogram") or []
+        for a, count in enumerate(hist):
+            for _ in range(count):
+                pooled.add(a, k)
+        if cat is not None and sum(hist):
             c = per_cat.setdefault(cat, [0, 0])
-            c[0] += sum(accepted)
-            c[1] += len(accepted)
-    pooled.drafted = [k] * len(pooled.accepted)
+            c[0] += sum(a * count for a, count in enumerate(hist))
+            c[1] += sum(hist)
     s = pooled.summary()
     if method == "tree":  # accepted / tree nodes verified is not comparable with a chain alpha: not reported
         s["alpha"] = None

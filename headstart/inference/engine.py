@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 from headstart.inference.backends import make_backend
+from headstart.inference.detok import IncrementalText
 from headstart.inference.kv_cache import KVCache, KVCacheSpec, PageAllocator, pages_for_budget
 from headstart.inference.rejection import verify_full_q, verify_greedy, verify_one_hot, verify_tree
 from headstart.inference.sampler import SamplingParams, processed_probs, rows_logprobs, sample, token_logprobs
@@ -189,6 +190,7 @@ class Engine:
             gen = torch.Generator(device="cpu")
             gen.manual_seed(seed)
         seq = Sequence(rid, ids, params, gen, seed)
+        seq.detok = IncrementalText(self.tokenizer) if self.tokenizer is not None else None
         seq.spec_metrics.positions = self.spec_metrics.positions
         self._seqs[rid] = seq
         self.scheduler.add(seq)
@@ -196,8 +198,10 @@ class Engine:
 
     def abort(self, request_id: str) -> bool:
         """Cancel a request; everything held for it (pages, draft state, the sequence) is released."""
-        if self.scheduler.abort(request_id) is None:
+        seq = self.scheduler.abort(request_id)
+        if seq is None:
             return False
+        self._final_text(seq, seq.output_ids)
         self._release(request_id)
         return True
 
@@ -335,10 +339,14 @@ class Engine:
         histories = None
         if any(p.repetition_penalty != 1.0 for p in params):
             histories = [s.token_ids + d[:j] for s, d in zip(seqs, proposal.drafts) for j in range(k + 1)]
-        p = processed_probs(logits, params, histories)
+        if histories is None and all(s.params.greedy for s in seqs):  # argmaxes only: one host sync
+            best, p = logits.argmax(-1).tolist(), None
+        else:
+            best, p = None, processed_probs(logits, params, histories)
         outputs, absorb = [], []
         for b, seq in enumerate(seqs):
-            n, drafts, pb = seq.num_cached, proposal.drafts[b], p[b * (k + 1):(b + 1) * (k + 1)]
+            n, drafts = seq.num_cached, proposal.drafts[b]
+            pb = p[b * (k + 1):(b + 1) * (k + 1)] if p is not None else best[b * (k + 1):(b + 1) * (k + 1)]
             if seq.params.greedy:
                 verdict = verify_greedy(drafts, pb)
             elif proposal.q[b] is not None:
@@ -448,24 +456,28 @@ class Engine:
     def _check_stop(self, seq: Sequence, tok: int) -> None:
         p = seq.params
         if (tok in self.stop_ids and not p.ignore_eos) or tok in p.stop_token_ids:
-            self._set_text(seq, drop_last=True)
+            self._final_text(seq, seq.output_ids[:-1])
             self.scheduler.finish(seq, "stop")
             return
-        self._set_text(seq)
-        if p.stop:
-            for s in p.stop:
-                cut = seq.text.find(s)
-                if cut >= 0:
-                    seq.text = seq.text[:cut]
-                    self.scheduler.finish(seq, "stop")
-                    return
+        if seq.detok is not None:
+            piece = seq.detok.update(seq.output_ids)
+            seq.text = seq.detok.text
+            # A stop string can only start in the tail that grew: search there, then cut the exact text.
+            if p.stop and piece and any(s in seq.text[-(len(piece) + max(map(len, p.stop))):] for s in p.stop):
+                self._final_text(seq, seq.output_ids)
+                for s in p.stop:
+                    cut = seq.text.find(s)
+                    if cut >= 0:
+                        seq.text = seq.text[:cut]
+                        self.scheduler.finish(seq, "stop")
+                        return
         if len(seq.output_ids) >= p.max_tokens or seq.total_len >= self.max_model_len:
+            self._final_text(seq, seq.output_ids)
             self.scheduler.finish(seq, "length")
 
-    def _set_text(self, seq: Sequence, drop_last: bool = False) -> None:
-        if self.tokenizer is not None:
-            ids = seq.output_ids[:-1] if drop_last else seq.output_ids
-            seq.text = self.tokenizer.decode(ids, skip_special_tokens=True)
+    def _final_text(self, seq: Sequence, ids: list[int]) -> None:
+        if seq.detok is not None:
+            seq.text = seq.detok.final(ids)
 
     def _output(self, seq: Sequence, new: list[int]) -> RequestOutput:
         metrics = seq.spec_metrics.summary() if self.proposer is not None else None

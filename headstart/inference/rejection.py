@@ -43,9 +43,10 @@ def _sample(probs: torch.Tensor, gen: torch.Generator | None) -> int:
     return min(idx, int(positive[-1]))
 
 
-def verify_greedy(drafts: list[int], p: torch.Tensor) -> Verdict:
-    """p (k+1, V): accept while draft == argmax; no random draw is consumed."""
-    best = p.argmax(-1).tolist()
+def verify_greedy(drafts: list[int], p: torch.Tensor | list[int]) -> Verdict:
+    """p (k+1, V), or its row argmaxes already on the host: accept while draft == argmax; no random
+    draw is consumed."""
+    best = p.argmax(-1).tolist() if isinstance(p, torch.Tensor) else p
     a = 0
     while a < len(drafts) and drafts[a] == best[a]:
         a += 1

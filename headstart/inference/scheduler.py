@@ -48,6 +48,7 @@ class Sequence:
     logprobs: list[dict] = field(default_factory=list)
     num_preemptions: int = 0
     spec_metrics: Any = field(default_factory=lambda: _new_metrics())
+    detok: Any = None  # IncrementalText when the engine has a tokenizer
 
     @property
     def token_ids(self) -> list[int]:

@@ -58,40 +58,60 @@ class SpecConfig:
 
 @dataclass
 class SpecMetrics:
-    """Acceptance metrics with the names of DESIGN.md §1 (accepted counts exclude the bonus)."""
+    """Acceptance metrics with the names of DESIGN.md §1 (accepted counts exclude the bonus), kept as
+    running counts: adding a step and reading the summary cost O(k), not O(steps)."""
 
-    accepted: list[int] = field(default_factory=list)  # a per verify step
-    drafted: list[int] = field(default_factory=list)  # d per verify step (tree: nodes verified)
     positions: int | None = None  # longest acceptable run (tree: its depth); default: max drafted
+    steps: int = 0
+    accepted_total: int = 0
+    drafted_total: int = 0
+    drafted_max: int = 0
+    histogram: list[int] = field(default_factory=list)  # histogram[a] = steps that accepted a drafts
     draft_seconds: float = 0.0
     verify_seconds: float = 0.0
 
     def add(self, a: int, d: int) -> None:
-        self.accepted.append(a)
-        self.drafted.append(d)
+        self.steps += 1
+        self.accepted_total += a
+        self.drafted_total += d
+        self.drafted_max = max(self.drafted_max, d)
+        if a >= len(self.histogram):
+            self.histogram.extend([0] * (a + 1 - len(self.histogram)))
+        self.histogram[a] += 1
 
     def merge(self, other: SpecMetrics) -> None:
-        self.accepted += other.accepted
-        self.drafted += other.drafted
+        self.steps += other.steps
+        self.accepted_total += other.accepted_total
+        self.drafted_total += other.drafted_total
+        self.drafted_max = max(self.drafted_max, other.drafted_max)
+        for a, count in enumerate(other.histogram):
+            if count:
+                self.add_many(a, count)
         self.draft_seconds += other.draft_seconds
         self.verify_seconds += other.verify_seconds
 
+    def add_many(self, a: int, count: int) -> None:
+        if a >= len(self.histogram):
+            self.histogram.extend([0] * (a + 1 - len(self.histogram)))
+        self.histogram[a] += count
+
     def summary(self) -> dict[str, Any]:
-        n = len(self.accepted)
-        k = self.positions or max(self.drafted, default=0)
+        n = self.steps
+        k = self.positions or self.drafted_max
         if n == 0:
             return {"steps": 0, "tau": None, "alpha": None, "accept_rate_per_pos": [], "cond_accept_per_pos": [],
                     "accept_histogram": []}
-        rate = [sum(a >= i + 1 for a in self.accepted) / n for i in range(k)]
+        hist = (self.histogram + [0] * (k + 1))[: max(k + 1, len(self.histogram))]
+        at_least = [sum(hist[i:]) for i in range(len(hist))]  # at_least[i] = steps with a >= i
+        rate = [at_least[i + 1] / n for i in range(k)]
         cond = [rate[0]] + [rate[i] / rate[i - 1] if rate[i - 1] else 0.0 for i in range(1, k)] if k else []
-        hist = [sum(a == j for a in self.accepted) for j in range(k + 1)]
         return {
             "steps": n,
-            "tau": 1 + sum(self.accepted) / n,
-            "alpha": sum(self.accepted) / max(1, sum(self.drafted)),
+            "tau": 1 + self.accepted_total / n,
+            "alpha": self.accepted_total / max(1, self.drafted_total),
             "accept_rate_per_pos": rate,
             "cond_accept_per_pos": cond,
-            "accept_histogram": hist,
+            "accept_histogram": hist[: k + 1],
             "draft_seconds": round(self.draft_seconds, 4),
             "verify_seconds": round(self.verify_seconds, 4),
         }

@@ -1,0 +1,38 @@
+"""Incremental detokenisation: each new token costs a decode of a few tokens, not of the whole output.
+
+Streaming text follows the usual two-offset scheme: decode a short window of already-shown tokens
+and the window plus the new ones, and append the difference, holding back text that ends in an
+incomplete UTF-8 character (U+FFFD). The final text of a finished request is one full decode, so it
+is exactly what decoding all ids at once gives.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+class IncrementalText:
+    def __init__(self, tokenizer: Any) -> None:
+        self.tokenizer = tokenizer
+        self.text = ""
+        self.prefix = 0  # ids[prefix:read] were shown already: the context of the next piece
+        self.read = 0
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+    def update(self, ids: list[int]) -> str:
+        """The output ids so far -> the text newly shown (possibly empty)."""
+        shown = self._decode(ids[self.prefix:self.read])
+        full = self._decode(ids[self.prefix:])
+        if len(full) <= len(shown) or full.endswith("\ufffd") or not full.startswith(shown):
+            return ""
+        piece = full[len(shown):]
+        self.text += piece
+        self.prefix, self.read = self.read, len(ids)
+        return piece
+
+    def final(self, ids: list[int]) -> str:
+        self.text = self._decode(ids)
+        self.prefix = self.read = len(ids)
+        return self.text
