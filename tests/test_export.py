@@ -343,3 +343,34 @@ def test_import_refuses_bad_values_and_another_targets_export(tmp_path, targets)
         import_head(tmp_path / "empty", "vllm", llama, tmp_path / "n2")
     with pytest.raises(AssetError, match=r"missing \['layers.0.self_attn.k_proj.bias'"):  # qwen2: qkv biases
         import_head(tmp_path / "e", "vllm", qwen2, tmp_path / "n2")
+
+
+def test_more_import_refusals_and_native_force(tmp_path, targets, capsys):
+    llama = targets["llama"]
+    export_head(_head(llama, "eagle3", 64, aux=(0, 1, 2)), llama, "vllm", tmp_path / "e")
+    f, cfg_path = tmp_path / "e" / "model.safetensors", tmp_path / "e" / "config.json"
+    good, good_cfg = load_file(str(f)), json.loads(cfg_path.read_text())
+    d2t = good["d2t"].clone()
+    d2t[1] = d2t[0] - 1  # draft ids 0 and 1 both map to target id 0 + d2t[0]
+    save_file({**good, "d2t": d2t}, str(f))
+    with pytest.raises(AssetError, match="two draft ids to one target token"):
+        import_head(tmp_path / "e", "vllm", llama, tmp_path / "n")
+    save_file({**good, "fc.weight": good["fc.weight"].to(torch.float8_e4m3fn)}, str(f))
+    with pytest.raises(AssetError, match="float8"):
+        import_head(tmp_path / "e", "vllm", llama, tmp_path / "n")
+    save_file(good, str(f))
+    cfg_path.write_text(json.dumps({**good_cfg, "eagle_aux_hidden_state_layer_ids": [0, 1, 1]}))
+    with pytest.raises(AssetError, match="aux_layer_ids.*edited after export"):
+        import_head(tmp_path / "e", "vllm", llama, tmp_path / "n")
+    save_head(_head(llama, "mtp", None), tmp_path / "trained")
+    model = str(llama.source_dir)
+    save_head(_head(llama, "mtp", None), tmp_path / "src" / "head")
+    assert main(["export", str(tmp_path / "src" / "head"), "--format", "native", "--out", str(tmp_path / "trained"),
+                 "--model", model, "--force"]) == 2  # a plain head checkpoint is not an earlier export
+    assert main(["export", str(tmp_path / "src" / "head"), "--format", "native", "--out", str(tmp_path / "src"),
+                 "--model", model, "--force"]) == 2  # --out holds the source
+    assert main(["export", str(tmp_path / "src" / "head"), "--format", "native", "--out", str(tmp_path / "nat"),
+                 "--model", model]) == 0
+    assert main(["export", str(tmp_path / "src" / "head"), "--format", "native", "--out", str(tmp_path / "nat"),
+                 "--model", model, "--force"]) == 0  # an earlier native export is replaced
+    assert (tmp_path / "trained" / "config.json").exists() and (tmp_path / "src" / "head" / "config.json").exists()

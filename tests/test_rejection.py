@@ -235,3 +235,16 @@ def test_an_empty_or_nan_distribution_is_a_clear_error():
             _sample(bad, None)
         with pytest.raises(ValueError, match="no positive finite probability"):
             verify_one_hot([1], torch.stack([bad, bad]), torch.Generator().manual_seed(0))
+
+
+def test_merged_metrics_equal_the_steps_added_directly():
+    import random
+
+    rng = random.Random(3)
+    steps = [(rng.randrange(5), 4) for _ in range(50)]
+    a, b, whole = SpecMetrics(), SpecMetrics(), SpecMetrics()
+    for i, (acc, d) in enumerate(steps):
+        (a if i % 3 else b).add(acc, d)
+        whole.add(acc, d)
+    a.merge(b)
+    assert a.summary() == whole.summary()

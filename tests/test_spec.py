@@ -505,3 +505,12 @@ def test_trained_heads_with_draft_vocabularies_accept_in_the_engine(target, fitt
     eng.generate(prompts, sampled)
     s = eng.spec_metrics.summary()
     assert s["alpha"] > 0.05, s  # sampled drafts (T = 0.5) still pass the full-q rule
+
+
+def test_greedy_speculation_with_a_repetition_penalty_is_lossless(target):
+    prompts = _prompts(4, seed=12)
+    params = SamplingParams(max_tokens=20, ignore_eos=True, repetition_penalty=1.5)
+    ref = [o.token_ids for o in Engine(target, page_size=4).generate(prompts, params)]
+    eng = Engine(target, page_size=4, spec=_spec(target, "mtp"))
+    assert [o.token_ids for o in eng.generate(prompts, params)] == ref
+    assert eng.spec_metrics.summary()["steps"] > 0

@@ -34,8 +34,15 @@ def is_export(path: str | Path) -> bool:
         return False
 
 
+NATIVE_MARK = "EXPORTED_BY_HEADSTART"  # a native export is a head checkpoint plus this file
+
+
+def _is_native_export(path: str | Path) -> bool:
+    return is_head_checkpoint(path) and (Path(path) / NATIVE_MARK).is_file()
+
+
 def _rules(overwrite: bool, native: bool = False) -> dict[str, Any]:
-    replaceable = is_head_checkpoint if native else is_export
+    replaceable = _is_native_export if native else is_export
     return {"replaces": replaceable if overwrite else None, "hint": "pass --force to replace an earlier export"}
 
 
@@ -43,8 +50,10 @@ def check_export_output(out: str | Path, overwrite: bool = False, *, source: str
                         native: bool = False) -> Path:
     """Refuse an output path before any work: never the head being exported, and with --force only
     a directory an earlier export wrote (a native export: a head checkpoint)."""
-    if source is not None and Path(out).resolve() == Path(source).resolve():
-        raise AssetError(f"{out}: that is the head being exported; choose another --out")
+    if source is not None:
+        out_r, src_r = Path(out).resolve(), Path(source).resolve()
+        if out_r == src_r or out_r in src_r.parents:
+            raise AssetError(f"{out}: it holds the head being exported; choose another --out")
     return check_output_path(out, **_rules(overwrite, native))
 
 
@@ -54,7 +63,10 @@ def export_head(head: DraftHead, target: LlamaForCausalLM, fmt: str, out: str | 
     check_export_output(out, overwrite, source=source, native=fmt == "native")
     if fmt == "native":
         _check_finite(dict(head.state_dict()), "export as native")
+        if Path(out).exists() and overwrite and not _is_native_export(out):
+            raise AssetError(f"{out}: not an earlier native export; --force replaces only those")
         path = save_head(head, out, overwrite=overwrite)
+        (path / NATIVE_MARK).write_text("a native export written by `headstart export`\n")
         return {"format": "native", "out": str(path), "tensors": len(head.state_dict()), "roundtrip": "identical"}
     layout = _layout(fmt, EXPORT_FORMATS)
     why = layout.refuse(head)
@@ -143,8 +155,17 @@ def _read_back(layout: Layout, src: Path, target: LlamaForCausalLM, *,
     _check_target(config, target, src, allow_other_target)
     tensors = _load_tensors(src)
     _check_finite(tensors, str(src))
+    for name, t in tensors.items():
+        if t.is_floating_point() and t.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+            raise AssetError(f"{src}: {name} has dtype {t.dtype}; import takes fp32, bf16 or fp16 weights")
     try:
         cfg, state = layout.read(config, tensors, target)
+        if isinstance(config.get("headstart"), dict):  # what a serving engine reads must agree with our record
+            bare, _ = layout.read({k: v for k, v in config.items() if k != "headstart"}, tensors, target)
+            for key in ("aux_layer_ids", "num_layers", "medusa_num_heads", "medusa_num_layers"):
+                if getattr(bare, key) != getattr(cfg, key):
+                    raise AssetError(f"config.json gives {key}={getattr(bare, key)!r} but the headstart record "
+                                     f"says {getattr(cfg, key)!r} (edited after export?)")
         cfg.target = {}
         cfg = cfg.resolve(target)
         check_compatible(cfg, target, where=str(src / "config.json"))
@@ -152,7 +173,7 @@ def _read_back(layout: Layout, src: Path, target: LlamaForCausalLM, *,
         fresh = layout.write(head, target)[1] if layout.refuse(head) is None else None
     except HeadstartError as e:
         raise AssetError(f"{src}: {e}") from None
-    except (ValueError, TypeError, KeyError, AttributeError, IndexError) as e:
+    except (ValueError, TypeError, KeyError, AttributeError, IndexError, RuntimeError) as e:
         raise AssetError(f"{src}: config.json or its tensors do not describe a {layout.name} checkpoint "
                          f"({type(e).__name__}: {str(e)[:160]})") from None
     if fresh is not None:  # the names as the layout spells them, tolerated extras and omissions
@@ -169,6 +190,7 @@ def _read_back(layout: Layout, src: Path, target: LlamaForCausalLM, *,
     head = head.to(dtype=dtype)
     head.load_state_dict({k: v.to(own[k].dtype if not own[k].is_floating_point() else dtype)
                           for k, v in state.items()}, strict=True)
+    _check_finite({k: v for k, v in head.state_dict().items()}, f"{src} (in {dtype})")
     return head
 
 
@@ -177,7 +199,8 @@ def _check_target(config: dict[str, Any], target: LlamaForCausalLM, src: Path, a
     meta = config.get("headstart")
     recorded = None
     if isinstance(meta, dict) and isinstance(meta.get("head_config"), dict):
-        recorded = (meta["head_config"].get("target") or {}).get("fingerprint")
+        rec_target = meta["head_config"].get("target")
+        recorded = rec_target.get("fingerprint") if isinstance(rec_target, dict) else None
     actual = target.fingerprint()
     if recorded and recorded != actual:
         msg = (f"{src}: exported from a head made for target {str(recorded)[:12]}…, this target is {actual[:12]}… "
@@ -198,6 +221,8 @@ def _check_vocab_maps(state: dict[str, torch.Tensor], target: LlamaForCausalLM, 
     ids = torch.arange(d2t.numel()) + d2t
     if d2t.numel() and (ids.min() < 0 or ids.max() >= vocab):
         raise AssetError(f"{src}: d2t maps draft ids outside the target vocabulary [0, {vocab})")
+    if ids.unique().numel() != ids.numel():
+        raise AssetError(f"{src}: d2t maps two draft ids to one target token")
     if "t2d" in state:
         t2d = state["t2d"].bool()
         if int(t2d.sum()) != d2t.numel() or not bool(t2d[ids].all()):

@@ -337,6 +337,8 @@ class Medusa(Layout):
     def read(self, config, tensors, target):  # noqa: ANN001, ANN201
         heads = config_int(config, "num_heads" if "num_heads" in config else "medusa_num_heads")
         layers = config_int(config, "num_hidden_layers" if "num_hidden_layers" in config else "medusa_num_layers", 1)
+        if heads > 32 or layers > 16:
+            raise AssetError(f"config.json: {heads} Medusa heads x {layers} layers is beyond 32 x 16")
         state = {k.removeprefix("medusa_heads."): v for k, v in tensors.items()}
         vocab = target.config.vocab_size
         truncated = config_int(config, "truncated_vocab_size", vocab) if config.get("truncated_vocab_size") else vocab
@@ -346,6 +348,8 @@ class Medusa(Layout):
                                       or token_map.numel() != truncated or token_map.min() < 0
                                       or token_map.max() >= vocab):
             raise AssetError(f"token_map must hold {truncated} integer target ids in [0, {vocab})")
+        if token_map is not None and token_map.unique().numel() != token_map.numel():
+            raise AssetError("token_map maps two draft ids to one target token")
         if token_map is not None and truncated < vocab:
             cfg.draft_vocab_size = truncated
             state["d2t"] = token_map.long() - torch.arange(truncated)

@@ -18,13 +18,13 @@ class IncrementalText:
         self.prefix = 0  # ids[prefix:read] were shown already: the context of the next piece
         self.read = 0
 
-    def _decode(self, ids: list[int]) -> str:
+    def decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True)
 
     def update(self, ids: list[int]) -> str:
         """The output ids so far -> the text newly shown (possibly empty)."""
-        shown = self._decode(ids[self.prefix:self.read])
-        full = self._decode(ids[self.prefix:])
+        shown = self.decode(ids[self.prefix:self.read])
+        full = self.decode(ids[self.prefix:])
         if len(full) <= len(shown) or full.endswith("\ufffd") or not full.startswith(shown):
             return ""
         piece = full[len(shown):]
@@ -33,6 +33,6 @@ class IncrementalText:
         return piece
 
     def final(self, ids: list[int]) -> str:
-        self.text = self._decode(ids)
+        self.text = self.decode(ids)
         self.prefix = self.read = len(ids)
         return self.text

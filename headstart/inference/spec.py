@@ -84,16 +84,12 @@ class SpecMetrics:
         self.accepted_total += other.accepted_total
         self.drafted_total += other.drafted_total
         self.drafted_max = max(self.drafted_max, other.drafted_max)
+        if len(other.histogram) > len(self.histogram):
+            self.histogram.extend([0] * (len(other.histogram) - len(self.histogram)))
         for a, count in enumerate(other.histogram):
-            if count:
-                self.add_many(a, count)
+            self.histogram[a] += count
         self.draft_seconds += other.draft_seconds
         self.verify_seconds += other.verify_seconds
-
-    def add_many(self, a: int, count: int) -> None:
-        if a >= len(self.histogram):
-            self.histogram.extend([0] * (a + 1 - len(self.histogram)))
-        self.histogram[a] += count
 
     def summary(self) -> dict[str, Any]:
         n = self.steps
