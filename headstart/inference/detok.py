@@ -32,6 +32,26 @@ class IncrementalText:
         self.prefix, self.read = self.read, len(ids)
         return piece
 
+    def add(self, ids: list[int], stops: list[str] | None) -> bool:
+        """Show the text of the output ids so far; True if a stop string appeared, the text then being
+        the full decode cut before the first listed stop string found. A stop string can only start in
+        the tail that grew; while text is held back (an incomplete character) it may hide there, so
+        then a full decode is searched."""
+        piece = self.update(ids)
+        if not stops:
+            return False
+        held = self.read < len(ids)
+        if not held and not (piece and any(s in self.text[-(len(piece) + max(map(len, stops))):] for s in stops)):
+            return False
+        full = self.decode(ids)
+        for s in stops:
+            cut = full.find(s)
+            if cut >= 0:
+                self.text = full[:cut]
+                self.prefix = self.read = len(ids)
+                return True
+        return False
+
     def final(self, ids: list[int]) -> str:
         self.text = self.decode(ids)
         self.prefix = self.read = len(ids)

@@ -460,21 +460,11 @@ class Engine:
             self.scheduler.finish(seq, "stop")
             return
         if seq.detok is not None:
-            piece = seq.detok.update(seq.output_ids)
+            stopped = seq.detok.add(seq.output_ids, p.stop)
             seq.text = seq.detok.text
-            # A stop string can only start in the tail that grew; while text is held back (an incomplete
-            # character) it may hide in there: then search a full decode. Cut the exact full text.
-            held = seq.detok.read < len(seq.output_ids)
-            if p.stop and (held or (piece and any(s in seq.text[-(len(piece) + max(map(len, p.stop))):]
-                                                  for s in p.stop))):
-                full = seq.detok.decode(seq.output_ids)
-                for s in p.stop:
-                    cut = full.find(s)
-                    if cut >= 0:
-                        self._final_text(seq, seq.output_ids)
-                        seq.text = full[:cut]
-                        self.scheduler.finish(seq, "stop")
-                        return
+            if stopped:
+                self.scheduler.finish(seq, "stop")
+                return
         if len(seq.output_ids) >= p.max_tokens or seq.total_len >= self.max_model_len:
             self._final_text(seq, seq.output_ids)
             self.scheduler.finish(seq, "length")
