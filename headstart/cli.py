@@ -60,6 +60,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--batch-size", type=int, default=8, help="sequences decoded together")
     p.add_argument("--device", default=None, help="cpu or cuda[:N] (default: cuda if available)")
     p.add_argument("--backend", default="auto", choices=["auto", "torch", "flashinfer"])
+    p.add_argument("--no-batch-invariant", action="store_true",
+                   help="CPU: torch's matmuls for prefill (faster long prompts; a token's bits may then depend on "
+                        "what shares its step, so greedy speculation can drift from greedy AR)")
     p.add_argument("--kv-cache-gb", type=float, default=None, help="KV cache budget (default: sized to the batch)")
     p.add_argument("--page-size", type=int, default=16)
     p.add_argument("--raw", action="store_true", help="--prompt text is not wrapped in the chat template")
@@ -246,7 +249,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         args.dtype = resolve_dtype(args.dtype, device)
         engine = Engine(args.model, dtype=args.dtype, device=device, backend=args.backend,
                         kv_cache_gb=args.kv_cache_gb, page_size=args.page_size, max_batch_size=args.batch_size,
-                        seed=args.seed, spec=spec)
+                        seed=args.seed, spec=spec, batch_invariant=not args.no_batch_invariant)
         chat = not args.raw
         stream = len(prompts) == 1 and not args.json and sys.stdout.isatty()
         printed = [0]

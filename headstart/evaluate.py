@@ -118,14 +118,15 @@ def evaluate(target: Any, tokenizer: Any, prompts: list[list[int]], categories: 
     if not prompts:
         raise DataError("eval: no prompts")
     heads = {path: load_head(path, target) for path in plan.heads}
-    runs, ar = [], {}
+    runs, ar, kernels = [], {}, None
     n_runs = len(plan.temperatures) * (1 + sum(len(plan.ks) * len(_methods(h, plan)) for h in heads.values()))
     with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                   disable=not progress) as bar:
         task = bar.add_task("eval", total=n_runs * len(prompts))
         for temp in plan.temperatures:
-            outs, secs = _run(_engine(target, tokenizer, prompts, plan, None), prompts, temp, plan, bar, task,
-                              f"AR T={temp}")
+            engine = _engine(target, tokenizer, prompts, plan, None)
+            kernels = engine.kernels
+            outs, secs = _run(engine, prompts, temp, plan, bar, task, f"AR T={temp}")
             ar[temp] = {"outputs": [o.token_ids for o in outs], "seconds": secs,
                         "tokens": sum(len(o.token_ids) for o in outs)}
             ar[temp]["tokens_per_s"] = ar[temp]["tokens"] / secs
@@ -148,6 +149,7 @@ def evaluate(target: Any, tokenizer: Any, prompts: list[list[int]], categories: 
                          "aux_layer_ids": h.config.aux_layer_ids, "draft_vocab_size": h.config.draft_vocab_size,
                          "weights_sha256": _sha(path)} for path, h in heads.items()},
         "engine": {"page_size": 16, "max_batch_size": plan.batch_size, "backend": "auto",
+                   "kernels": kernels, "batch_invariant": True,
                    "tree_topk": plan.tree_topk, "tree_tokens": plan.tree_tokens},
         "ar": {str(t): {k: v for k, v in r.items() if k != "outputs"} for t, r in ar.items()},
         "prompts": len(prompts), "max_tokens": plan.max_tokens, "batch_size": plan.batch_size, "seed": plan.seed,

@@ -4,10 +4,13 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 
+from headstart.kernels import MAX_ROWS, kernel_dtype_ok, mask_key_sets
+from headstart.kernels import rowwise as rowwise_kernels
 from headstart.nn.attention import AttentionMetadata, KVPages
 
 
@@ -20,26 +23,57 @@ class _TorchPlan:
     per_seq: list[tuple[int, int, int, torch.Tensor | None, bool]] | None
 
 
+@dataclass
+class _RowPlan:
+    """Rows attended by the row-invariant kernel: row r of `rows` sees keys [0, lens[r]) of sequence
+    seq[r], then the KV indices extra[r, :extra_lens[r]]. Sequences in `per_seq` (long chunks) use SDPA."""
+
+    rows: torch.Tensor | None  # indices of the kernel's rows in the step (None: every row)
+    seq: torch.Tensor
+    lens: torch.Tensor
+    extra: torch.Tensor
+    extra_lens: torch.Tensor
+    table: torch.Tensor
+    per_seq: list[tuple[int, int, int, int, torch.Tensor | None, bool]]  # (seq, row, q_len, kv_len, mask, causal)
+
+
 class TorchAttention:
-    """Gather the pages, then attend with scaled_dot_product_attention (or two matmuls for decode).
+    """Attention over the paged cache with torch (CPU, or CUDA without FlashInfer).
 
     Masks: bottom-right aligned causal (query i of a sequence with q_len queries and kv_len keys sees
     keys j <= kv_len - q_len + i), or a per-sequence custom boolean mask (True = attend).
 
-    Decode steps (one query per sequence) are batched; in bf16/fp16 they use two batched matmuls with
-    grouped heads unless the step is one short sequence: measured on the reference CPU, SDPA's bf16
-    kernel costs 1.6 ms for 8 sequences x 400 keys (manual: 0.42 ms) and 0.28 ms for one x 512 keys
-    (manual: 0.14 ms), but wins for one sequence under ~128 keys (43 vs 86 us); fp32 SDPA wins
-    everywhere. Prefill, chunked prefill, verification and mixed steps attend per sequence: a fresh
-    prompt uses SDPA's own causal kernel with no mask tensor, which is what makes prefill fast (a
-    padded, masked bf16 batch ran at 470 tok/s, per-sequence causal calls at several times that).
+    With the row-invariant CPU kernels (headstart.kernels; `rowwise=True`, the engine's default on
+    CPU), every query of a sequence with at most MAX_ROWS queries (decode, verify, tree nodes, short
+    chunks) is attended on its own, straight from the pages, with a reduction order that depends only
+    on its own key set: a token gets the same bits alone, in a batch, or in a verify block, and a tree
+    node sees the same keys in the same order as the AR step at its position. Longer chunks
+    (prefill) keep SDPA's causal kernel.
+
+    Without them: decode steps (one query per sequence) are batched; in bf16/fp16 they use two
+    batched matmuls with grouped heads unless the step is one short sequence (measured on the
+    reference CPU, SDPA's bf16 kernel costs 1.6 ms for 8 sequences x 400 keys against 0.42 ms, but
+    wins for one sequence under ~128 keys); fp32 SDPA wins everywhere. Prefill, chunked prefill,
+    verification and mixed steps attend per sequence: a fresh prompt uses SDPA's own causal kernel
+    with no mask tensor, which is what makes prefill fast.
     """
 
     name = "torch"
 
+    def __init__(self, rowwise: bool = False) -> None:
+        self.rowwise = rowwise
+
+    def _kernels(self, meta: AttentionMetadata, dtype: torch.dtype) -> Any:
+        if not self.rowwise or meta.positions.device.type != "cpu" or not kernel_dtype_ok(dtype):
+            return None
+        return rowwise_kernels()
+
     def plan(self, meta: AttentionMetadata, num_q_heads: int, num_kv_heads: int, head_dim: int,
              dtype: torch.dtype) -> None:
         if "torch" in meta.backend_state:  # target and draft share one plan
+            return
+        if (mod := self._kernels(meta, dtype)) is not None:
+            meta.backend_state["torch"] = (mod, self._plan_rows(meta))
             return
         device = meta.positions.device
         q_lens, kv_lens, ps = meta.q_lens_cpu, meta.kv_lens_cpu, meta.page_size
@@ -54,19 +88,53 @@ class TorchAttention:
                 mask = (pos.unsqueeze(0) < meta.kv_lens.to(device).unsqueeze(1))[:, None, None, :]
             meta.backend_state["torch"] = _TorchPlan(pages, kv_width, mask, None)
             return
-        per_seq = []
-        row = 0
-        for s, (ql, kv) in enumerate(zip(q_lens, kv_lens)):
-            custom = meta.custom_masks[s] if meta.custom_masks is not None else None
-            mask = None
-            if custom is not None:
-                mask = custom.to(device)
-            elif 1 < ql < kv:  # a chunk or a verify block over a cache: bottom-right causal
-                qpos = torch.arange(ql, device=device).unsqueeze(1) + (kv - ql)
-                mask = torch.arange(kv, device=device).unsqueeze(0) <= qpos
-            per_seq.append((row, ql, kv, mask, custom is None and ql == kv and ql > 1))
+        meta.backend_state["torch"] = _TorchPlan(pages, kv_width, None, self._per_seq(meta))
+
+    @staticmethod
+    def _chunk_mask(meta: AttentionMetadata, s: int, ql: int, kv: int) -> tuple[torch.Tensor | None, bool]:
+        device = meta.positions.device
+        custom = meta.custom_masks[s] if meta.custom_masks is not None else None
+        if custom is not None:
+            return custom.to(device), False
+        if 1 < ql < kv:  # a chunk or a verify block over a cache: bottom-right causal
+            qpos = torch.arange(ql, device=device).unsqueeze(1) + (kv - ql)
+            return torch.arange(kv, device=device).unsqueeze(0) <= qpos, False
+        return None, ql == kv and ql > 1
+
+    def _per_seq(self, meta: AttentionMetadata) -> list[tuple[int, int, int, torch.Tensor | None, bool]]:
+        out, row = [], 0
+        for s, (ql, kv) in enumerate(zip(meta.q_lens_cpu, meta.kv_lens_cpu)):
+            out.append((row, ql, kv, *self._chunk_mask(meta, s, ql, kv)))
             row += ql
-        meta.backend_state["torch"] = _TorchPlan(pages, kv_width, None, per_seq)
+        return out
+
+    def _plan_rows(self, meta: AttentionMetadata) -> _RowPlan:
+        rows, seq, lens, extras, per_seq, row = [], [], [], [], [], 0
+        for s, (ql, kv) in enumerate(zip(meta.q_lens_cpu, meta.kv_lens_cpu)):
+            custom = meta.custom_masks[s] if meta.custom_masks is not None else None
+            if custom is None and ql > MAX_ROWS:
+                per_seq.append((s, row, ql, kv, *self._chunk_mask(meta, s, ql, kv)))
+            else:
+                if custom is not None:
+                    lead, ex = mask_key_sets(custom)
+                else:
+                    lead, ex = [kv - ql + i + 1 for i in range(ql)], [[]] * ql
+                rows.extend(range(row, row + ql))
+                seq.extend([s] * ql)
+                lens.extend(lead)
+                extras.extend(ex)
+            row += ql
+        width = max([1] + [len(e) for e in extras])
+        extra = torch.zeros(len(extras), width, dtype=torch.int32)
+        for r, e in enumerate(extras):
+            if e:
+                extra[r, : len(e)] = torch.tensor(e, dtype=torch.int32)
+        i32 = dict(dtype=torch.int32)
+        return _RowPlan(
+            None if len(rows) == row else torch.tensor(rows, dtype=torch.long), torch.tensor(seq, **i32),
+            torch.tensor(lens, **i32), extra, torch.tensor([len(e) for e in extras], **i32),
+            meta.page_table.to(torch.int32).contiguous(), per_seq,
+        )
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: KVPages,
                 meta: AttentionMetadata, scale: float) -> torch.Tensor:
@@ -74,7 +142,10 @@ class TorchAttention:
         hkv, dh = kc.shape[2], kc.shape[3]
         kc.view(-1, hkv, dh).index_copy_(0, meta.slot_mapping, k.to(kc.dtype))
         vc.view(-1, hkv, dh).index_copy_(0, meta.slot_mapping, v.to(vc.dtype))
-        plan: _TorchPlan = meta.backend_state["torch"]
+        state = meta.backend_state["torch"]
+        if isinstance(state, tuple):
+            return self._forward_rows(*state, q, kc, vc, meta, scale)
+        plan: _TorchPlan = state
         b = plan.pages.shape[0]
         keys = kc[plan.pages].view(b, -1, hkv, dh)[:, : plan.kv_width]  # (B, L, Hkv, Dh)
         values = vc[plan.pages].view(b, -1, hkv, dh)[:, : plan.kv_width]
@@ -87,15 +158,37 @@ class TorchAttention:
                 scale=scale, enable_gqa=gqa,
             )  # (B, Hq, 1, Dh)
             return out.squeeze(2)
-        outs = []
-        for s, (row, ql, kv, mask, causal) in enumerate(plan.per_seq):
-            qs = q[row:row + ql].transpose(0, 1).unsqueeze(0)  # (1, Hq, q_len, Dh)
-            ks = keys[s, :kv].transpose(0, 1).unsqueeze(0)  # (1, Hkv, kv_len, Dh)
-            vs = values[s, :kv].transpose(0, 1).unsqueeze(0)
-            o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, is_causal=causal, scale=scale,
-                                               enable_gqa=gqa)  # (1, Hq, q_len, Dh)
-            outs.append(o[0].transpose(0, 1))
+        outs = [_sdpa(q[row:row + ql], keys[s, :kv], values[s, :kv], mask, causal, scale)
+                for s, (row, ql, kv, mask, causal) in enumerate(plan.per_seq)]
         return torch.cat(outs) if len(outs) > 1 else outs[0]
+
+    @staticmethod
+    def _forward_rows(mod: Any, plan: _RowPlan, q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor,
+                      meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        if plan.rows is None:
+            return mod.paged_attention_rows(q, kc, vc, plan.table, plan.seq, plan.lens, plan.extra,
+                                            plan.extra_lens, scale)
+        out = torch.empty_like(q)
+        if plan.rows.numel():
+            out[plan.rows] = mod.paged_attention_rows(q[plan.rows], kc, vc, plan.table, plan.seq, plan.lens,
+                                                      plan.extra, plan.extra_lens, scale)
+        hkv, dh, ps = kc.shape[2], kc.shape[3], kc.shape[1]
+        for s, row, ql, kv, mask, causal in plan.per_seq:
+            pages = plan.table[s, : -(-kv // ps)].long()
+            keys = kc[pages].view(-1, hkv, dh)[:kv]
+            values = vc[pages].view(-1, hkv, dh)[:kv]
+            out[row:row + ql] = _sdpa(q[row:row + ql], keys, values, mask, causal, scale)
+        return out
+
+
+def _sdpa(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor | None, causal: bool,
+          scale: float) -> torch.Tensor:
+    """One sequence: q (q_len, Hq, Dh), keys/values (kv_len, Hkv, Dh) -> (q_len, Hq, Dh)."""
+    o = F.scaled_dot_product_attention(
+        q.transpose(0, 1).unsqueeze(0), keys.transpose(0, 1).unsqueeze(0), values.transpose(0, 1).unsqueeze(0),
+        attn_mask=mask, is_causal=causal, scale=scale, enable_gqa=q.shape[1] != keys.shape[1],
+    )  # (1, Hq, q_len, Dh)
+    return o[0].transpose(0, 1)
 
 
 def _decode_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor | None,
@@ -183,8 +276,9 @@ class FlashInferAttention:
         return wrapper.run(q.contiguous(), (kc, vc))
 
 
-def make_backend(name: str, device: torch.device) -> TorchAttention | FlashInferAttention:
-    """`auto` picks FlashInfer on CUDA when it is installed, torch otherwise."""
+def make_backend(name: str, device: torch.device, cpu_kernels: bool = True) -> TorchAttention | FlashInferAttention:
+    """`auto` picks FlashInfer on CUDA when it is installed, torch otherwise; on CPU the torch backend
+    uses the row-invariant kernels unless cpu_kernels=False."""
     if name == "auto":
         if device.type == "cuda":
             try:
@@ -196,7 +290,7 @@ def make_backend(name: str, device: torch.device) -> TorchAttention | FlashInfer
         else:
             name = "torch"
     if name == "torch":
-        return TorchAttention()
+        return TorchAttention(rowwise=cpu_kernels and device.type == "cpu")
     if name == "flashinfer":
         if device.type != "cuda":
             raise ValueError("the flashinfer backend needs a CUDA device; use --backend torch on CPU")

@@ -33,7 +33,9 @@ from headstart.inference.spec import (
     draft_kv_spec,
 )
 from headstart.inference.tree import TreeProposer
+from headstart.kernels import MAX_ROWS
 from headstart.models.llama import LlamaForCausalLM, load_llama
+from headstart.nn.linear import enable_cpu_kernels
 
 Prompt = str | list[dict[str, str]] | list[int]
 
@@ -75,7 +77,8 @@ class Engine:
         max_batch_size: int = 32,
         max_batched_tokens: int = 2048,
         seed: int = 0,
-        fast_gemv: bool = True,
+        cpu_kernels: bool = True,
+        batch_invariant: bool = True,
         spec: SpecConfig | None = None,
     ) -> None:
         for name, value in (("page_size", page_size), ("max_batch_size", max_batch_size),
@@ -101,8 +104,14 @@ class Engine:
 
                 tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
         self.tokenizer = tokenizer
-        if fast_gemv and self.device.type == "cpu":
-            self.model.enable_gemv_kernels()
+        # CPU: the row-invariant kernels (headstart.kernels) for every matmul when batch_invariant
+        # (a token's logits never depend on what shares its step: greedy speculation equals greedy
+        # AR), else for matmuls of up to MAX_ROWS rows (decode, verify) and torch's for prefill.
+        self._max_rows = None if batch_invariant else MAX_ROWS
+        self.kernels = "torch"
+        if cpu_kernels and self.device.type == "cpu":
+            got = self.model.enable_cpu_kernels(True, self._max_rows)
+            self.kernels = "rowwise" if "rows" in got else "gemv" if "gemv" in got else "torch"
         cfg = self.model.config
         self.max_model_len = min(cfg.max_position_embeddings, cfg.sliding_window or cfg.max_position_embeddings)
         kv_spec = KVCacheSpec(num_layers=cfg.num_hidden_layers, num_kv_heads=cfg.num_key_value_heads,
@@ -123,8 +132,10 @@ class Engine:
                 num_pages = pages_for_budget(kv_cache_gb, specs, page_size)
         self.allocator = PageAllocator(num_pages, page_size)
         self.cache = KVCache(kv_spec, num_pages, page_size, self.device)
-        self.backend = make_backend(backend, self.device)
+        self.backend = make_backend(backend, self.device, cpu_kernels)
         self.proposer = None
+        if draft is not None and cpu_kernels and self.device.type == "cpu":
+            enable_cpu_kernels(draft, True, self._max_rows)
         if spec is not None:
             if spec.method == "chain":
                 self.proposer = HeadChainProposer(spec, draft, self.allocator, self.device, self.backend)

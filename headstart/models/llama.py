@@ -23,7 +23,7 @@ from headstart.errors import AssetError
 from headstart.models.loading import load_weights, safetensors_files
 from headstart.nn.attention import AttentionBackend, AttentionMetadata, KVPages
 from headstart.nn.decoder import DecoderLayer, DecoderLayerConfig
-from headstart.nn.linear import Linear
+from headstart.nn.linear import Linear, enable_cpu_kernels
 from headstart.nn.norm import RMSNorm
 from headstart.nn.rope import RopeConfig, RotaryEmbedding
 
@@ -170,9 +170,9 @@ class LlamaForCausalLM(nn.Module):
             self._fingerprint = h.hexdigest()
         return self._fingerprint
 
-    def enable_gemv_kernels(self) -> int:
-        """Faster one-row matmuls for CPU batch-1 decode (see headstart.nn.linear); returns how many."""
-        return sum(m.enable_gemv() for m in self.modules() if isinstance(m, Linear))
+    def enable_cpu_kernels(self, rowwise: bool = True, max_rows: int | None = None) -> list[str]:
+        """CPU inference kernels for every linear (see headstart.nn.linear); returns what each got."""
+        return enable_cpu_kernels(self, rowwise, max_rows)
 
     @property
     def dtype(self) -> torch.dtype:

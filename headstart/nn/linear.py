@@ -1,14 +1,15 @@
-"""nn.Linear with an optional single-row (GEMV) kernel for CPU decode.
+"""nn.Linear with CPU inference kernels for the few-row matmuls of decode and verify steps.
 
-Batch-1 decode is weight-streaming bound, and on CPU the stock kernel for the model's dtype is often
-not the fastest way to stream the same weights (measured on the reference 2-core EPYC, 30 SmolLM2
-layers + lm_head, one token: bf16 F.linear 19 ms vs 10 ms for the same weights as fp16; fp32
-F.linear 45 ms vs 31 ms as `x @ W_t` with a pre-transposed copy). `enable_gemv()` keeps such a copy
-and uses it for one-row inputs only; larger batches keep the native kernel, which wins there.
-
-The fp16 copy of a bf16 weight is exact (fp16 has 3 more mantissa bits; values under 6e-5 become
-fp16 subnormals with an absolute error below 3e-8, far under bf16's own rounding), activations are
-cast bf16 -> fp16 -> bf16 around the matmul, so results agree with bf16 to bf16 precision.
+`enable_cpu_kernels()` picks, for a CPU weight:
+- the row-invariant kernel (headstart.kernels, bf16 / fp32 weights) for inputs of up to
+  `MAX_ROWS` rows: every output row is computed the same way whether it is alone or one of many,
+  which is what makes greedy speculative output equal greedy AR output; it streams the weights once
+  for up to four rows, so a 4-row verify costs about one row (see benchmarks/kernels.py);
+- where that kernel cannot be built, a one-row (GEMV) copy of the weight: bf16 weights as fp16 (the
+  copy is exact; fp16 has 3 more mantissa bits; values under 6e-5 become fp16 subnormals with an
+  absolute error below 3e-8), fp32 weights pre-transposed; faster for batch-1 decode, but rows then
+  differ with the batch size.
+Training never enables them, and a forward that records gradients always takes F.linear.
 """
 
 from __future__ import annotations
@@ -16,6 +17,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from headstart.kernels import MAX_ROWS, kernel_dtype_ok, rowwise
 
 _FP16_MAX = 65504.0
 
@@ -25,28 +28,46 @@ class Linear(nn.Linear):
         super().__init__(in_features, out_features, bias=bias)
         self._gemv: torch.Tensor | None = None
         self._gemv_kind = ""
+        self._rows = 0  # inputs of up to this many rows take the row-invariant kernel (0: never)
 
-    def enable_gemv(self) -> bool:
-        """Prepare the one-row kernel for this weight's dtype; returns False if none applies."""
+    def enable_cpu_kernels(self, rowwise_kernels: bool = True, max_rows: int | None = MAX_ROWS) -> str:
+        """Use the fastest CPU inference kernel available for this weight; returns which ("rows",
+        "gemv" or "" for none). max_rows=None sends every input through the row-invariant kernel
+        (batch-invariant prefill too, at ~1.5x torch's cost for long prompts in bf16)."""
         w = self.weight.detach()
         if w.device.type != "cpu":
-            return False
+            return ""
+        if rowwise_kernels and kernel_dtype_ok(w.dtype) and rowwise() is not None:
+            self._rows, self._gemv, self._gemv_kind = max_rows or 1 << 62, None, ""
+            return "rows"
         if w.dtype == torch.bfloat16 and float(w.abs().max()) < _FP16_MAX:
             self._gemv, self._gemv_kind = w.to(torch.float16).contiguous(), "fp16"
         elif w.dtype == torch.float32:
             self._gemv, self._gemv_kind = w.t().contiguous(), "t"
         else:
-            return False
-        return True
+            return ""
+        return "gemv"
 
-    def disable_gemv(self) -> None:
-        self._gemv, self._gemv_kind = None, ""
+    def disable_cpu_kernels(self) -> None:
+        self._gemv, self._gemv_kind, self._rows = None, "", 0
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self._gemv is None or x.dim() != 2 or x.shape[0] != 1:
+        if (not self._rows and self._gemv is None) or x.dim() != 2 or (
+                torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad)):
+            return F.linear(x, self.weight, self.bias)
+        if self._rows:
+            if x.shape[0] <= self._rows and x.dtype == self.weight.dtype:
+                return rowwise().linear_rows(x, self.weight, self.bias)
+            return F.linear(x, self.weight, self.bias)
+        if x.shape[0] != 1:
             return F.linear(x, self.weight, self.bias)
         if self._gemv_kind == "fp16":
             y = F.linear(x.to(torch.float16), self._gemv).to(x.dtype)
         else:
             y = x @ self._gemv  # (1, in) @ (in, out)
         return y if self.bias is None else y + self.bias
+
+
+def enable_cpu_kernels(module: nn.Module, rowwise_kernels: bool = True, max_rows: int | None = MAX_ROWS) -> list[str]:
+    """enable_cpu_kernels on every Linear of a module; returns the kernel each got."""
+    return [m.enable_cpu_kernels(rowwise_kernels, max_rows) for m in module.modules() if isinstance(m, Linear)]

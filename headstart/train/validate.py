@@ -47,7 +47,7 @@ def engine_acceptance(target: LlamaForCausalLM, head: DraftHead, prompts: list[l
     pages = len(prompts) * (-(-longest // page) + 1) + 8
     device = target.model.embed_tokens.weight.device
     engine = Engine(target, tokenizer=tokenizer, device=device, page_size=page, num_pages=pages,
-                    max_batch_size=len(prompts), seed=seed, spec=spec, fast_gemv=False)
+                    max_batch_size=len(prompts), seed=seed, spec=spec)
     with torch.inference_mode():
         engine.generate(prompts, SamplingParams(max_tokens=max_tokens, temperature=0.0))
     out = engine.spec_metrics.summary()

@@ -1,0 +1,334 @@
+// Row-invariant CPU kernels for decode and verify steps (headstart.kernels).
+//
+// Every output row is computed by one thread with a reduction order that depends only on that row's
+// own inputs (its activations, its key set), never on how many other rows share the call or on how
+// the work is split between threads. So a token decoded alone, in a batch, or as one of the k + 1
+// rows of a speculative verify step gets bit-identical logits: greedy speculation equals greedy AR.
+//
+//   linear_rows(x (M, K), w (N, K), bias (N) | None) -> (M, N) in x's dtype; weights bf16 or fp32
+//   paged_attention_rows(q (R, Hq, Dh), k_cache, v_cache (P, page, Hkv, Dh), page_table (B, maxp),
+//       row_seq (R), row_len (R), extra (R, E), extra_len (R), scale) -> (R, Hq, Dh)
+//       row r attends keys [0, row_len[r]) of sequence row_seq[r], then the KV indices
+//       extra[r, :extra_len[r]] (tree ancestors), in that order.
+//
+// Accumulation is fp32. Reductions use VL independent lanes (element i goes to lane i mod VL),
+// summed lane by lane in a fixed order, then a scalar tail. The weights of a linear are streamed
+// once for up to four rows at a time, which is what makes a k + 1 row verify cost about one row.
+
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <immintrin.h>
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+#if defined(__AVX512F__)
+constexpr int VL = 16;
+#else
+constexpr int VL = 8;
+#endif
+
+typedef float fvec __attribute__((vector_size(VL * 4)));
+typedef uint32_t uvec __attribute__((vector_size(VL * 4)));
+typedef uint16_t hvec __attribute__((vector_size(VL * 2)));
+
+static inline fvec load(const float* p) {
+  fvec v;
+  std::memcpy(&v, p, sizeof(v));
+  return v;
+}
+
+static inline fvec load(const uint16_t* p) {  // bf16 -> fp32 is exact: the bits move up by 16
+  hvec h;
+  std::memcpy(&h, p, sizeof(h));
+  uvec u = __builtin_convertvector(h, uvec) << 16;
+  fvec v;
+  std::memcpy(&v, &u, sizeof(v));
+  return v;
+}
+
+static inline float scalar(float x) { return x; }
+static inline float scalar(uint16_t x) {
+  uint32_t u = static_cast<uint32_t>(x) << 16;
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+
+static inline float hsum(fvec v) {  // a fixed pairwise tree over the lanes: the same for every row
+  float t[VL];
+  std::memcpy(t, &v, sizeof(t));
+  for (int w = VL / 2; w > 0; w /= 2)
+    for (int i = 0; i < w; ++i) t[i] += t[i + w];
+  return t[0];
+}
+
+static inline uint16_t to_bf16(float f) {  // round to nearest even, as torch's cast
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  if (std::isnan(f)) return 0x7FC0;
+  u += 0x7FFF + ((u >> 16) & 1);
+  return static_cast<uint16_t>(u >> 16);
+}
+
+// ------------------------------------------------------------------------------------ linear
+
+// Rows [m0, m0 + MB) x outputs [j0, j0 + JB): each (row, output) pair accumulates in its own lanes.
+template <int MB, int JB, typename W>
+static inline void tile(const float* x, const W* w, const float* bias, float* y, int64_t m0, int64_t j0,
+                        int64_t N, int64_t K) {
+  fvec acc[MB][JB];
+  for (int m = 0; m < MB; ++m)
+    for (int j = 0; j < JB; ++j) acc[m][j] = fvec{};
+  const int64_t kv = K - K % VL;
+  for (int64_t k = 0; k < kv; k += VL) {
+    fvec wv[JB];
+    for (int j = 0; j < JB; ++j) {
+      __builtin_prefetch(w + (j0 + j + 8 * JB) * K + k);
+      wv[j] = load(w + (j0 + j) * K + k);
+    }
+    for (int m = 0; m < MB; ++m) {
+      fvec xv = load(x + (m0 + m) * K + k);
+      for (int j = 0; j < JB; ++j) acc[m][j] = acc[m][j] + xv * wv[j];
+    }
+  }
+  for (int m = 0; m < MB; ++m) {
+    for (int j = 0; j < JB; ++j) {
+      float s = hsum(acc[m][j]);
+      for (int64_t k = kv; k < K; ++k) s += x[(m0 + m) * K + k] * scalar(w[(j0 + j) * K + k]);
+      if (bias) s += bias[j0 + j];
+      y[(m0 + m) * N + j0 + j] = s;
+    }
+  }
+}
+
+#if defined(__AVX512BF16__)
+// bf16 activations x bf16 weights with the CPU's bf16 dot product (pairs of products summed into
+// fp32 lanes): half the instructions of widening both operands, and no conversion of the weights.
+template <int MB, int JB>
+static inline void tile_dp(const uint16_t* x, const uint16_t* w, const float* bias, float* y, int64_t m0,
+                           int64_t j0, int64_t N, int64_t K) {
+  __m512 acc[MB][JB];
+  for (int m = 0; m < MB; ++m)
+    for (int j = 0; j < JB; ++j) acc[m][j] = _mm512_setzero_ps();
+  const int64_t kv = K - K % 32;
+  for (int64_t k = 0; k < kv; k += 32) {
+    __m512bh wv[JB];
+    for (int j = 0; j < JB; ++j) {
+      _mm_prefetch(reinterpret_cast<const char*>(w + (j0 + j + 8 * JB) * K + k), _MM_HINT_T0);
+      wv[j] = (__m512bh)_mm512_loadu_si512(w + (j0 + j) * K + k);
+    }
+    for (int m = 0; m < MB; ++m) {
+      __m512bh xv = (__m512bh)_mm512_loadu_si512(x + (m0 + m) * K + k);
+      for (int j = 0; j < JB; ++j) acc[m][j] = _mm512_dpbf16_ps(acc[m][j], xv, wv[j]);
+    }
+  }
+  for (int m = 0; m < MB; ++m) {
+    for (int j = 0; j < JB; ++j) {
+      float s = _mm512_reduce_add_ps(acc[m][j]);
+      for (int64_t k = kv; k < K; ++k) s += scalar(x[(m0 + m) * K + k]) * scalar(w[(j0 + j) * K + k]);
+      if (bias) s += bias[j0 + j];
+      y[(m0 + m) * N + j0 + j] = s;
+    }
+  }
+}
+
+template <int JB>
+static void rows_tile_dp(const uint16_t* x, const uint16_t* w, const float* bias, float* y, int64_t M, int64_t j0,
+                         int64_t N, int64_t K) {
+  int64_t m = 0;
+  for (; m + 4 <= M; m += 4) tile_dp<4, JB>(x, w, bias, y, m, j0, N, K);
+  switch (M - m) {
+    case 3: tile_dp<3, JB>(x, w, bias, y, m, j0, N, K); break;
+    case 2: tile_dp<2, JB>(x, w, bias, y, m, j0, N, K); break;
+    case 1: tile_dp<1, JB>(x, w, bias, y, m, j0, N, K); break;
+    default: break;
+  }
+}
+
+static void linear_dp(const uint16_t* x, const uint16_t* w, const float* bias, float* y, int64_t M, int64_t N,
+                      int64_t K) {
+  constexpr int JB = 4;
+  const int64_t blocks = (N + JB - 1) / JB;
+  at::parallel_for(0, blocks, 16, [&](int64_t b0, int64_t b1) {
+    for (int64_t b = b0; b < b1; ++b) {
+      const int64_t j0 = b * JB;
+      if (j0 + JB <= N) {
+        rows_tile_dp<JB>(x, w, bias, y, M, j0, N, K);
+      } else {
+        for (int64_t j = j0; j < N; ++j) rows_tile_dp<1>(x, w, bias, y, M, j, N, K);
+      }
+    }
+  });
+}
+#endif
+
+template <int JB, typename W>
+static void rows_tile(const float* x, const W* w, const float* bias, float* y, int64_t M, int64_t j0, int64_t N,
+                      int64_t K) {
+  int64_t m = 0;
+  for (; m + 4 <= M; m += 4) tile<4, JB>(x, w, bias, y, m, j0, N, K);
+  switch (M - m) {
+    case 3: tile<3, JB>(x, w, bias, y, m, j0, N, K); break;
+    case 2: tile<2, JB>(x, w, bias, y, m, j0, N, K); break;
+    case 1: tile<1, JB>(x, w, bias, y, m, j0, N, K); break;
+    default: break;
+  }
+}
+
+template <typename W>
+static void linear_impl(const float* x, const W* w, const float* bias, float* y, int64_t M, int64_t N, int64_t K) {
+  constexpr int JB = 4;
+  const int64_t blocks = (N + JB - 1) / JB;
+  at::parallel_for(0, blocks, 16, [&](int64_t b0, int64_t b1) {
+    for (int64_t b = b0; b < b1; ++b) {
+      const int64_t j0 = b * JB;
+      if (j0 + JB <= N) {
+        rows_tile<JB>(x, w, bias, y, M, j0, N, K);
+      } else {
+        for (int64_t j = j0; j < N; ++j) rows_tile<1>(x, w, bias, y, M, j, N, K);
+      }
+    }
+  });
+}
+
+torch::Tensor linear_rows(torch::Tensor x, torch::Tensor w, c10::optional<torch::Tensor> bias) {
+  TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && x.size(1) == w.size(1), "linear_rows: shapes (M, K) x (N, K)");
+  TORCH_CHECK(w.scalar_type() == at::kBFloat16 || w.scalar_type() == at::kFloat, "linear_rows: bf16 or fp32 weights");
+  const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
+  auto wc = w.contiguous();
+  torch::Tensor bf;
+  if (bias.has_value() && bias->defined()) bf = bias->to(at::kFloat).contiguous();
+  auto y = torch::empty({M, N}, x.options().dtype(at::kFloat));
+  const float* bp = bf.defined() ? bf.data_ptr<float>() : nullptr;
+#if defined(__AVX512BF16__)
+  const bool dp = wc.scalar_type() == at::kBFloat16 && x.scalar_type() == at::kBFloat16;
+#else
+  const bool dp = false;
+#endif
+  auto xf = dp ? x.contiguous() : x.to(at::kFloat).contiguous();
+  if (dp) {
+#if defined(__AVX512BF16__)
+    linear_dp(reinterpret_cast<const uint16_t*>(xf.data_ptr<at::BFloat16>()),
+              reinterpret_cast<const uint16_t*>(wc.data_ptr<at::BFloat16>()), bp, y.data_ptr<float>(), M, N, K);
+#endif
+  } else if (wc.scalar_type() == at::kBFloat16) {
+    linear_impl(xf.data_ptr<float>(), reinterpret_cast<const uint16_t*>(wc.data_ptr<at::BFloat16>()), bp,
+                y.data_ptr<float>(), M, N, K);
+  } else {
+    linear_impl(xf.data_ptr<float>(), wc.data_ptr<float>(), bp, y.data_ptr<float>(), M, N, K);
+  }
+  if (x.scalar_type() == at::kFloat) return y;
+  if (x.scalar_type() == at::kBFloat16) {
+    auto out = torch::empty({M, N}, x.options());
+    const float* src = y.data_ptr<float>();
+    uint16_t* dst = reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>());
+    for (int64_t i = 0; i < M * N; ++i) dst[i] = to_bf16(src[i]);
+    return out;
+  }
+  return y.to(x.scalar_type());
+}
+
+// --------------------------------------------------------------------------------- attention
+
+template <typename T>
+static void attention_impl(const T* q, const T* kc, const T* vc, const int32_t* table, int64_t max_pages,
+                           const int32_t* row_seq, const int32_t* row_len, const int32_t* extra, int64_t E,
+                           const int32_t* extra_len, T* out, int64_t R, int64_t Hq, int64_t Hkv, int64_t Dh,
+                           int64_t page, double scale, float* outf) {
+  const int64_t G = Hq / Hkv;
+  at::parallel_for(0, R * Hkv, 1, [&](int64_t t0, int64_t t1) {
+    std::vector<float> qf(G * Dh), scores, acc(Dh);
+    for (int64_t t = t0; t < t1; ++t) {
+      const int64_t r = t / Hkv, h = t % Hkv;
+      const int64_t L = row_len[r], n_extra = extra_len[r], total = L + n_extra;
+      const int32_t* pages = table + static_cast<int64_t>(row_seq[r]) * max_pages;
+      for (int64_t g = 0; g < G; ++g)
+        for (int64_t d = 0; d < Dh; ++d) qf[g * Dh + d] = scalar(q[(r * Hq + h * G + g) * Dh + d]);
+      scores.assign(G * total, 0.f);
+      auto slot_of = [&](int64_t i) -> int64_t {
+        const int64_t pos = i < L ? i : extra[r * E + (i - L)];
+        return static_cast<int64_t>(pages[pos / page]) * page + pos % page;
+      };
+      for (int64_t i = 0; i < total; ++i) {
+        const T* kp = kc + (slot_of(i) * Hkv + h) * Dh;
+        for (int64_t g = 0; g < G; ++g) {
+          const float* qg = qf.data() + g * Dh;
+          float s = 0.f;
+          int64_t d = 0;
+          if (Dh % VL == 0) {
+            fvec a{};
+            for (; d < Dh; d += VL) a = a + load(qg + d) * load(kp + d);
+            s = hsum(a);
+          }
+          for (; d < Dh; ++d) s += qg[d] * scalar(kp[d]);
+          scores[g * total + i] = s * static_cast<float>(scale);
+        }
+      }
+      for (int64_t g = 0; g < G; ++g) {
+        float* sg = scores.data() + g * total;
+        float mx = -std::numeric_limits<float>::infinity();
+        for (int64_t i = 0; i < total; ++i) mx = sg[i] > mx ? sg[i] : mx;
+        float sum = 0.f;
+        for (int64_t i = 0; i < total; ++i) {
+          sg[i] = std::exp(sg[i] - mx);
+          sum += sg[i];
+        }
+        std::fill(acc.begin(), acc.end(), 0.f);
+        for (int64_t i = 0; i < total; ++i) {
+          const T* vp = vc + (slot_of(i) * Hkv + h) * Dh;
+          const float p = sg[i];
+          for (int64_t d = 0; d < Dh; ++d) acc[d] += p * scalar(vp[d]);
+        }
+        const float inv = 1.f / sum;
+        const int64_t o = (r * Hq + h * G + g) * Dh;
+        for (int64_t d = 0; d < Dh; ++d) outf[o + d] = acc[d] * inv;
+      }
+    }
+  });
+  (void)out;
+}
+
+torch::Tensor paged_attention_rows(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
+                                   torch::Tensor page_table, torch::Tensor row_seq, torch::Tensor row_len,
+                                   torch::Tensor extra, torch::Tensor extra_len, double scale) {
+  TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4, "paged_attention_rows: q (R, Hq, Dh), cache (P, page, Hkv, Dh)");
+  TORCH_CHECK(q.scalar_type() == k_cache.scalar_type(), "paged_attention_rows: q and cache dtypes differ");
+  TORCH_CHECK(q.scalar_type() == at::kBFloat16 || q.scalar_type() == at::kFloat,
+              "paged_attention_rows: bf16 or fp32");
+  const int64_t R = q.size(0), Hq = q.size(1), Dh = q.size(2), page = k_cache.size(1), Hkv = k_cache.size(2);
+  TORCH_CHECK(Hq % Hkv == 0 && k_cache.size(3) == Dh, "paged_attention_rows: head shapes");
+  auto qc = q.contiguous();
+  auto table = page_table.to(at::kInt).contiguous();
+  auto seq = row_seq.to(at::kInt).contiguous();
+  auto len = row_len.to(at::kInt).contiguous();
+  auto ex = extra.to(at::kInt).contiguous();
+  auto exl = extra_len.to(at::kInt).contiguous();
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "paged_attention_rows: contiguous caches");
+  auto outf = torch::empty({R, Hq, Dh}, q.options().dtype(at::kFloat));
+  const int64_t E = ex.dim() == 2 ? ex.size(1) : 0;
+  if (q.scalar_type() == at::kBFloat16) {
+    auto cast = [](const torch::Tensor& t) { return reinterpret_cast<const uint16_t*>(t.data_ptr<at::BFloat16>()); };
+    attention_impl<uint16_t>(cast(qc), cast(k_cache), cast(v_cache), table.data_ptr<int32_t>(), table.size(1),
+                             seq.data_ptr<int32_t>(), len.data_ptr<int32_t>(), ex.data_ptr<int32_t>(), E,
+                             exl.data_ptr<int32_t>(), nullptr, R, Hq, Hkv, Dh, page, scale, outf.data_ptr<float>());
+    auto out = torch::empty({R, Hq, Dh}, q.options());
+    const float* src = outf.data_ptr<float>();
+    uint16_t* dst = reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>());
+    for (int64_t i = 0; i < R * Hq * Dh; ++i) dst[i] = to_bf16(src[i]);
+    return out;
+  }
+  attention_impl<float>(qc.data_ptr<float>(), k_cache.data_ptr<float>(), v_cache.data_ptr<float>(),
+                        table.data_ptr<int32_t>(), table.size(1), seq.data_ptr<int32_t>(), len.data_ptr<int32_t>(),
+                        ex.data_ptr<int32_t>(), E, exl.data_ptr<int32_t>(), nullptr, R, Hq, Hkv, Dh, page, scale,
+                        outf.data_ptr<float>());
+  return outf;
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("linear_rows", &linear_rows, "row-invariant small-M linear (bf16 / fp32 weights)");
+  m.def("paged_attention_rows", &paged_attention_rows, "row-invariant paged attention, one key set per row");
+}
