@@ -4,6 +4,7 @@ cache isolation (tests not marked `real` never touch the user's HEADSTART_CACHE)
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -92,6 +93,12 @@ def chat_model_dir(tmp_path_factory) -> Path:
     make_hf_model("llama", d, seed=2, vocab_size=len(tok))
     tok.save_pretrained(d)
     return d
+
+
+# The compiled CPU kernels are build products keyed by source and CPU, not data: every test shares
+# the user's build (one ~30 s compile per machine, not one per isolated cache).
+os.environ.setdefault("HEADSTART_KERNEL_CACHE", str(
+    Path(os.environ.get("HEADSTART_CACHE") or Path.home() / ".cache" / "headstart").expanduser() / "kernels"))
 
 
 @pytest.fixture(autouse=True)

@@ -3,8 +3,9 @@
 `rowwise()` returns the compiled module, or None where it cannot be built (no C++ compiler, a
 non-x86 CPU, `HEADSTART_KERNELS=0`); callers then keep torch's kernels, which are fast but give a
 row different bits depending on how many rows share its matmul (see headstart.nn.linear). The
-build (~1 min on 2 cores) is cached under `$HEADSTART_CACHE/kernels/<hash>`, keyed by the source,
-the torch version and the CPU's flags, so a machine with other vector units never reuses it.
+build (~30 s on 2 cores) is cached under `$HEADSTART_KERNEL_CACHE/<hash>` (default
+`$HEADSTART_CACHE/kernels`), keyed by the source, the torch version and the CPU's flags, so a machine
+with other vector units never reuses it.
 """
 
 from __future__ import annotations
@@ -62,7 +63,7 @@ def rowwise() -> Any:
             from headstart.assets import cache_dir
 
             key = build_key()
-            build = cache_dir() / "kernels" / key
+            build = Path(os.environ.get("HEADSTART_KERNEL_CACHE") or cache_dir() / "kernels").expanduser() / key
             build.mkdir(parents=True, exist_ok=True)
             _module = load(name=f"headstart_rowwise_{key}", sources=[str(_SOURCE)], build_directory=str(build),
                            extra_cflags=["-O3", "-march=native", "-ffp-contract=fast", "-fopenmp"],
