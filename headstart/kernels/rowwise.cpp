@@ -59,6 +59,11 @@ static inline float scalar(uint16_t x) {
 }
 
 static inline float hsum(fvec v) {  // a fixed pairwise tree over the lanes: the same for every row
+#if defined(__AVX512F__)
+  __m512 m;
+  std::memcpy(&m, &v, sizeof(m));
+  return _mm512_reduce_add_ps(m);
+#endif
   float t[VL];
   std::memcpy(t, &v, sizeof(t));
   for (int w = VL / 2; w > 0; w /= 2)
@@ -234,62 +239,133 @@ torch::Tensor linear_rows(torch::Tensor x, torch::Tensor w, c10::optional<torch:
 
 // --------------------------------------------------------------------------------- attention
 
+typedef int32_t ivec __attribute__((vector_size(VL * 4)));
+
+// exp for x <= 0 (softmax after subtracting the max): 2^n * p(r), r = x - n ln2 in (-ln2, 0],
+// p the degree-8 Taylor polynomial (relative error ~1e-7); x below -87 is clamped (exp ~ 1e-38).
+static inline fvec vexp(fvec x) {
+  x = x < -87.f ? fvec{} - 87.f : x;
+  const fvec t = x * 1.44269504088896341f;
+  const ivec n = __builtin_convertvector(t, ivec);  // toward zero: n >= t
+  const fvec fn = __builtin_convertvector(n, fvec);
+  const fvec r = (x - fn * 0.693145751953125f) - fn * 1.428606765330187045e-06f;
+  fvec p = fvec{} + (1.f / 40320.f);
+  p = p * r + (1.f / 5040.f);
+  p = p * r + (1.f / 720.f);
+  p = p * r + (1.f / 120.f);
+  p = p * r + (1.f / 24.f);
+  p = p * r + (1.f / 6.f);
+  p = p * r + 0.5f;
+  p = p * r + 1.f;
+  p = p * r + 1.f;
+  const ivec bits = (n + 127) << 23;
+  fvec scale;
+  std::memcpy(&scale, &bits, sizeof(scale));
+  return p * scale;
+}
+
+// One task = one (row, query head): scores over the row's key set, softmax, the weighted sum of
+// values. Nothing in a task depends on any other row.
 template <typename T>
 static void attention_impl(const T* q, const T* kc, const T* vc, const int32_t* table, int64_t max_pages,
                            const int32_t* row_seq, const int32_t* row_len, const int32_t* extra, int64_t E,
-                           const int32_t* extra_len, T* out, int64_t R, int64_t Hq, int64_t Hkv, int64_t Dh,
-                           int64_t page, double scale, float* outf) {
+                           const int32_t* extra_len, int64_t R, int64_t Hq, int64_t Hkv, int64_t Dh, int64_t page,
+                           double scale, float* outf) {
   const int64_t G = Hq / Hkv;
-  at::parallel_for(0, R * Hkv, 1, [&](int64_t t0, int64_t t1) {
-    std::vector<float> qf(G * Dh), scores, acc(Dh);
+  const bool vec = Dh % VL == 0 && Dh / VL <= 16;
+  at::parallel_for(0, R * Hq, 1, [&](int64_t t0, int64_t t1) {
+    std::vector<float> qf(Dh), scores;
+    std::vector<int64_t> slots;
+    int64_t slots_row = -1;
     for (int64_t t = t0; t < t1; ++t) {
-      const int64_t r = t / Hkv, h = t % Hkv;
-      const int64_t L = row_len[r], n_extra = extra_len[r], total = L + n_extra;
-      const int32_t* pages = table + static_cast<int64_t>(row_seq[r]) * max_pages;
-      for (int64_t g = 0; g < G; ++g)
-        for (int64_t d = 0; d < Dh; ++d) qf[g * Dh + d] = scalar(q[(r * Hq + h * G + g) * Dh + d]);
-      scores.assign(G * total, 0.f);
-      auto slot_of = [&](int64_t i) -> int64_t {
-        const int64_t pos = i < L ? i : extra[r * E + (i - L)];
-        return static_cast<int64_t>(pages[pos / page]) * page + pos % page;
-      };
-      for (int64_t i = 0; i < total; ++i) {
-        const T* kp = kc + (slot_of(i) * Hkv + h) * Dh;
-        for (int64_t g = 0; g < G; ++g) {
-          const float* qg = qf.data() + g * Dh;
-          float s = 0.f;
-          int64_t d = 0;
-          if (Dh % VL == 0) {
-            fvec a{};
-            for (; d < Dh; d += VL) a = a + load(qg + d) * load(kp + d);
-            s = hsum(a);
+      const int64_t r = t / Hq, hq = t % Hq, h = hq / G;
+      const int64_t L = row_len[r], total = L + extra_len[r];
+      for (int64_t d = 0; d < Dh; ++d) qf[d] = scalar(q[(r * Hq + hq) * Dh + d]);
+      if (slots_row != r) {  // the row's key slots (x Hkv), page by page: no division per key
+        const int32_t* pages = table + static_cast<int64_t>(row_seq[r]) * max_pages;
+        slots.resize(total);
+        for (int64_t i = 0, pg = 0; i < L; ++pg) {
+          const int64_t base = static_cast<int64_t>(pages[pg]) * page;
+          for (int64_t off = 0; off < page && i < L; ++off, ++i) slots[i] = (base + off) * Hkv;
+        }
+        for (int64_t i = L; i < total; ++i) {
+          const int64_t pos = extra[r * E + (i - L)];
+          slots[i] = (static_cast<int64_t>(pages[pos / page]) * page + pos % page) * Hkv;
+        }
+        slots_row = r;
+      }
+      const int64_t padded = (total + VL - 1) / VL * VL;
+      scores.assign(padded, -std::numeric_limits<float>::infinity());
+      const float sc = static_cast<float>(scale);
+      int64_t i = 0;
+      if (vec) {  // four keys at a time: independent chains (each key's sum is computed alone)
+        for (; i + 4 <= total; i += 4) {
+          const T* k0 = kc + (slots[i] + h) * Dh;
+          const T* k1 = kc + (slots[i + 1] + h) * Dh;
+          const T* k2 = kc + (slots[i + 2] + h) * Dh;
+          const T* k3 = kc + (slots[i + 3] + h) * Dh;
+          fvec a0{}, a1{}, a2{}, a3{};
+          for (int64_t d = 0; d < Dh; d += VL) {
+            const fvec qv = load(qf.data() + d);
+            a0 = a0 + qv * load(k0 + d);
+            a1 = a1 + qv * load(k1 + d);
+            a2 = a2 + qv * load(k2 + d);
+            a3 = a3 + qv * load(k3 + d);
           }
-          for (; d < Dh; ++d) s += qg[d] * scalar(kp[d]);
-          scores[g * total + i] = s * static_cast<float>(scale);
+          scores[i] = hsum(a0) * sc;
+          scores[i + 1] = hsum(a1) * sc;
+          scores[i + 2] = hsum(a2) * sc;
+          scores[i + 3] = hsum(a3) * sc;
         }
       }
-      for (int64_t g = 0; g < G; ++g) {
-        float* sg = scores.data() + g * total;
-        float mx = -std::numeric_limits<float>::infinity();
-        for (int64_t i = 0; i < total; ++i) mx = sg[i] > mx ? sg[i] : mx;
-        float sum = 0.f;
-        for (int64_t i = 0; i < total; ++i) {
-          sg[i] = std::exp(sg[i] - mx);
-          sum += sg[i];
+      for (; i < total; ++i) {
+        const T* kp = kc + (slots[i] + h) * Dh;
+        float s = 0.f;
+        int64_t d = 0;
+        if (vec) {
+          fvec a{};
+          for (; d < Dh; d += VL) a = a + load(qf.data() + d) * load(kp + d);
+          s = hsum(a);
         }
-        std::fill(acc.begin(), acc.end(), 0.f);
+        for (; d < Dh; ++d) s += qf[d] * scalar(kp[d]);
+        scores[i] = s * sc;
+      }
+      float mx = -std::numeric_limits<float>::infinity();
+      for (int64_t i = 0; i < total; ++i) mx = scores[i] > mx ? scores[i] : mx;
+      fvec sums{};
+      for (int64_t i = 0; i < padded; i += VL) {
+        fvec e = vexp(load(scores.data() + i) - mx);
+        if (i + VL > total)
+          for (int64_t j = total - i; j < VL; ++j) e[j] = 0.f;
+        std::memcpy(scores.data() + i, &e, sizeof(e));
+        sums = sums + e;
+      }
+      const float inv = 1.f / hsum(sums);
+      float* o = outf + (r * Hq + hq) * Dh;
+      if (vec) {
+        fvec acc[16];
+        const int64_t nv = Dh / VL;
+        for (int64_t j = 0; j < nv; ++j) acc[j] = fvec{};
         for (int64_t i = 0; i < total; ++i) {
-          const T* vp = vc + (slot_of(i) * Hkv + h) * Dh;
-          const float p = sg[i];
-          for (int64_t d = 0; d < Dh; ++d) acc[d] += p * scalar(vp[d]);
+          const T* vp = vc + (slots[i] + h) * Dh;
+          const float p = scores[i];
+          for (int64_t j = 0; j < nv; ++j) acc[j] = acc[j] + p * load(vp + j * VL);
         }
-        const float inv = 1.f / sum;
-        const int64_t o = (r * Hq + h * G + g) * Dh;
-        for (int64_t d = 0; d < Dh; ++d) outf[o + d] = acc[d] * inv;
+        for (int64_t j = 0; j < nv; ++j) {
+          const fvec y = acc[j] * inv;
+          std::memcpy(o + j * VL, &y, sizeof(y));
+        }
+      } else {
+        for (int64_t d = 0; d < Dh; ++d) o[d] = 0.f;
+        for (int64_t i = 0; i < total; ++i) {
+          const T* vp = vc + (slots[i] + h) * Dh;
+          const float p = scores[i];
+          for (int64_t d = 0; d < Dh; ++d) o[d] += p * scalar(vp[d]);
+        }
+        for (int64_t d = 0; d < Dh; ++d) o[d] *= inv;
       }
     }
   });
-  (void)out;
 }
 
 torch::Tensor paged_attention_rows(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
@@ -314,7 +390,7 @@ torch::Tensor paged_attention_rows(torch::Tensor q, torch::Tensor k_cache, torch
     auto cast = [](const torch::Tensor& t) { return reinterpret_cast<const uint16_t*>(t.data_ptr<at::BFloat16>()); };
     attention_impl<uint16_t>(cast(qc), cast(k_cache), cast(v_cache), table.data_ptr<int32_t>(), table.size(1),
                              seq.data_ptr<int32_t>(), len.data_ptr<int32_t>(), ex.data_ptr<int32_t>(), E,
-                             exl.data_ptr<int32_t>(), nullptr, R, Hq, Hkv, Dh, page, scale, outf.data_ptr<float>());
+                             exl.data_ptr<int32_t>(), R, Hq, Hkv, Dh, page, scale, outf.data_ptr<float>());
     auto out = torch::empty({R, Hq, Dh}, q.options());
     const float* src = outf.data_ptr<float>();
     uint16_t* dst = reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>());
@@ -323,7 +399,7 @@ torch::Tensor paged_attention_rows(torch::Tensor q, torch::Tensor k_cache, torch
   }
   attention_impl<float>(qc.data_ptr<float>(), k_cache.data_ptr<float>(), v_cache.data_ptr<float>(),
                         table.data_ptr<int32_t>(), table.size(1), seq.data_ptr<int32_t>(), len.data_ptr<int32_t>(),
-                        ex.data_ptr<int32_t>(), E, exl.data_ptr<int32_t>(), nullptr, R, Hq, Hkv, Dh, page, scale,
+                        ex.data_ptr<int32_t>(), E, exl.data_ptr<int32_t>(), R, Hq, Hkv, Dh, page, scale,
                         outf.data_ptr<float>());
   return outf;
 }
