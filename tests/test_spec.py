@@ -70,14 +70,14 @@ class OracleProposer(_Proposer):
 
     method = "oracle"
 
-    def __init__(self, cfg, engine, continuations, right):
-        super().__init__(cfg, engine.allocator, engine.device, None)
+    def __init__(self, cfg, continuations, right):
+        super().__init__(cfg, None)
         self.continuations, self.right = continuations, right
 
     def absorb(self, items, hidden, aux):
         for seq, _, end, _ in items:
-            self.cached[seq.id] = end
-            self.carry[seq.id] = (torch.zeros(0), torch.zeros(0))
+            seq.draft.cached = end
+            seq.draft.carry = (torch.zeros(0), torch.zeros(0))
 
     def propose(self, seqs, k):
         drafts = []
@@ -87,7 +87,7 @@ class OracleProposer(_Proposer):
         return Proposal(drafts, [None] * len(seqs))
 
     def after_verify(self, seq, n, accepted):
-        self.cached[seq.id] = n
+        seq.draft.cached = n
 
 
 @pytest.mark.parametrize(("right", "tau"), [(3, 4.0), (0, 1.0), (1, 2.0), (2, 3.0)])
@@ -96,7 +96,7 @@ def test_stub_proposers_give_the_expected_tau(target, right, tau):
     params = SamplingParams(max_tokens=37, ignore_eos=True)  # 1 sampled + 36 = whole steps of 1, 2, 3 or 4
     ref = Engine(target, page_size=4).generate(prompts, params, request_ids=["a", "b", "c"])
     eng = Engine(target, page_size=4, spec=_spec(target, "medusa"))
-    eng.proposer = OracleProposer(eng.spec, eng, {o.id: o.token_ids for o in ref}, right)
+    eng.proposer = OracleProposer(eng.spec, {o.id: o.token_ids for o in ref}, right)
     outs = eng.generate(prompts, params, request_ids=["a", "b", "c"])
     assert [o.token_ids for o in outs] == [o.token_ids for o in ref]
     s = eng.spec_metrics.summary()
@@ -222,7 +222,8 @@ def test_a_server_loop_keeps_no_per_request_state(target, kind):
     while eng.has_unfinished():
         eng.step()
     assert not eng._seqs
-    assert not eng.proposer.cached and not eng.proposer.carry and not eng.proposer._gens
+    # Per-request draft state lives on the sequences (seq.draft); the proposer keeps none of its own.
+    assert not [k for k, v in vars(eng.proposer).items() if isinstance(v, dict | list | set) and v]
     assert eng.allocator.num_free == eng.allocator.num_pages
 
 

@@ -50,13 +50,13 @@ def test_the_draft_model_follows_the_scheduler(target):
     eng = Engine(target, page_size=4, num_pages=48, max_batched_tokens=budget,
                  spec=SpecConfig(method="draft", k=k, draft=draft))
     sizes = []
-    forward = eng.proposer.forward_fn
+    forward = eng.proposer.runner.forward
 
-    def recording(tokens, meta, caches, backend):
-        sizes.append(tokens.numel())
-        return forward(tokens, meta, caches, backend)
+    def recording(tokens, meta, *args, **kw):
+        sizes.append(len(tokens))
+        return forward(tokens, meta, *args, **kw)
 
-    eng.proposer.forward_fn = recording
+    eng.proposer.runner.forward = recording
     assert [o.token_ids for o in eng.generate(prompts, params)] == ref
     assert max(sizes) <= budget and sum(sizes) >= sum(map(len, prompts))
     s = eng.spec_metrics.summary()

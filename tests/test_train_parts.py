@@ -9,7 +9,7 @@ from headstart.errors import DataError
 from headstart.heads import HeadConfig, PackedBatch, build_head
 from headstart.inference.backends import TorchAttention
 from headstart.inference.kv_cache import KVCache, KVCacheSpec, PageAllocator
-from headstart.inference.scheduler import build_metadata
+from headstart.inference.runner import build_metadata
 from headstart.models.llama import load_llama
 from headstart.train.data import PackedStream, TokenSequences, pack
 from headstart.train.losses import distill, target_logits

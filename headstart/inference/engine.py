@@ -22,8 +22,9 @@ from headstart.inference.backends import make_backend
 from headstart.inference.detok import IncrementalText
 from headstart.inference.kv_cache import KVCache, KVCacheSpec, PageAllocator, pages_for_budget
 from headstart.inference.rejection import verify_full_q, verify_greedy, verify_one_hot, verify_tree
+from headstart.inference.runner import ModelRunner
 from headstart.inference.sampler import SamplingParams, processed_probs, rows_logprobs, sample, token_logprobs
-from headstart.inference.scheduler import ScheduledBatch, Scheduler, Sequence, Status, build_metadata
+from headstart.inference.scheduler import ScheduledBatch, Scheduler, Sequence, Status
 from headstart.inference.spec import (
     DraftModelProposer,
     HeadChainProposer,
@@ -133,18 +134,18 @@ class Engine:
         self.allocator = PageAllocator(num_pages, page_size)
         self.cache = KVCache(kv_spec, num_pages, page_size, self.device)
         self.backend = make_backend(backend, self.device, cpu_kernels)
+        self.runner = ModelRunner(self.model, self.cache, self.allocator, self.backend, self.device)
         self.proposer = None
         if draft is not None and cpu_kernels and self.device.type == "cpu":
             enable_cpu_kernels(draft, True, self._max_rows)
         if spec is not None:
-            if spec.method == "chain":
-                self.proposer = HeadChainProposer(spec, draft, self.allocator, self.device, self.backend)
-            elif spec.method == "tree":
-                self.proposer = TreeProposer(spec, draft, self.allocator, self.device, self.backend)
-            elif spec.method == "medusa":
-                self.proposer = MedusaProposer(spec, draft, self.allocator, self.device)
+            if spec.method == "medusa":
+                self.proposer = MedusaProposer(spec, draft)
             else:
-                self.proposer = DraftModelProposer(spec, draft, self.allocator, self.device, self.backend)
+                draft_runner = ModelRunner(draft, KVCache(draft_spec, num_pages, page_size, self.device),
+                                           self.allocator, self.backend, self.device)
+                kind = {"chain": HeadChainProposer, "tree": TreeProposer, "draft": DraftModelProposer}[spec.method]
+                self.proposer = kind(spec, draft_runner)
         self.spec_metrics = SpecMetrics(positions=spec.k if spec is not None and spec.method == "tree" else None)
         self.scheduler = Scheduler(self.allocator, max_batch_size, max_batched_tokens, self.device)
         self.stop_ids = set(cfg.eos_token_ids)
@@ -217,9 +218,7 @@ class Engine:
         return True
 
     def _release(self, request_id: str) -> None:
-        self._seqs.pop(request_id, None)
-        if self.proposer is not None:
-            self.proposer.forget(request_id)
+        self._seqs.pop(request_id, None)  # its draft state (seq.draft) goes with it
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_work()
@@ -252,13 +251,12 @@ class Engine:
                 raise RuntimeError("the scheduler cannot admit any request: the KV cache is too small")
             return []
         capture = self.proposer.capture() if self.proposer is not None else ()
-        h, aux = self.model(batch.input_ids, batch.meta, self.cache.layers, self.backend, capture=capture)
+        h, aux, _ = self.runner.run(batch.input_ids, batch.items, capture=capture)
         for seq, n in zip(batch.seqs, batch.num_tokens):
             seq.num_cached += n
         outputs = []
         if batch.samplers:
-            rows = torch.tensor(batch.sample_rows, device=self.device)
-            logits = self.model.compute_logits(h, rows)  # (S, V) fp32
+            logits = self.runner.logits(h, batch.sample_rows)  # (S, V) fp32
             params = [s.params for s in batch.samplers]
             histories = [s.token_ids for s in batch.samplers] if any(
                 p.repetition_penalty != 1.0 for p in params) else None
@@ -320,6 +318,10 @@ class Engine:
             if draft.config.vocab_size != self.model.config.vocab_size:
                 raise ValueError(f"the draft's vocab_size {draft.config.vocab_size} differs from the target's "
                                  f"{self.model.config.vocab_size}: they must share a tokenizer")
+        from headstart.heads import DraftLM
+
+        if not isinstance(draft, DraftLM | LlamaForCausalLM):
+            raise TypeError(f"a draft model must be a DraftLM head or a LlamaForCausalLM, got {type(draft).__name__}")
         return draft
 
     def _spec_ready(self) -> list[Sequence] | None:
@@ -342,10 +344,8 @@ class Engine:
         t1 = time.perf_counter()
         items = [(s.id, s.num_cached, s.num_cached + k + 1) for s in seqs]
         ids = [t for s, d in zip(seqs, proposal.drafts) for t in [s.token_ids[-1]] + d]
-        meta = build_metadata(self.allocator, items, self.device)
-        h, aux = self.model(torch.tensor(ids, device=self.device), meta, self.cache.layers, self.backend,
-                            capture=self.proposer.capture())
-        logits = self.model.compute_logits(h)  # (B * (k+1), V)
+        h, aux, _ = self.runner.run(ids, items, capture=self.proposer.capture())
+        logits = self.runner.logits(h)  # (B * (k+1), V)
         params = [s.params for s in seqs for _ in range(k + 1)]
         histories = None
         if any(p.repetition_penalty != 1.0 for p in params):
@@ -387,10 +387,8 @@ class Engine:
             masks.append(tree.mask(n))
             positions.append([n + d for d in tree.depths])
             ids.extend(tree.tokens)
-        meta = build_metadata(self.allocator, items, self.device, custom_masks=masks, positions_override=positions)
-        h, aux = self.model(torch.tensor(ids, device=self.device), meta, self.cache.layers, self.backend,
-                            capture=self.proposer.capture())
-        logits = self.model.compute_logits(h)
+        h, aux, _ = self.runner.run(ids, items, capture=self.proposer.capture(), masks=masks, positions=positions)
+        logits = self.runner.logits(h)
         params = [s.params for s, t in zip(seqs, trees) for _ in t.tokens]
         histories = None
         if any(p.repetition_penalty != 1.0 for p in params):
@@ -404,14 +402,8 @@ class Engine:
             a = len(path)
             seq.spec_metrics.add(a, m - 1)
             self.spec_metrics.add(a, m - 1)
-            if path:  # compaction: node j of the path moves from KV index n + node to n + j + 1
-                src = self.allocator.slots(seq.id, n, n + m)
-                from_slots = torch.tensor([src[node] for node in path], device=self.device)
-                to_slots = torch.tensor(src[1:a + 1], device=self.device)
-                for kc, vc in self.cache.layers:
-                    for c in (kc, vc):
-                        flat = c.view(-1, c.shape[2], c.shape[3])
-                        flat.index_copy_(0, to_slots, flat[from_slots])
+            # Compaction: node j of the path moves from KV index n + node to n + j + 1.
+            self.runner.move_kv(seq.id, [n + node for node in path], list(range(n + 1, n + a + 1)))
             rows = [row] + [row + node for node in path]
             outputs.append(self._commit(seq, n, a, emitted, rows_logprobs(seq.params, logits, rows, emitted)))
             if seq.status is not Status.FINISHED:
@@ -436,7 +428,7 @@ class Engine:
         """After verification: keep the pending token and the a accepted drafts in the caches, drop
         the rest, emit the tokens (up to a stop condition) with their log-probabilities if asked."""
         seq.num_cached = n + 1 + a
-        self.allocator.rollback(seq.id, self.allocator.length(seq.id) - seq.num_cached)
+        self.scheduler.truncate(seq)
         self.proposer.after_verify(seq, n, a)
         new = []
         for i, tok in enumerate(tokens):
@@ -446,7 +438,7 @@ class Engine:
             new.append(tok)
             self._check_stop(seq, tok)
             if seq.status is Status.FINISHED:
-                self.proposer.forget(seq.id)
+                self.proposer.forget(seq)
                 break
         return self._output(seq, new)
 
@@ -457,7 +449,7 @@ class Engine:
             start = seq.num_cached - n
             if seq.status is Status.FINISHED or start == 0:
                 # Finished, or (re)prefilled from scratch after a preemption released its pages.
-                self.proposer.forget(seq.id)
+                self.proposer.forget(seq)
             if seq.status is not Status.FINISHED:
                 items.append((seq, start, seq.num_cached, list(range(row, row + n))))
             row += n

@@ -18,7 +18,6 @@ import torch
 
 from headstart.inference.kv_cache import PageAllocator
 from headstart.inference.sampler import SamplingParams
-from headstart.nn.attention import AttentionMetadata
 
 
 def _new_metrics() -> Any:
@@ -31,6 +30,15 @@ class Status(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
     FINISHED = "finished"
+
+
+@dataclass
+class DraftState:
+    """A proposer's state for one request; it lives on the Sequence and dies with it."""
+
+    cached: int = 0  # rows of the draft's KV cache that are valid
+    carry: tuple[torch.Tensor, torch.Tensor] | None = None  # (features, logits) of its last row
+    generator: torch.Generator | None = None  # drafting draws (never the verifier's stream)
 
 
 @dataclass(eq=False)
@@ -49,6 +57,7 @@ class Sequence:
     num_preemptions: int = 0
     spec_metrics: Any = field(default_factory=lambda: _new_metrics())
     detok: Any = None  # IncrementalText when the engine has a tokenizer
+    draft: DraftState = field(default_factory=DraftState)
 
     @property
     def token_ids(self) -> list[int]:
@@ -65,7 +74,7 @@ class ScheduledBatch:
     num_tokens: list[int]  # tokens run per sequence this step
     sample_rows: list[int]  # row (within the flat batch) whose logits each sampling sequence uses
     samplers: list[Sequence]  # sequences that produce a token this step (their chunk reaches the end)
-    meta: AttentionMetadata
+    items: list[tuple[str, int, int]]  # (seq id, start, end): the KV indices run (headstart.inference.runner)
     input_ids: torch.Tensor  # (N,)
 
 
@@ -100,6 +109,11 @@ class Scheduler:
             self.running.remove(seq)
         if seq in self.waiting:
             self.waiting.remove(seq)
+
+    def truncate(self, seq: Sequence) -> None:
+        """Drop the slots reserved past the sequence's cached tokens (rejected drafts); the allocator
+        is changed here and in the scheduling methods only."""
+        self.allocator.rollback(seq.id, self.allocator.length(seq.id) - seq.num_cached)
 
     def _preempt(self, seq: Sequence) -> None:
         self.allocator.release(seq.id)
@@ -170,7 +184,6 @@ class Scheduler:
 
     def _build(self, picked: list[tuple[Sequence, int]]) -> ScheduledBatch:
         items = [(seq.id, seq.num_cached, seq.num_cached + n) for seq, n in picked]
-        meta = build_metadata(self.allocator, items, self.device)
         ids: list[int] = []
         sample_rows: list[int] = []
         samplers: list[Sequence] = []
@@ -183,42 +196,6 @@ class Scheduler:
                 sample_rows.append(row - 1)
                 samplers.append(seq)
         return ScheduledBatch(
-            [s for s, _ in picked], [n for _, n in picked], sample_rows, samplers, meta,
+            [s for s, _ in picked], [n for _, n in picked], sample_rows, samplers, items,
             torch.tensor(ids, dtype=torch.long, device=self.device),
         )
-
-
-def build_metadata(allocator: PageAllocator, items: list[tuple[str, int, int]], device: torch.device,
-                   custom_masks: list[torch.Tensor | None] | None = None,
-                   positions_override: list[list[int]] | None = None) -> AttentionMetadata:
-    """Metadata for running KV indices [start, end) of each listed sequence over its cached prefix.
-
-    The slots must be reserved. Queries are the last end - start KV entries of a sequence whose KV
-    then holds `end` entries. RoPE positions equal the KV indices unless overridden (tree nodes sit
-    at KV index n + node but RoPE position n + depth).
-    """
-    positions: list[int] = []
-    slots: list[int] = []
-    indptr = [0]
-    tables = []
-    for b, (seq_id, start, end) in enumerate(items):
-        positions.extend(positions_override[b] if positions_override is not None else range(start, end))
-        slots.extend(allocator.slots(seq_id, start, end))
-        indptr.append(indptr[-1] + end - start)
-        tables.append(allocator.page_table(seq_id))
-    width = max(len(t) for t in tables)
-    table = torch.zeros(len(tables), width, dtype=torch.int32)
-    for b, t in enumerate(tables):
-        table[b, : len(t)] = torch.tensor(t, dtype=torch.int32)
-    kv_lens = [end for _, _, end in items]
-    return AttentionMetadata(
-        positions=torch.tensor(positions, dtype=torch.long, device=device),
-        slot_mapping=torch.tensor(slots, dtype=torch.long, device=device),
-        qo_indptr=torch.tensor(indptr, dtype=torch.int32, device=device),
-        kv_lens=torch.tensor(kv_lens, dtype=torch.int32, device=device),
-        page_table=table.to(device),
-        page_size=allocator.page_size,
-        q_lens_cpu=[end - start for _, start, end in items],
-        kv_lens_cpu=kv_lens,
-        custom_masks=custom_masks,
-    )

@@ -1,8 +1,9 @@
 """Speculative decoding: proposers (draft model, hidden-state head chains, Medusa) and metrics.
 
-A proposer owns the draft's KV tensors (the page bookkeeping is the engine's allocator, shared with
-the target: a draft entry for position i lives in the same slot as the target's) and per-sequence
-carried state. The engine calls, per step:
+A proposer runs its model through a ModelRunner (its own KV tensors; the page bookkeeping is the
+scheduler's allocator, shared with the target: a draft entry for position i lives in the same slot
+as the target's); its per-request state (valid draft rows, carried features and logits, the drafting
+generator) is `Sequence.draft` and dies with the request. The engine calls, per step:
   absorb(...)   after every target forward, with the target states of the positions it processed,
                 so the draft's cache follows the target's (prefill primes it; preemption resets it);
   propose(...)  on decode-only steps: k draft tokens per sequence (and q if drafts were sampled);
@@ -22,9 +23,10 @@ from typing import Any, Literal
 
 import torch
 
-from headstart.inference.kv_cache import KVCache, KVCacheSpec, PageAllocator
+from headstart.inference.kv_cache import KVCacheSpec
+from headstart.inference.runner import ModelRunner
 from headstart.inference.sampler import draw, processed_probs
-from headstart.inference.scheduler import Sequence, build_metadata
+from headstart.inference.scheduler import DraftState, Sequence
 
 SpecMethod = Literal["chain", "draft", "medusa", "tree"]
 
@@ -119,49 +121,42 @@ class Proposal:
     q: list[torch.Tensor | None]  # per sequence (k, V) draft distributions when drafts were sampled
 
 
-def _draft_choice(logits: torch.Tensor, seqs: list[Sequence], sample: bool, generators: dict[str, torch.Generator],
+def _draft_choice(logits: torch.Tensor, seqs: list[Sequence], sample: bool, generators: list[torch.Generator],
                   to_target: Any) -> tuple[list[int], list[torch.Tensor | None]]:
     """Pick one draft token per row: argmax, or a draw from q (processed like the target's p)."""
     if not sample:
         return to_target(logits.argmax(-1)).tolist(), [None] * len(seqs)
     q = processed_probs(logits, [s.params for s in seqs])  # (B, V_draft)
-    ids = draw(q, [generators[s.id] for s in seqs])
+    ids = draw(q, generators)
     return to_target(ids).tolist(), list(q)
 
 
 class _Proposer:
-    """Shared bookkeeping: the draft KV cache, per-sequence carried state, draft-sampling generators."""
+    """Shared bookkeeping: the model runner (None for Medusa, which has no cache) and the per-request
+    state kept on each Sequence (`seq.draft`)."""
 
     method: str = ""
 
-    def __init__(self, config: SpecConfig, allocator: PageAllocator, device: torch.device,
-                 kv_spec: KVCacheSpec | None) -> None:
+    def __init__(self, config: SpecConfig, runner: ModelRunner | None) -> None:
         self.config = config
-        self.allocator = allocator
-        self.device = device
-        self.cache = KVCache(kv_spec, allocator.num_pages, allocator.page_size, device) if kv_spec else None
-        self.cached: dict[str, int] = {}  # rows of the draft cache that are valid, per sequence
-        self.carry: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}  # (features, logits) of the last row
-        self._gens: dict[str, torch.Generator] = {}
+        self.runner = runner
 
     def capture(self) -> tuple[int, ...]:
         return ()
 
-    def forget(self, seq_id: str) -> None:
-        self.cached.pop(seq_id, None)
-        self.carry.pop(seq_id, None)
-        self._gens.pop(seq_id, None)
+    def forget(self, seq: Sequence) -> None:
+        seq.draft = DraftState()
 
-    def generators(self, seqs: list[Sequence]) -> dict[str, torch.Generator]:
+    def generators(self, seqs: list[Sequence]) -> list[torch.Generator]:
         for s in seqs:
-            if s.id not in self._gens:  # drafting draws must not share the verifier's stream
+            if s.draft.generator is None:  # drafting draws must not share the verifier's stream
                 g = torch.Generator()
                 g.manual_seed(s.seed * 7919 + 104729)
-                self._gens[s.id] = g
-        return self._gens
+                s.draft.generator = g
+        return [s.draft.generator for s in seqs]
 
     def ready(self, seq: Sequence) -> bool:
-        return seq.id in self.carry
+        return seq.draft.carry is not None
 
 
 def _identity(ids: torch.Tensor) -> torch.Tensor:
@@ -181,8 +176,8 @@ class _ChainProposer(_Proposer, abc.ABC):
 
     def propose(self, seqs: list[Sequence], k: int) -> Proposal:
         sample = self.config.draft_sampling and not all(s.params.greedy for s in seqs)
-        gens = self.generators(seqs) if sample else {}
-        logits = torch.cat([self.carry[s.id][1] for s in seqs])
+        gens = self.generators(seqs) if sample else []
+        logits = torch.cat([s.draft.carry[1] for s in seqs])
         drafts: list[list[int]] = [[] for _ in seqs]
         qs: list[list[torch.Tensor]] = [[] for _ in seqs]
         for j in range(k):
@@ -192,8 +187,7 @@ class _ChainProposer(_Proposer, abc.ABC):
                 if q[b] is not None:
                     qs[b].append(self._to_target_dist(q[b]))
             if j < k - 1:
-                with torch.inference_mode():
-                    logits = self._step(seqs, j, torch.tensor(choice, device=self.device))
+                logits = self._step(seqs, j, torch.tensor(choice))
         return Proposal(drafts, [torch.stack(q) if q else None for q in qs])
 
 
@@ -202,12 +196,10 @@ class HeadChainProposer(_ChainProposer):
 
     method = "chain"
 
-    def __init__(self, config: SpecConfig, head: Any, allocator: PageAllocator, device: torch.device,
-                 backend: Any) -> None:
-        super().__init__(config, allocator, device, draft_kv_spec(head))
-        self.head = head
-        self.backend = backend
-        self.to_target = getattr(head, "to_target_ids", _identity)
+    def __init__(self, config: SpecConfig, runner: ModelRunner) -> None:
+        super().__init__(config, runner)
+        self.head = runner.model
+        self.to_target = getattr(self.head, "to_target_ids", _identity)
         self._feats: torch.Tensor | None = None
 
     def capture(self) -> tuple[int, ...]:
@@ -224,41 +216,37 @@ class HeadChainProposer(_ChainProposer):
         hidden states are rows `rows` of `hidden`. Head rows start..end-1 are (h_i, t_{i+1})."""
         for seq, start, _, _ in items:
             if start == 0:
-                self.forget(seq.id)
-            if self.cached.get(seq.id, 0) != start:
-                raise RuntimeError(f"{seq.id}: the head cache has {self.cached.get(seq.id, 0)} rows but the "
+                self.forget(seq)
+            if seq.draft.cached != start:
+                raise RuntimeError(f"{seq.id}: the head cache has {seq.draft.cached} rows but the "
                                    f"target step starts at {start}")
         rows = torch.tensor([r for *_, rs in items for r in rs], device=hidden.device)
-        tokens = torch.tensor([t for seq, s, e, _ in items for t in seq.token_ids[s + 1:e + 1]], device=self.device)
-        feats = self._features(hidden, aux, rows)
-        meta = build_metadata(self.allocator, [(seq.id, s, e) for seq, s, e, _ in items], self.device)
+        tokens = [t for seq, s, e, _ in items for t in seq.token_ids[s + 1:e + 1]]
         with torch.inference_mode():
-            self.head.plan(meta, self.backend)
-            h = self.head.forward_hidden(tokens, feats, meta, self.cache.layers, self.backend)
-            last = meta.qo_indptr[1:].long() - 1
-            logits = self.head.compute_logits(h[last])
+            feats = self._features(hidden, aux, rows)
+        h, _, meta = self.runner.run(tokens, [(seq.id, s, e) for seq, s, e, _ in items], features=feats)
+        last = meta.qo_indptr[1:].long() - 1
+        logits = self.runner.logits(h, last)
         for b, (seq, _, e, _) in enumerate(items):
-            self.cached[seq.id] = e
-            self.carry[seq.id] = (h[last[b]].unsqueeze(0), logits[b].unsqueeze(0))
+            seq.draft.cached = e
+            seq.draft.carry = (h[last[b]].unsqueeze(0), logits[b].unsqueeze(0))
 
     def propose(self, seqs: list[Sequence], k: int) -> Proposal:
-        self._feats = torch.cat([self.carry[s.id][0] for s in seqs])
+        self._feats = torch.cat([s.draft.carry[0] for s in seqs])
         return super().propose(seqs, k)
 
     def _step(self, seqs: list[Sequence], j: int, tokens: torch.Tensor) -> torch.Tensor:
         # Row n + j = (own hidden, d_{j+1}) at position n + j (the pending token t_n sits at n).
-        meta = build_metadata(self.allocator, [(s.id, s.num_cached + j, s.num_cached + j + 1) for s in seqs],
-                              self.device)
-        self.head.plan(meta, self.backend)
-        self._feats = self.head.forward_hidden(tokens, self._feats, meta, self.cache.layers, self.backend)
-        return self.head.compute_logits(self._feats)
+        items = [(s.id, s.num_cached + j, s.num_cached + j + 1) for s in seqs]
+        self._feats, _, _ = self.runner.run(tokens, items, features=self._feats)
+        return self.runner.logits(self._feats)
 
     def _to_target_dist(self, q: torch.Tensor) -> torch.Tensor:
         return spread_to_target(q, self.head.target.lm_head.weight.shape[0], self.to_target)
 
     def after_verify(self, seq: Sequence, n: int, accepted: int) -> None:
         """Rows n.. used the head's own states: drop them; absorb() re-runs them with the target's."""
-        self.cached[seq.id] = n
+        seq.draft.cached = n
 
 
 class DraftModelProposer(_ChainProposer):
@@ -266,13 +254,6 @@ class DraftModelProposer(_ChainProposer):
 
     method = "draft"
     to_target = staticmethod(_identity)
-
-    def __init__(self, config: SpecConfig, draft: Any, allocator: PageAllocator, device: torch.device,
-                 backend: Any) -> None:
-        super().__init__(config, allocator, device, draft_kv_spec(draft))
-        self.forward_fn = _draft_forward(draft)
-        self.logits_fn = draft.compute_logits
-        self.backend = backend
 
     def absorb(self, items: list[tuple[Sequence, int, int, list[int]]], hidden: torch.Tensor | None = None,
                aux: dict[int, torch.Tensor] | None = None) -> None:
@@ -283,8 +264,8 @@ class DraftModelProposer(_ChainProposer):
         work = []
         for seq, start, end, _ in items:
             if start == 0:
-                self.forget(seq.id)
-            cached = self.cached.get(seq.id, 0)
+                self.forget(seq)
+            cached = seq.draft.cached
             if not start <= cached <= end:
                 raise RuntimeError(f"{seq.id}: the draft cache has {cached} rows but the target step ran "
                                    f"positions {start}..{end - 1}")
@@ -292,37 +273,32 @@ class DraftModelProposer(_ChainProposer):
                 work.append((seq, cached, end))
         if not work:
             return
-        tokens = torch.tensor([t for seq, s, e in work for t in seq.token_ids[s:e]], device=self.device)
-        meta = build_metadata(self.allocator, [(seq.id, s, e) for seq, s, e in work], self.device)
-        with torch.inference_mode():
-            self.forward_fn(tokens, meta, self.cache.layers, self.backend)
+        self.runner.run([t for seq, s, e in work for t in seq.token_ids[s:e]], [(seq.id, s, e) for seq, s, e in work])
         for seq, _, e in work:
-            self.cached[seq.id] = e
+            seq.draft.cached = e
 
     def ready(self, seq: Sequence) -> bool:
-        return self.cached.get(seq.id) == seq.num_cached
+        return seq.draft.cached == seq.num_cached
 
     def propose(self, seqs: list[Sequence], k: int) -> Proposal:
         # The pending token t_n goes first, at position n, in the slot the speculative step reserved.
-        with torch.inference_mode():
-            meta = build_metadata(self.allocator, [(s.id, s.num_cached, s.num_cached + 1) for s in seqs], self.device)
-            pending = torch.tensor([s.token_ids[-1] for s in seqs], device=self.device)
-            logits = self.logits_fn(self.forward_fn(pending, meta, self.cache.layers, self.backend))
+        h, _, _ = self.runner.run([s.token_ids[-1] for s in seqs], [(s.id, s.num_cached, s.num_cached + 1)
+                                                                      for s in seqs])
+        logits = self.runner.logits(h)
         for b, s in enumerate(seqs):
-            self.carry[s.id] = (torch.zeros(0), logits[b].unsqueeze(0))
+            s.draft.carry = (torch.zeros(0), logits[b].unsqueeze(0))
         return super().propose(seqs, k)
 
     def _step(self, seqs: list[Sequence], j: int, tokens: torch.Tensor) -> torch.Tensor:
         # Draft j + 1 goes to position n + 1 + j (t_n sits at n = num_cached).
-        meta = build_metadata(self.allocator, [(s.id, s.num_cached + 1 + j, s.num_cached + 2 + j) for s in seqs],
-                              self.device)
-        return self.logits_fn(self.forward_fn(tokens, meta, self.cache.layers, self.backend))
+        h, _, _ = self.runner.run(tokens, [(s.id, s.num_cached + 1 + j, s.num_cached + 2 + j) for s in seqs])
+        return self.runner.logits(h)
 
     def after_verify(self, seq: Sequence, n: int, accepted: int) -> None:
         """t_n and drafts d_1..d_{k-1} were fed at positions n..n+k-1; the accepted ones stay valid
         (d_k, never fed, is run by the next absorb)."""
-        self.cached[seq.id] = n + 1 + min(accepted, self.config.k - 1)
-        self.carry.pop(seq.id, None)
+        seq.draft.cached = n + 1 + min(accepted, self.config.k - 1)
+        seq.draft.carry = None
 
 
 class MedusaProposer(_Proposer):
@@ -330,8 +306,8 @@ class MedusaProposer(_Proposer):
 
     method = "medusa"
 
-    def __init__(self, config: SpecConfig, head: Any, allocator: PageAllocator, device: torch.device) -> None:
-        super().__init__(config, allocator, device, None)
+    def __init__(self, config: SpecConfig, head: Any) -> None:
+        super().__init__(config, None)
         if config.k > head.config.medusa_num_heads:
             raise ValueError(f"k={config.k} exceeds the Medusa head count {head.config.medusa_num_heads}")
         self.head = head
@@ -340,15 +316,15 @@ class MedusaProposer(_Proposer):
     def absorb(self, items: list[tuple[Sequence, int, int, list[int]]], hidden: torch.Tensor,
                aux: dict[int, torch.Tensor]) -> None:
         for seq, _, end, rows in items:
-            self.cached[seq.id] = end
-            self.carry[seq.id] = (hidden[rows[-1]].unsqueeze(0), torch.zeros(0))
+            seq.draft.cached = end
+            seq.draft.carry = (hidden[rows[-1]].unsqueeze(0), torch.zeros(0))
 
     def propose(self, seqs: list[Sequence], k: int) -> Proposal:
-        feats = self.head.target_features(torch.cat([self.carry[s.id][0] for s in seqs]))
         with torch.inference_mode():
+            feats = self.head.target_features(torch.cat([s.draft.carry[0] for s in seqs]))
             _, logits = self.head.draft_step(None, feats)  # (B, heads, V)
         sample = self.config.draft_sampling and not all(s.params.greedy for s in seqs)
-        gens = self.generators(seqs) if sample else {}
+        gens = self.generators(seqs) if sample else []
         drafts: list[list[int]] = [[] for _ in seqs]
         qs: list[list[torch.Tensor]] = [[] for _ in seqs]
         for j in range(k):  # heads are independent: head j drafts token j + 1
@@ -360,7 +336,7 @@ class MedusaProposer(_Proposer):
         return Proposal(drafts, [torch.stack(q) if q else None for q in qs])
 
     def after_verify(self, seq: Sequence, n: int, accepted: int) -> None:
-        self.cached[seq.id] = n
+        seq.draft.cached = n
 
 
 def spread_to_target(q: torch.Tensor, vocab: int, to_target: Any) -> torch.Tensor:
@@ -386,19 +362,3 @@ def draft_kv_spec(draft: Any) -> KVCacheSpec | None:
     c = draft.config
     return KVCacheSpec(num_layers=draft.kv_layers(), num_kv_heads=c.num_key_value_heads, head_dim=c.head_dim,
                        dtype=draft.dtype)
-
-
-def _draft_forward(draft: Any) -> Any:
-    """forward(tokens, meta, caches, backend) -> hidden, for a DraftLM head or a LlamaForCausalLM."""
-    from headstart.heads.draft_lm import DraftLM
-    from headstart.models.llama import LlamaForCausalLM
-
-    if isinstance(draft, DraftLM):
-        def forward(tokens, meta, caches, backend):  # noqa: ANN001, ANN202
-            draft.plan(meta, backend)
-            return draft.forward_hidden(tokens, None, meta, caches, backend)
-
-        return forward
-    if isinstance(draft, LlamaForCausalLM):
-        return lambda tokens, meta, caches, backend: draft(tokens, meta, caches, backend)[0]
-    raise TypeError(f"a draft model must be a DraftLM head or a LlamaForCausalLM, got {type(draft).__name__}")

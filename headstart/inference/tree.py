@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from headstart.inference.scheduler import Sequence, build_metadata
+from headstart.inference.scheduler import Sequence
 from headstart.inference.spec import HeadChainProposer
 
 
@@ -61,7 +61,7 @@ class TreeProposer(HeadChainProposer):
         dep = [[0] for _ in seqs]
         score = [[0.0] for _ in seqs]
         head_row: list[dict[int, int]] = [{} for _ in seqs]  # node -> head KV index (expanded nodes)
-        frontier = [[(0, self.carry[s.id][0][0], self.carry[s.id][1][0])] for s in seqs]
+        frontier = [[(0, s.draft.carry[0][0], s.draft.carry[1][0])] for s in seqs]
         for d in range(1, depth_limit + 1):
             chosen: list[list[int]] = []
             for b in range(len(seqs)):
@@ -101,13 +101,8 @@ class TreeProposer(HeadChainProposer):
                 parent_feat = {nd: f for nd, f, _ in frontier[b]}
                 feats.extend(parent_feat[par[b][node]] for node in rows)
                 tokens.extend(tok[b][node] for node in rows)
-            meta = build_metadata(self.allocator, items, self.device, custom_masks=masks,
-                                  positions_override=positions)
-            with torch.inference_mode():
-                self.head.plan(meta, self.backend)
-                h = self.head.forward_hidden(torch.tensor(tokens, device=self.device), torch.stack(feats), meta,
-                                             self.cache.layers, self.backend)
-                logits = self.head.compute_logits(h)
+            h, _, _ = self.runner.run(tokens, items, features=torch.stack(feats), masks=masks, positions=positions)
+            logits = self.runner.logits(h)
             row = 0
             for b in range(len(seqs)):
                 frontier[b] = [(node, h[row + j], logits[row + j]) for j, node in enumerate(chosen[b])]

@@ -111,7 +111,7 @@ class EngineForward:
         return h, aux
 
     def _forward(self, seqs: list[list[int]], aux_layers: list[int]) -> tuple[torch.Tensor, torch.Tensor | None]:
-        from headstart.inference.scheduler import build_metadata
+        from headstart.inference.runner import build_metadata
 
         items = []
         try:
