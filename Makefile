@@ -63,7 +63,7 @@ quickstart: setup
 		$(BIN)/headstart precompute $(QR) --resume; else $(BIN)/headstart precompute $(QR); fi
 	@if [ -f $(QS)/checkpoints/last.ckpt ]; then \
 		$(BIN)/headstart train $(QR) --resume; else $(BIN)/headstart train $(QR); fi
-	$(BIN)/headstart eval $(QR) --set target.dtype=fp32 --head $(QS)/head-best --head $(SHIPPED) \
+	$(BIN)/headstart eval $(QR) --head $(QS)/head-best --head $(SHIPPED) \
 		--heldout 16 --k 1,3 --max-tokens 48 --batch-size 8 --out $(QS)/eval
 	$(BIN)/headstart export $(QS)/head-best --format deepseek-mtp --out $(QS)/export/deepseek-mtp --force
 	$(BIN)/headstart export $(QS)/head-best --format native --out $(QS)/export/native --force

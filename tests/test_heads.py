@@ -20,6 +20,7 @@ from headstart.heads import (
 from headstart.heads.base import EAGLE_FLAGS
 from headstart.inference.backends import TorchAttention
 from headstart.inference.kv_cache import KVCache, KVCacheSpec, PageAllocator
+from headstart.inference.runner import build_metadata
 from headstart.inference.sampler import SamplingParams
 from headstart.inference.scheduler import Scheduler, Sequence
 from headstart.models.llama import load_llama
@@ -100,7 +101,8 @@ def _serve_step_by_step(head, batch):
             rows.extend(range(starts[s] + seq.num_cached, starts[s] + seq.num_cached + n))
         rows_t = torch.tensor(rows)
         with torch.no_grad():
-            h, _ = head.draft_step(batch_.input_ids, feats[rows_t], batch_.meta, cache.layers, backend)
+            meta = build_metadata(alloc, batch_.items, torch.device("cpu"))
+            h, _ = head.draft_step(batch_.input_ids, feats[rows_t], meta, cache.layers, backend)
         out[rows_t] = h
         for seq, n in zip(batch_.seqs, batch_.num_tokens):
             seq.num_cached += n

@@ -7,6 +7,7 @@ from tiny_models import FAMILIES, make_hf_model
 
 from headstart.inference.backends import TorchAttention
 from headstart.inference.kv_cache import KVCache, KVCacheSpec, PageAllocator
+from headstart.inference.runner import build_metadata
 from headstart.inference.sampler import SamplingParams
 from headstart.inference.scheduler import Scheduler, Sequence
 from headstart.models.llama import load_llama
@@ -29,6 +30,7 @@ def _runner(model, page_size=4, num_pages=64, max_tokens=4096):
 
     def step():
         batch = sched.schedule()
+        batch.meta = build_metadata(alloc, batch.items, torch.device("cpu"))  # kept for the assertions below
         h, aux = model(batch.input_ids, batch.meta, cache.layers, backend, capture=(0, 1, 2))
         for s, n in zip(batch.seqs, batch.num_tokens):
             s.num_cached += n
