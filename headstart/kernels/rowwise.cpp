@@ -123,7 +123,7 @@ static inline void tile_dp(const uint16_t* x, const uint16_t* w, const float* bi
   for (int64_t k = 0; k < kv; k += 32) {
     __m512bh wv[JB];
     for (int j = 0; j < JB; ++j) {
-      _mm_prefetch(reinterpret_cast<const char*>(w + (j0 + j + 8 * JB) * K + k), _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(w + (j0 + j + 8 * JB) * K + k), _MM_HINT_T1);
       wv[j] = (__m512bh)_mm512_loadu_si512(w + (j0 + j) * K + k);
     }
     for (int m = 0; m < MB; ++m) {
