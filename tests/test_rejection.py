@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from headstart.inference.rejection import (
+    verify_chain,
     verify_full_q,
     verify_greedy,
     verify_mixed_biased,
@@ -248,3 +249,64 @@ def test_merged_metrics_equal_the_steps_added_directly():
         whole.add(acc, d)
     a.merge(b)
     assert a.summary() == whole.summary()
+
+
+# -------------------------------------------- the batched rules (the engine's sampled verify path)
+
+
+def _gap(outcomes, law):
+    counts: dict = {}
+    for seq in outcomes:
+        counts[seq] = counts.get(seq, 0) + 1
+    if not set(counts) <= set(law):
+        return float("inf")
+    n = len(outcomes)
+    return max(abs(counts.get(s, 0) / n - pr) / max((pr * (1 - pr) / n) ** 0.5, 1e-9) for s, pr in law.items())
+
+
+def _batched(drafts, q, g, greedy=None, p=None):
+    n = drafts.shape[0]
+    u = torch.rand(n, K + 1, generator=g, dtype=torch.float64)
+    p = PJ.float().expand(n, K + 1, 5) if p is None else p
+    greedy = torch.zeros(n, dtype=torch.bool) if greedy is None else greedy
+    a, tokens, ok = verify_chain(drafts, p, q, u, greedy)
+    assert bool(ok.all())
+    return [tuple(t[:ai + 1]) for ai, t in zip(a.tolist(), tokens.tolist())]
+
+
+def test_batched_one_hot_rule_follows_the_joint_law():
+    """30,000 sequences in one call: the emitted runs follow the target's sequential law."""
+    g = torch.Generator().manual_seed(5)
+    drafts = torch.tensor([[1, 2, 3]]).expand(NJ, K)
+    assert _gap(_batched(drafts, None, g), _chain_law([1, 2, 3])) < 5
+
+
+def test_batched_full_q_rule_follows_the_joint_law():
+    g = torch.Generator().manual_seed(6)
+    drafts = torch.stack([torch.multinomial(QJ[i].float(), NJ, replacement=True, generator=g) for i in range(K)], 1)
+    assert _gap(_batched(drafts, QJ.float().expand(NJ, K, 5), g), _full_q_law()) < 5
+
+
+def test_batched_rules_catch_the_wrong_row():
+    """The batched rule reading row 0 everywhere (or the bonus from row k-1) breaks the law."""
+    g = torch.Generator().manual_seed(7)
+    drafts = torch.tensor([[1, 2, 3]]).expand(NJ, K)
+    row0 = PJ[0].float().expand(NJ, K + 1, 5)
+    assert _gap(_batched(drafts, None, g, p=row0), _chain_law([1, 2, 3])) > 8
+    shifted = torch.cat([PJ[:K], PJ[K - 1:K]]).float().expand(NJ, K + 1, 5)  # bonus from row k-1
+    assert _gap(_batched(drafts, None, g, p=shifted), _chain_law([1, 2, 3])) > 8
+
+
+def test_batched_greedy_rows_and_empty_distributions():
+    p = PJ.float().expand(3, K + 1, 5).clone()
+    best = p[0].argmax(-1).tolist()  # [1, 2, 3, 0]
+    drafts = torch.tensor([best[:3], [best[0], 4, 4], [4, 4, 4]])
+    u = torch.rand(3, K + 1, dtype=torch.float64)
+    a, tokens, ok = verify_chain(drafts, p, None, u, torch.ones(3, dtype=torch.bool))
+    assert a.tolist() == [3, 1, 0] and bool(ok.all())
+    assert [t[:n + 1] for n, t in zip(a.tolist(), tokens.tolist())] == [best, best[:2], best[:1]]
+    assert [verify_greedy(d, p[0]).tokens for d in drafts.tolist()] == [best, best[:2], best[:1]]
+    p[1] = 0.0  # a request whose processed distribution has no mass: flagged, not sampled
+    _, _, ok = verify_chain(drafts, p, None, torch.full((3, K + 1), 0.5, dtype=torch.float64),
+                            torch.zeros(3, dtype=torch.bool))
+    assert ok.tolist() == [True, False, True]

@@ -21,7 +21,7 @@ import torch
 from headstart.inference.backends import make_backend
 from headstart.inference.detok import IncrementalText
 from headstart.inference.kv_cache import KVCache, KVCacheSpec, PageAllocator, pages_for_budget
-from headstart.inference.rejection import verify_full_q, verify_greedy, verify_one_hot, verify_tree
+from headstart.inference.rejection import Verdict, verify_chain, verify_greedy, verify_tree
 from headstart.inference.runner import ModelRunner
 from headstart.inference.sampler import SamplingParams, processed_probs, rows_logprobs, sample, token_logprobs
 from headstart.inference.scheduler import ScheduledBatch, Scheduler, Sequence, Status
@@ -351,20 +351,13 @@ class Engine:
         if any(p.repetition_penalty != 1.0 for p in params):
             histories = [s.token_ids + d[:j] for s, d in zip(seqs, proposal.drafts) for j in range(k + 1)]
         if histories is None and all(s.params.greedy for s in seqs):  # argmaxes only: one host sync
-            best, p = logits.argmax(-1).tolist(), None
+            best = logits.argmax(-1).tolist()
+            verdicts = [verify_greedy(d, best[b * (k + 1):(b + 1) * (k + 1)]) for b, d in enumerate(proposal.drafts)]
         else:
-            best, p = None, processed_probs(logits, params, histories)
+            verdicts = self._verify_batch(seqs, proposal, processed_probs(logits, params, histories), k)
         outputs, absorb = [], []
-        for b, seq in enumerate(seqs):
-            n, drafts = seq.num_cached, proposal.drafts[b]
-            pb = p[b * (k + 1):(b + 1) * (k + 1)] if p is not None else best[b * (k + 1):(b + 1) * (k + 1)]
-            if seq.params.greedy:
-                verdict = verify_greedy(drafts, pb)
-            elif proposal.q[b] is not None:
-                verdict = verify_full_q(drafts, proposal.q[b], pb, seq.generator)
-            else:
-                verdict = verify_one_hot(drafts, pb, seq.generator)
-            a = verdict.accepted
+        for b, (seq, verdict) in enumerate(zip(seqs, verdicts)):
+            n, a = seq.num_cached, verdict.accepted
             seq.spec_metrics.add(a, k)
             self.spec_metrics.add(a, k)
             rows = list(range(b * (k + 1), b * (k + 1) + a + 1))  # the rows whose logits gave each token
@@ -373,6 +366,25 @@ class Engine:
             if seq.status is not Status.FINISHED:
                 absorb.append((seq, n, n + a + 1, rows))
         return self._finish_spec_step(outputs, absorb, h, aux, t0, t1)
+
+    def _verify_batch(self, seqs: list[Sequence], proposal: Any, p: torch.Tensor, k: int) -> list[Verdict]:
+        """Sampled (or mixed) verification of every sequence at once on the logits' device: k + 1
+        uniforms per sampling request from its own generator, the rules as tensor ops, one host sync."""
+        b = len(seqs)
+        u = torch.stack([torch.rand(k + 1, generator=s.generator, dtype=torch.float64) if not s.params.greedy
+                         else torch.zeros(k + 1, dtype=torch.float64) for s in seqs]).to(p.device)
+        q = torch.stack(proposal.q).to(p.device) if all(x is not None for x in proposal.q) else None
+        drafts = torch.tensor(proposal.drafts, dtype=torch.long, device=p.device)
+        greedy = torch.tensor([s.params.greedy for s in seqs], device=p.device)
+        a, tokens, ok = verify_chain(drafts, p.view(b, k + 1, -1), q, u, greedy)
+        table = torch.cat([a.unsqueeze(1), ok.long().unsqueeze(1), tokens], 1).tolist()  # the one host sync
+        out = []
+        for seq, (acc, good, *toks) in zip(seqs, table):
+            if not good:
+                raise ValueError(f"request {seq.id}: cannot sample: the distribution has no positive finite "
+                                 "probability (all zero or NaN); check the sampling parameters and the logits")
+            out.append(Verdict(acc, toks[:acc + 1]))
+        return out
 
     def _tree_step(self, seqs: list[Sequence]) -> list[RequestOutput]:
         """EAGLE-2: draft a tree per sequence, verify every node in one target pass under a tree mask,

@@ -12,6 +12,11 @@ q = the draft's distribution. Uniforms are float64 draws from the request's own 
            p' = p with the already-rejected siblings removed and renormalised; if all fail, sample
            from the final p'.
 Trap (tested to be detected): accepting with min(1, p/q) but subtracting q only at x in the residual.
+
+`verify_chain` applies the chain rules (greedy, one-hot, full-q) to a whole batch with tensor ops on
+the logits' device, from uniforms drawn up front (k + 1 per sequence per step), so a sampled
+verify step needs one host synchronisation however many sequences and drafts it has. The
+per-sequence functions are the rules' reference definitions (and the tree rule).
 """
 
 from __future__ import annotations
@@ -75,6 +80,50 @@ def verify_full_q(drafts: list[int], q: torch.Tensor, p: torch.Tensor, gen: torc
             residual = p[i].double()
         return Verdict(i, drafts[:i] + [_sample(residual, gen)])
     return Verdict(len(drafts), drafts + [_sample(p[len(drafts)], gen)])
+
+
+def verify_chain(drafts: torch.Tensor, p: torch.Tensor, q: torch.Tensor | None, u: torch.Tensor,
+                 greedy: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The chain rules for a batch, without a host synchronisation.
+
+    drafts (B, k) long; p (B, k+1, V) the processed target distributions; q (B, k, V) the draft
+    distributions when the drafts were sampled from them (full-q rule), else None (one-hot rule);
+    u (B, k+1) float64 uniforms of each request's own generator: u[:, i] decides draft i, u[:, k]
+    draws the correction (or the bonus); rows where `greedy` (B,) bool is set take the greedy rule.
+    Returns accepted (B,), tokens (B, k+1) (the drafts, then the correction / bonus at index
+    `accepted`; later entries are unused) and ok (B,) bool: the distribution drawn from had
+    positive finite mass (else the caller raises, as `_sample` does).
+    """
+    b, k = drafts.shape
+    rows = torch.arange(b, device=p.device)
+    px = p[:, :k].gather(2, drafts.unsqueeze(-1)).squeeze(-1).double()  # (B, k)
+    if q is None:
+        accept = u[:, :k] < px
+    else:  # u <= min(1, p/q)  <=>  u * q <= p  for q > 0 and u in [0, 1)
+        qx = q.gather(2, drafts.unsqueeze(-1)).squeeze(-1).double()
+        accept = (qx > 0) & (u[:, :k] * qx <= px)
+    best = p.argmax(-1)  # (B, k+1)
+    accept = torch.where(greedy.unsqueeze(1), drafts == best[:, :k], accept)
+    a = accept.long().cumprod(1).sum(1)  # leading accepted drafts
+    stop = p[rows, a].double()  # (B, V): the row after the last accepted draft
+    rejected = (a < k).unsqueeze(1)
+    at = a.clamp(max=k - 1)
+    if q is None:  # one-hot: p with the rejected draft removed
+        drop = torch.nn.functional.one_hot(drafts[rows, at], stop.shape[1]).bool() & rejected
+        dist = stop.masked_fill(drop, 0.0)
+    else:  # full-q: norm(max(0, p - q)); p itself when p == q up to rounding
+        diff = (stop - q[rows, at].double()).clamp(min=0.0)
+        diff = torch.where(diff.sum(1, keepdim=True) > 0, diff, stop)
+        dist = torch.where(rejected, diff, stop)
+    positive = dist > 0
+    ok = positive.any(1) & torch.isfinite(dist).all(1)
+    cdf = dist.cumsum(1)
+    idx = torch.searchsorted(cdf, (u[:, k] * cdf[:, -1]).unsqueeze(1), right=True).squeeze(1)
+    last = dist.shape[1] - 1 - positive.flip(1).long().argmax(1)  # the last token with mass
+    drawn = torch.minimum(idx, last)
+    token = torch.where(greedy, best[rows, a], drawn)
+    tokens = torch.cat([drafts, drafts.new_zeros(b, 1)], 1).scatter(1, a.unsqueeze(1), token.unsqueeze(1))
+    return a, tokens, ok
 
 
 def verify_mixed_biased(drafts: list[int], q: torch.Tensor, p: torch.Tensor, gen: torch.Generator | None) -> Verdict:
