@@ -2,7 +2,9 @@
 the rows that share its call; then the property they exist for: greedy speculative output equals greedy
 AR output token for token, alone or batched, in bf16 and fp32."""
 
+import os
 import platform
+import random
 from pathlib import Path
 
 import pytest
@@ -24,6 +26,8 @@ DTYPES = [torch.bfloat16, torch.float32]
 
 @pytest.fixture(scope="module")
 def kernels():
+    if os.environ.get("HEADSTART_KERNELS") == "0":
+        pytest.skip("HEADSTART_KERNELS=0: the kernels are switched off")
     mod = rowwise()
     if platform.machine().lower() in ("x86_64", "amd64"):
         assert mod is not None, "the row-invariant kernels must build on x86-64 (a C++ compiler and ninja)"
@@ -47,6 +51,8 @@ def test_linear_rows_values_and_row_invariance(kernels, dtype, n_out, n_in):
         assert (y.double() - ref).abs().max() <= tol * ref.abs().max()
         for m in (1, 2, 3, 4, 5, 9, 17, 70):  # every tile size and remainder
             assert torch.equal(kernels.linear_rows(x[:m], w, bias), y[:m])
+        for i in range(70):  # every row alone (bf16 rounding hides most order changes: check them all)
+            assert torch.equal(kernels.linear_rows(x[i:i + 1], w, bias), y[i:i + 1]), i
         perm = torch.randperm(70, generator=g)
         assert torch.equal(kernels.linear_rows(x[perm], w, bias), y[perm])
         assert torch.equal(kernels.linear_rows(x[41:42], w, bias), y[41:42])
@@ -87,6 +93,41 @@ def test_paged_attention_rows_values_and_row_invariance(kernels, dtype, dh):
         one = kernels.paged_attention_rows(q[i:i + 1], kc, vc, table, seq[i:i + 1], lens[i:i + 1], extra[i:i + 1],
                                            extra_len[i:i + 1], scale)
         assert torch.equal(one[0], out[i])
+    if dtype == torch.bfloat16:  # the same arithmetic in fp32, rounded to nearest even at the end
+        wide = kernels.paged_attention_rows(q.float(), kc.float(), vc.float(), table, seq, lens, extra, extra_len,
+                                            scale)
+        assert torch.equal(out, wide.bfloat16())
+
+
+def test_kernels_refuse_bad_input(kernels):
+    """Indices the kernels would follow outside their tensors are refused with a message, not read."""
+    w, x = torch.randn(8, 16), torch.randn(2, 16)
+    with pytest.raises(RuntimeError, match="bias"):
+        kernels.linear_rows(x, w, torch.zeros(3))
+    with pytest.raises(RuntimeError, match="floating"):
+        kernels.linear_rows(x.long(), w, None)
+    g = torch.Generator().manual_seed(0)
+    kc, vc = _paged(torch.float32, g, pages=4, page=4, hkv=1, dh=8)
+    q = torch.randn(1, 2, 8)
+    table = torch.tensor([[0, 1]], dtype=torch.int32)
+    one, zero = torch.ones(1, dtype=torch.int32), torch.zeros(1, dtype=torch.int32)
+    ok = dict(row_seq=zero, row_len=one * 5, extra=torch.zeros(1, 1, dtype=torch.int32), extra_len=zero)
+
+    def call(**kw):
+        a = {**ok, **kw}
+        return kernels.paged_attention_rows(q, kc, vc, kw.get("table", table), a["row_seq"], a["row_len"], a["extra"],
+                                            a["extra_len"], 1.0)
+
+    assert call().shape == (1, 2, 8)
+    for bad, match in [(dict(table=torch.tensor([[0, 9]], dtype=torch.int32)), "page id"),
+                       (dict(row_seq=one * 3), "sequence"), (dict(row_len=one * 9), "keys"),
+                       (dict(extra_len=one * 2), "keys"), (dict(row_len=zero), "keys"),
+                       (dict(extra=torch.full((1, 1), 50, dtype=torch.int32), extra_len=one), "extra key"),
+                       (dict(row_seq=torch.zeros(2, dtype=torch.int32)), "row_seq")]:
+        with pytest.raises(RuntimeError, match=match):
+            call(**bad)
+    with pytest.raises(RuntimeError, match="differ"):
+        kernels.paged_attention_rows(q, kc, vc[:2], table, zero, one * 5, ok["extra"], zero, 1.0)
 
 
 def test_mask_key_sets():
@@ -139,8 +180,27 @@ def test_linear_module_uses_the_kernel_only_for_inference(kernels):
     assert x.grad is not None and lin.weight.grad is not None
     with torch.inference_mode():
         assert torch.equal(lin(x.detach()), kernels.linear_rows(x.detach(), lin.weight, lin.bias))
-        big = torch.randn(9, 40)  # above max_rows: torch's kernel
+        at_limit, big = torch.randn(8, 40), torch.randn(9, 40)  # max_rows: ours; above: torch's kernel
+        assert torch.equal(lin(at_limit), kernels.linear_rows(at_limit, lin.weight, lin.bias))
         assert torch.equal(lin(big), F.linear(big, lin.weight, lin.bias))
+    lin.weight.grad = None
+    lin(x.detach()).sum().backward()  # gradients for the weight only: still F.linear
+    assert lin.weight.grad is not None
+    with torch.autocast("cpu", dtype=torch.bfloat16), torch.no_grad():
+        assert lin(x.detach()).dtype == torch.bfloat16  # autocast keeps torch's path
+
+
+def test_validation_leaves_the_training_target_on_torch_kernels(kernels, tiny_dir):
+    """engine_acceptance builds an Engine over the target training keeps using: afterwards every
+    linear is back on torch's kernels (the training forward must not change bits or speed)."""
+    from headstart.heads import HeadConfig, build_head
+    from headstart.train.validate import engine_acceptance
+
+    target = load_llama(tiny_dir, "fp32")
+    head = build_head(HeadConfig(head_type="mtp"), target)
+    out = engine_acceptance(target, head, _prompts(2, seed=3), k=2, max_tokens=6)
+    assert out["steps"] > 0
+    assert all(not m._rows and m._gemv is None for m in target.modules() if isinstance(m, Linear))
 
 
 @pytest.fixture(scope="module")
@@ -164,6 +224,24 @@ def test_greedy_speculation_equals_ar_alone_and_batched(kernels, tiny_dir, dtype
         assert [o.token_ids for o in batched] == alone, spec.method
         one = Engine(target, page_size=4, spec=spec).generate(prompts[:1], params)[0]
         assert one.token_ids == alone[0]
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "fp32"])
+def test_long_prompts_give_the_same_tokens_however_they_are_chunked(kernels, tiny_dir, dtype):
+    """A 100-token prompt prefilled in one step, in chunks of 30, or after another prompt sharing the
+    token budget: the same greedy tokens and the same log-probabilities, bit for bit, with and
+    without speculation."""
+    target = load_llama(tiny_dir, dtype)
+    rng = random.Random(4)
+    long, other = ([rng.randrange(2, 320) for _ in range(n)] for n in (100, 90))
+    params = SamplingParams(max_tokens=20, ignore_eos=True, logprobs=1)
+    ref = Engine(target, page_size=4).generate([long], params)[0]
+    runs = [Engine(target, page_size=4, max_batched_tokens=30).generate([long], params)[0],
+            Engine(target, page_size=4, max_batched_tokens=120).generate([other, long], params)[1],
+            Engine(target, page_size=4, max_batched_tokens=30, spec=_spec(target, "mtp")).generate([long], params)[0]]
+    for out in runs:
+        assert out.token_ids == ref.token_ids
+        assert [e["logprob"] for e in out.logprobs] == [e["logprob"] for e in ref.logprobs]
 
 
 @pytest.mark.real

@@ -44,11 +44,12 @@ class TorchAttention:
     keys j <= kv_len - q_len + i), or a per-sequence custom boolean mask (True = attend).
 
     With the row-invariant CPU kernels (headstart.kernels; `rowwise=True`, the engine's default on
-    CPU), every query of a sequence with at most MAX_ROWS queries (decode, verify, tree nodes, short
-    chunks) is attended on its own, straight from the pages, with a reduction order that depends only
-    on its own key set: a token gets the same bits alone, in a batch, or in a verify block, and a tree
-    node sees the same keys in the same order as the AR step at its position. Longer chunks
-    (prefill) keep SDPA's causal kernel.
+    CPU), every query (with max_rows=None), or every query of a sequence with at most max_rows queries
+    in the step (decode, verify, tree nodes, short chunks), is attended on its own, straight from the
+    pages, with a reduction order that depends only on its own key set: a token gets the same bits
+    alone, in a batch, in a verify block or in any prefill chunk, and a tree node sees the same keys in
+    the same order as the AR step at its position. Longer chunks otherwise keep SDPA's causal kernel
+    (several times faster for long prompts, but its bits depend on where the chunk starts).
 
     Without them: decode steps (one query per sequence) are batched; in bf16/fp16 they use two
     batched matmuls with grouped heads unless the step is one short sequence (measured on the
@@ -60,8 +61,9 @@ class TorchAttention:
 
     name = "torch"
 
-    def __init__(self, rowwise: bool = False) -> None:
+    def __init__(self, rowwise: bool = False, max_rows: int | None = MAX_ROWS) -> None:
         self.rowwise = rowwise
+        self.max_rows = max_rows  # longer sequences' chunks go to SDPA; None: every row takes the kernel
 
     def _kernels(self, meta: AttentionMetadata, dtype: torch.dtype) -> Any:
         if not self.rowwise or meta.positions.device.type != "cpu" or not kernel_dtype_ok(dtype):
@@ -112,7 +114,7 @@ class TorchAttention:
         rows, seq, lens, extras, per_seq, row = [], [], [], [], [], 0
         for s, (ql, kv) in enumerate(zip(meta.q_lens_cpu, meta.kv_lens_cpu)):
             custom = meta.custom_masks[s] if meta.custom_masks is not None else None
-            if custom is None and ql > MAX_ROWS:
+            if custom is None and self.max_rows is not None and ql > self.max_rows:
                 per_seq.append((s, row, ql, kv, *self._chunk_mask(meta, s, ql, kv)))
             else:
                 if custom is not None:
@@ -276,7 +278,8 @@ class FlashInferAttention:
         return wrapper.run(q.contiguous(), (kc, vc))
 
 
-def make_backend(name: str, device: torch.device, cpu_kernels: bool = True) -> TorchAttention | FlashInferAttention:
+def make_backend(name: str, device: torch.device, cpu_kernels: bool = True,
+                 max_rows: int | None = MAX_ROWS) -> TorchAttention | FlashInferAttention:
     """`auto` picks FlashInfer on CUDA when it is installed, torch otherwise; on CPU the torch backend
     uses the row-invariant kernels unless cpu_kernels=False."""
     if name == "auto":
@@ -290,7 +293,7 @@ def make_backend(name: str, device: torch.device, cpu_kernels: bool = True) -> T
         else:
             name = "torch"
     if name == "torch":
-        return TorchAttention(rowwise=cpu_kernels and device.type == "cpu")
+        return TorchAttention(rowwise=cpu_kernels and device.type == "cpu", max_rows=max_rows)
     if name == "flashinfer":
         if device.type != "cuda":
             raise ValueError("the flashinfer backend needs a CUDA device; use --backend torch on CPU")

@@ -105,9 +105,10 @@ class Engine:
 
                 tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
         self.tokenizer = tokenizer
-        # CPU: the row-invariant kernels (headstart.kernels) for every matmul when batch_invariant
-        # (a token's logits never depend on what shares its step: greedy speculation equals greedy
-        # AR), else for matmuls of up to MAX_ROWS rows (decode, verify) and torch's for prefill.
+        # CPU: the row-invariant kernels (headstart.kernels) for every matmul and attention row when
+        # batch_invariant (a token's logits never depend on what shares its step or where its prompt
+        # was chunked: greedy speculation equals greedy AR), else for matmuls of up to MAX_ROWS rows
+        # and sequences with up to MAX_ROWS queries in the step (decode, verify), torch's for prefill.
         self._max_rows = None if batch_invariant else MAX_ROWS
         self.kernels = "torch"
         if cpu_kernels and self.device.type == "cpu":
@@ -133,7 +134,7 @@ class Engine:
                 num_pages = pages_for_budget(kv_cache_gb, specs, page_size)
         self.allocator = PageAllocator(num_pages, page_size)
         self.cache = KVCache(kv_spec, num_pages, page_size, self.device)
-        self.backend = make_backend(backend, self.device, cpu_kernels)
+        self.backend = make_backend(backend, self.device, cpu_kernels, self._max_rows)
         self.runner = ModelRunner(self.model, self.cache, self.allocator, self.backend, self.device)
         self.proposer = None
         if draft is not None and cpu_kernels and self.device.type == "cpu":

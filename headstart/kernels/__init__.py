@@ -44,35 +44,40 @@ def build_key() -> str:
 
 
 def rowwise() -> Any:
-    """The compiled kernels, or None (the reason is warned once)."""
+    """The compiled kernels, or None (the reason is warned once). Callers in other threads wait for
+    a build in progress rather than fall back to torch's kernels for part of a model."""
     global _module, _tried
     if _tried:
         return _module
     with _lock:
-        if _tried:
-            return _module
-        _tried = True
-        if os.environ.get("HEADSTART_KERNELS", "1") == "0":
-            return None
-        if platform.machine().lower() not in ("x86_64", "amd64"):
-            warnings.warn("headstart: row-invariant kernels are built for x86-64 only; using torch's", stacklevel=2)
-            return None
-        try:
-            from torch.utils.cpp_extension import load
-
-            from headstart.assets import cache_dir
-
-            key = build_key()
-            build = Path(os.environ.get("HEADSTART_KERNEL_CACHE") or cache_dir() / "kernels").expanduser() / key
-            build.mkdir(parents=True, exist_ok=True)
-            _module = load(name=f"headstart_rowwise_{key}", sources=[str(_SOURCE)], build_directory=str(build),
-                           extra_cflags=["-O3", "-march=native", "-ffp-contract=fast", "-fopenmp"],
-                           extra_ldflags=["-fopenmp"], verbose=False)
-        except Exception as e:  # noqa: BLE001 - any build failure leaves torch's kernels in place
-            warnings.warn(f"headstart: could not build the row-invariant CPU kernels ({type(e).__name__}: "
-                          f"{str(e).strip().splitlines()[-1] if str(e).strip() else e}); using torch's", stacklevel=2)
-            _module = None
+        if not _tried:
+            _module = _build()
+            _tried = True
         return _module
+
+
+def _build() -> Any:
+    if os.environ.get("HEADSTART_KERNELS", "1") == "0":
+        return None
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        warnings.warn("headstart: row-invariant kernels are built for x86-64 only; using torch's", stacklevel=3)
+        return None
+    try:
+        from torch.utils.cpp_extension import load
+
+        from headstart.assets import cache_dir
+
+        key = build_key()
+        build = Path(os.environ.get("HEADSTART_KERNEL_CACHE") or cache_dir() / "kernels").expanduser() / key
+        build.mkdir(parents=True, exist_ok=True)
+        return load(name=f"headstart_rowwise_{key}", sources=[str(_SOURCE)], build_directory=str(build),
+                    extra_cflags=["-O3", "-march=native", "-ffp-contract=fast", "-fopenmp"],
+                    extra_ldflags=["-fopenmp"], verbose=False)
+    except Exception as e:  # noqa: BLE001 - any build failure leaves torch's kernels in place
+        reason = str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__
+        warnings.warn(f"headstart: could not build the row-invariant CPU kernels ({type(e).__name__}: {reason}); "
+                      "using torch's", stacklevel=3)
+        return None
 
 
 # Row counts up to which the row-invariant kernels serve a linear or a sequence's queries (decode,

@@ -203,7 +203,12 @@ static void linear_impl(const float* x, const W* w, const float* bias, float* y,
 torch::Tensor linear_rows(torch::Tensor x, torch::Tensor w, c10::optional<torch::Tensor> bias) {
   TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && x.size(1) == w.size(1), "linear_rows: shapes (M, K) x (N, K)");
   TORCH_CHECK(w.scalar_type() == at::kBFloat16 || w.scalar_type() == at::kFloat, "linear_rows: bf16 or fp32 weights");
+  TORCH_CHECK(x.is_floating_point(), "linear_rows: floating-point inputs");
+  TORCH_CHECK(x.device().is_cpu() && w.device().is_cpu(), "linear_rows: CPU tensors");
   const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
+  if (bias.has_value() && bias->defined())
+    TORCH_CHECK(bias->device().is_cpu() && bias->dim() == 1 && bias->size(0) == N && bias->is_floating_point(),
+                "linear_rows: bias must be a CPU float vector of ", N, " values");
   auto wc = w.contiguous();
   torch::Tensor bf;
   if (bias.has_value() && bias->defined()) bf = bias->to(at::kFloat).contiguous();
@@ -376,14 +381,37 @@ torch::Tensor paged_attention_rows(torch::Tensor q, torch::Tensor k_cache, torch
   TORCH_CHECK(q.scalar_type() == at::kBFloat16 || q.scalar_type() == at::kFloat,
               "paged_attention_rows: bf16 or fp32");
   const int64_t R = q.size(0), Hq = q.size(1), Dh = q.size(2), page = k_cache.size(1), Hkv = k_cache.size(2);
-  TORCH_CHECK(Hq % Hkv == 0 && k_cache.size(3) == Dh, "paged_attention_rows: head shapes");
+  TORCH_CHECK(Hkv > 0 && page > 0 && Hq % Hkv == 0 && k_cache.size(3) == Dh, "paged_attention_rows: head shapes");
+  TORCH_CHECK(v_cache.sizes() == k_cache.sizes() && v_cache.scalar_type() == k_cache.scalar_type(),
+              "paged_attention_rows: k and v caches differ in shape or dtype");
+  for (const auto* t : {&q, &k_cache, &v_cache, &page_table, &row_seq, &row_len, &extra, &extra_len})
+    TORCH_CHECK(t->device().is_cpu(), "paged_attention_rows: CPU tensors");
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "paged_attention_rows: contiguous caches");
+  TORCH_CHECK(page_table.dim() == 2 && extra.dim() == 2 && extra.size(0) == R && row_seq.numel() == R &&
+                  row_len.numel() == R && extra_len.numel() == R,
+              "paged_attention_rows: page_table (B, P), extra (R, E), row_seq / row_len / extra_len (R)");
   auto qc = q.contiguous();
   auto table = page_table.to(at::kInt).contiguous();
   auto seq = row_seq.to(at::kInt).contiguous();
   auto len = row_len.to(at::kInt).contiguous();
   auto ex = extra.to(at::kInt).contiguous();
   auto exl = extra_len.to(at::kInt).contiguous();
-  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "paged_attention_rows: contiguous caches");
+  {  // every index the kernel follows stays inside the tensors it reads
+    const int64_t B = table.size(0), maxp = table.size(1), P = k_cache.size(0), E = ex.size(1);
+    const int32_t* tp = table.data_ptr<int32_t>();
+    for (int64_t i = 0; i < B * maxp; ++i)
+      TORCH_CHECK(tp[i] >= 0 && tp[i] < P, "paged_attention_rows: page id ", tp[i], " outside the cache's ", P);
+    for (int64_t r = 0; r < R; ++r) {
+      const int32_t s = seq.data_ptr<int32_t>()[r], l = len.data_ptr<int32_t>()[r], e = exl.data_ptr<int32_t>()[r];
+      TORCH_CHECK(s >= 0 && s < B, "paged_attention_rows: row ", r, " names sequence ", s, " of ", B);
+      TORCH_CHECK(l >= 0 && l <= maxp * page && e >= 0 && e <= E && l + e > 0,
+                  "paged_attention_rows: row ", r, " has ", l, " + ", e, " keys (at most ", maxp * page, " + ", E, ")");
+      for (int64_t j = 0; j < e; ++j) {
+        const int32_t pos = ex.data_ptr<int32_t>()[r * E + j];
+        TORCH_CHECK(pos >= 0 && pos < maxp * page, "paged_attention_rows: row ", r, " extra key ", pos, " outside");
+      }
+    }
+  }
   auto outf = torch::empty({R, Hq, Dh}, q.options().dtype(at::kFloat));
   const int64_t E = ex.dim() == 2 ? ex.size(1) : 0;
   if (q.scalar_type() == at::kBFloat16) {

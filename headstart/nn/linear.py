@@ -14,6 +14,9 @@ Training never enables them, and a forward that records gradients always takes F
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -38,7 +41,7 @@ class Linear(nn.Linear):
         if w.device.type != "cpu":
             return ""
         if rowwise_kernels and kernel_dtype_ok(w.dtype) and rowwise() is not None:
-            self._rows, self._gemv, self._gemv_kind = max_rows or 1 << 62, None, ""
+            self._rows, self._gemv, self._gemv_kind = 1 << 62 if max_rows is None else max_rows, None, ""
             return "rows"
         if w.dtype == torch.bfloat16 and float(w.abs().max()) < _FP16_MAX:
             self._gemv, self._gemv_kind = w.to(torch.float16).contiguous(), "fp16"
@@ -52,8 +55,9 @@ class Linear(nn.Linear):
         self._gemv, self._gemv_kind, self._rows = None, "", 0
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if (not self._rows and self._gemv is None) or x.dim() != 2 or (
-                torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad)):
+        if (not self._rows and self._gemv is None) or x.dim() != 2 or not x.is_cpu or not self.weight.is_cpu or (
+                torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad)) or (
+                torch.is_autocast_enabled("cpu")):
             return F.linear(x, self.weight, self.bias)
         if self._rows:
             if x.shape[0] <= self._rows and x.dtype == self.weight.dtype:
@@ -71,3 +75,15 @@ class Linear(nn.Linear):
 def enable_cpu_kernels(module: nn.Module, rowwise_kernels: bool = True, max_rows: int | None = MAX_ROWS) -> list[str]:
     """enable_cpu_kernels on every Linear of a module; returns the kernel each got."""
     return [m.enable_cpu_kernels(rowwise_kernels, max_rows) for m in module.modules() if isinstance(m, Linear)]
+
+
+@contextlib.contextmanager
+def cpu_kernels_restored(module: nn.Module) -> Iterator[None]:
+    """Run a block (e.g. an Engine over a model that training keeps using) and put every Linear's
+    kernel choice back as it was afterwards."""
+    saved = [(m, m._rows, m._gemv, m._gemv_kind) for m in module.modules() if isinstance(m, Linear)]
+    try:
+        yield
+    finally:
+        for m, rows, gemv, kind in saved:
+            m._rows, m._gemv, m._gemv_kind = rows, gemv, kind

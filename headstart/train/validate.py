@@ -33,6 +33,7 @@ def engine_acceptance(target: LlamaForCausalLM, head: DraftHead, prompts: list[l
     from headstart.inference.engine import Engine
     from headstart.inference.sampler import SamplingParams
     from headstart.inference.spec import SpecConfig
+    from headstart.nn.linear import cpu_kernels_restored
 
     if not prompts:
         return {"steps": 0, "tau": None, "alpha": None, "accept_rate_per_pos": []}
@@ -46,9 +47,11 @@ def engine_acceptance(target: LlamaForCausalLM, head: DraftHead, prompts: list[l
     longest = max(len(p) for p in prompts) + max_tokens + spec.lookahead + 1
     pages = len(prompts) * (-(-longest // page) + 1) + 8
     device = target.model.embed_tokens.weight.device
-    engine = Engine(target, tokenizer=tokenizer, device=device, page_size=page, num_pages=pages,
-                    max_batch_size=len(prompts), seed=seed, spec=spec)
-    with torch.inference_mode():
+    # The engine switches the target's linears to its inference kernels; training keeps using the
+    # target afterwards, with torch's kernels: put them back when validation is done.
+    with cpu_kernels_restored(target), torch.inference_mode():
+        engine = Engine(target, tokenizer=tokenizer, device=device, page_size=page, num_pages=pages,
+                        max_batch_size=len(prompts), seed=seed, spec=spec)
         engine.generate(prompts, SamplingParams(max_tokens=max_tokens, temperature=0.0))
     out = engine.spec_metrics.summary()
     out["prompts"] = len(prompts)
