@@ -383,3 +383,17 @@ def test_greedy_speculation_with_a_repetition_penalty_is_lossless(target):
     eng = Engine(target, page_size=4, spec=_spec(target, "mtp"))
     assert [o.token_ids for o in eng.generate(prompts, params)] == ref
     assert eng.spec_metrics.summary()["steps"] > 0
+
+
+@pytest.mark.parametrize("kind", ["mtp", "draft_lm", "medusa"])
+def test_after_every_step_a_sequence_holds_exactly_its_cached_slots(target, kind):
+    """Rejected drafts give their slots back at once: after each step, every running sequence has
+    exactly num_cached slots reserved (a leak would only show when the pool runs dry)."""
+    eng = Engine(target, page_size=4, spec=_spec(target, kind))
+    for p in _prompts(4, seed=6):
+        eng.add_request(p, SamplingParams(max_tokens=14, ignore_eos=True))
+    while eng.has_unfinished():
+        eng.step()
+        for seq in eng.scheduler.running:
+            assert eng.allocator.length(seq.id) == seq.num_cached
+    assert eng.spec_metrics.steps > 0
