@@ -114,8 +114,8 @@ static inline void tile(const float* x, const W* w, const float* bias, float* y,
 // bf16 activations x bf16 weights with the CPU's bf16 dot product (pairs of products summed into
 // fp32 lanes): half the instructions of widening both operands, and no conversion of the weights.
 template <int MB, int JB>
-static inline void tile_dp(const uint16_t* x, const uint16_t* w, const float* bias, float* y, int64_t m0,
-                           int64_t j0, int64_t N, int64_t K) {
+static inline void tile(const uint16_t* x, const uint16_t* w, const float* bias, float* y, int64_t m0, int64_t j0,
+                        int64_t N, int64_t K) {
   __m512 acc[MB][JB];
   for (int m = 0; m < MB; ++m)
     for (int j = 0; j < JB; ++j) acc[m][j] = _mm512_setzero_ps();
@@ -141,38 +141,11 @@ static inline void tile_dp(const uint16_t* x, const uint16_t* w, const float* bi
   }
 }
 
-template <int JB>
-static void rows_tile_dp(const uint16_t* x, const uint16_t* w, const float* bias, float* y, int64_t M, int64_t j0,
-                         int64_t N, int64_t K) {
-  int64_t m = 0;
-  for (; m + 4 <= M; m += 4) tile_dp<4, JB>(x, w, bias, y, m, j0, N, K);
-  switch (M - m) {
-    case 3: tile_dp<3, JB>(x, w, bias, y, m, j0, N, K); break;
-    case 2: tile_dp<2, JB>(x, w, bias, y, m, j0, N, K); break;
-    case 1: tile_dp<1, JB>(x, w, bias, y, m, j0, N, K); break;
-    default: break;
-  }
-}
-
-static void linear_dp(const uint16_t* x, const uint16_t* w, const float* bias, float* y, int64_t M, int64_t N,
-                      int64_t K) {
-  constexpr int JB = 4;
-  const int64_t blocks = (N + JB - 1) / JB;
-  at::parallel_for(0, blocks, 16, [&](int64_t b0, int64_t b1) {
-    for (int64_t b = b0; b < b1; ++b) {
-      const int64_t j0 = b * JB;
-      if (j0 + JB <= N) {
-        rows_tile_dp<JB>(x, w, bias, y, M, j0, N, K);
-      } else {
-        for (int64_t j = j0; j < N; ++j) rows_tile_dp<1>(x, w, bias, y, M, j, N, K);
-      }
-    }
-  });
-}
 #endif
 
-template <int JB, typename W>
-static void rows_tile(const float* x, const W* w, const float* bias, float* y, int64_t M, int64_t j0, int64_t N,
+// The rows in tiles of four (then three, two, one): a row's arithmetic is the same in every tile size.
+template <int JB, typename X, typename W>
+static void rows_tile(const X* x, const W* w, const float* bias, float* y, int64_t M, int64_t j0, int64_t N,
                       int64_t K) {
   int64_t m = 0;
   for (; m + 4 <= M; m += 4) tile<4, JB>(x, w, bias, y, m, j0, N, K);
@@ -184,8 +157,8 @@ static void rows_tile(const float* x, const W* w, const float* bias, float* y, i
   }
 }
 
-template <typename W>
-static void linear_impl(const float* x, const W* w, const float* bias, float* y, int64_t M, int64_t N, int64_t K) {
+template <typename X, typename W>
+static void linear_impl(const X* x, const W* w, const float* bias, float* y, int64_t M, int64_t N, int64_t K) {
   constexpr int JB = 4;
   const int64_t blocks = (N + JB - 1) / JB;
   at::parallel_for(0, blocks, 16, [&](int64_t b0, int64_t b1) {
@@ -222,8 +195,8 @@ torch::Tensor linear_rows(torch::Tensor x, torch::Tensor w, c10::optional<torch:
   auto xf = dp ? x.contiguous() : x.to(at::kFloat).contiguous();
   if (dp) {
 #if defined(__AVX512BF16__)
-    linear_dp(reinterpret_cast<const uint16_t*>(xf.data_ptr<at::BFloat16>()),
-              reinterpret_cast<const uint16_t*>(wc.data_ptr<at::BFloat16>()), bp, y.data_ptr<float>(), M, N, K);
+    linear_impl(reinterpret_cast<const uint16_t*>(xf.data_ptr<at::BFloat16>()),
+                reinterpret_cast<const uint16_t*>(wc.data_ptr<at::BFloat16>()), bp, y.data_ptr<float>(), M, N, K);
 #endif
   } else if (wc.scalar_type() == at::kBFloat16) {
     linear_impl(xf.data_ptr<float>(), reinterpret_cast<const uint16_t*>(wc.data_ptr<at::BFloat16>()), bp,
