@@ -19,6 +19,7 @@
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -242,23 +243,31 @@ static inline fvec vexp(fvec x) {
   return p * scale;
 }
 
-// One task = one (row, query head): scores over the row's key set, softmax, the weighted sum of
-// values. Nothing in a task depends on any other row.
+// One task = one row and up to four query heads of one KV head: scores over the row's key set,
+// softmax, the weighted sum of values. The heads of a task share each key and value load; every
+// head's arithmetic is the same whatever the grouping, and nothing depends on any other row.
 template <typename T>
 static void attention_impl(const T* q, const T* kc, const T* vc, const int32_t* table, int64_t max_pages,
                            const int32_t* row_seq, const int32_t* row_len, const int32_t* extra, int64_t E,
                            const int32_t* extra_len, int64_t R, int64_t Hq, int64_t Hkv, int64_t Dh, int64_t page,
                            double scale, float* outf) {
+  constexpr int64_t GMAX = 4;
   const int64_t G = Hq / Hkv;
   const bool vec = Dh % VL == 0 && Dh / VL <= 16;
-  at::parallel_for(0, R * Hq, 1, [&](int64_t t0, int64_t t1) {
-    std::vector<float> qf(Dh), scores;
+  // Few rows (decode): one head per task keeps both threads busy; more rows: heads share loads.
+  const int64_t GB = R * Hkv >= 2 * at::get_num_threads() ? std::min(G, GMAX) : 1;
+  const int64_t gblocks = (G + GB - 1) / GB;
+  at::parallel_for(0, R * Hkv * gblocks, 1, [&](int64_t t0, int64_t t1) {
+    std::vector<float> qf(GMAX * Dh), scores;
     std::vector<int64_t> slots;
     int64_t slots_row = -1;
+    const float sc = static_cast<float>(scale);
     for (int64_t t = t0; t < t1; ++t) {
-      const int64_t r = t / Hq, hq = t % Hq, h = hq / G;
+      const int64_t r = t / (Hkv * gblocks), h = (t / gblocks) % Hkv, g0 = (t % gblocks) * GB;
+      const int64_t n = std::min(GB, G - g0), hq0 = h * G + g0;
       const int64_t L = row_len[r], total = L + extra_len[r];
-      for (int64_t d = 0; d < Dh; ++d) qf[d] = scalar(q[(r * Hq + hq) * Dh + d]);
+      for (int64_t g = 0; g < n; ++g)
+        for (int64_t d = 0; d < Dh; ++d) qf[g * Dh + d] = scalar(q[(r * Hq + hq0 + g) * Dh + d]);
       if (slots_row != r) {  // the row's key slots (x Hkv), page by page: no division per key
         const int32_t* pages = table + static_cast<int64_t>(row_seq[r]) * max_pages;
         slots.resize(total);
@@ -273,74 +282,87 @@ static void attention_impl(const T* q, const T* kc, const T* vc, const int32_t* 
         slots_row = r;
       }
       const int64_t padded = (total + VL - 1) / VL * VL;
-      scores.assign(padded, -std::numeric_limits<float>::infinity());
-      const float sc = static_cast<float>(scale);
+      scores.assign(n * padded, -std::numeric_limits<float>::infinity());
       int64_t i = 0;
       if (vec) {  // four keys at a time: independent chains (each key's sum is computed alone)
         for (; i + 4 <= total; i += 4) {
-          const T* k0 = kc + (slots[i] + h) * Dh;
-          const T* k1 = kc + (slots[i + 1] + h) * Dh;
-          const T* k2 = kc + (slots[i + 2] + h) * Dh;
-          const T* k3 = kc + (slots[i + 3] + h) * Dh;
-          fvec a0{}, a1{}, a2{}, a3{};
+          const T* kp[4];
+          for (int c = 0; c < 4; ++c) kp[c] = kc + (slots[i + c] + h) * Dh;
+          fvec a[GMAX][4];
+          for (int64_t g = 0; g < n; ++g)
+            for (int c = 0; c < 4; ++c) a[g][c] = fvec{};
           for (int64_t d = 0; d < Dh; d += VL) {
-            const fvec qv = load(qf.data() + d);
-            a0 = a0 + qv * load(k0 + d);
-            a1 = a1 + qv * load(k1 + d);
-            a2 = a2 + qv * load(k2 + d);
-            a3 = a3 + qv * load(k3 + d);
+            fvec kv[4];
+            for (int c = 0; c < 4; ++c) kv[c] = load(kp[c] + d);
+            for (int64_t g = 0; g < n; ++g) {
+              const fvec qv = load(qf.data() + g * Dh + d);
+              for (int c = 0; c < 4; ++c) a[g][c] = a[g][c] + qv * kv[c];
+            }
           }
-          scores[i] = hsum(a0) * sc;
-          scores[i + 1] = hsum(a1) * sc;
-          scores[i + 2] = hsum(a2) * sc;
-          scores[i + 3] = hsum(a3) * sc;
+          for (int64_t g = 0; g < n; ++g)
+            for (int c = 0; c < 4; ++c) scores[g * padded + i + c] = hsum(a[g][c]) * sc;
         }
       }
       for (; i < total; ++i) {
         const T* kp = kc + (slots[i] + h) * Dh;
-        float s = 0.f;
-        int64_t d = 0;
-        if (vec) {
-          fvec a{};
-          for (; d < Dh; d += VL) a = a + load(qf.data() + d) * load(kp + d);
-          s = hsum(a);
+        for (int64_t g = 0; g < n; ++g) {
+          const float* qg = qf.data() + g * Dh;
+          float s = 0.f;
+          int64_t d = 0;
+          if (vec) {
+            fvec a{};
+            for (; d < Dh; d += VL) a = a + load(qg + d) * load(kp + d);
+            s = hsum(a);
+          }
+          for (; d < Dh; ++d) s += qg[d] * scalar(kp[d]);
+          scores[g * padded + i] = s * sc;
         }
-        for (; d < Dh; ++d) s += qf[d] * scalar(kp[d]);
-        scores[i] = s * sc;
       }
-      float mx = -std::numeric_limits<float>::infinity();
-      for (int64_t i = 0; i < total; ++i) mx = scores[i] > mx ? scores[i] : mx;
-      fvec sums{};
-      for (int64_t i = 0; i < padded; i += VL) {
-        fvec e = vexp(load(scores.data() + i) - mx);
-        if (i + VL > total)
-          for (int64_t j = total - i; j < VL; ++j) e[j] = 0.f;
-        std::memcpy(scores.data() + i, &e, sizeof(e));
-        sums = sums + e;
+      float inv[GMAX];
+      for (int64_t g = 0; g < n; ++g) {
+        float* sg = scores.data() + g * padded;
+        float mx = -std::numeric_limits<float>::infinity();
+        for (int64_t j = 0; j < total; ++j) mx = sg[j] > mx ? sg[j] : mx;
+        fvec sums{};
+        for (int64_t j = 0; j < padded; j += VL) {
+          fvec e = vexp(load(sg + j) - mx);
+          if (j + VL > total)
+            for (int64_t l = total - j; l < VL; ++l) e[l] = 0.f;
+          std::memcpy(sg + j, &e, sizeof(e));
+          sums = sums + e;
+        }
+        inv[g] = 1.f / hsum(sums);
       }
-      const float inv = 1.f / hsum(sums);
-      float* o = outf + (r * Hq + hq) * Dh;
       if (vec) {
-        fvec acc[16];
         const int64_t nv = Dh / VL;
-        for (int64_t j = 0; j < nv; ++j) acc[j] = fvec{};
-        for (int64_t i = 0; i < total; ++i) {
-          const T* vp = vc + (slots[i] + h) * Dh;
-          const float p = scores[i];
-          for (int64_t j = 0; j < nv; ++j) acc[j] = acc[j] + p * load(vp + j * VL);
+        fvec acc[GMAX][16];
+        for (int64_t g = 0; g < n; ++g)
+          for (int64_t j = 0; j < nv; ++j) acc[g][j] = fvec{};
+        for (int64_t k = 0; k < total; ++k) {
+          const T* vp = vc + (slots[k] + h) * Dh;
+          for (int64_t j = 0; j < nv; ++j) {
+            const fvec v = load(vp + j * VL);
+            for (int64_t g = 0; g < n; ++g) acc[g][j] = acc[g][j] + scores[g * padded + k] * v;
+          }
         }
-        for (int64_t j = 0; j < nv; ++j) {
-          const fvec y = acc[j] * inv;
-          std::memcpy(o + j * VL, &y, sizeof(y));
+        for (int64_t g = 0; g < n; ++g) {
+          float* o = outf + (r * Hq + hq0 + g) * Dh;
+          for (int64_t j = 0; j < nv; ++j) {
+            const fvec y = acc[g][j] * inv[g];
+            std::memcpy(o + j * VL, &y, sizeof(y));
+          }
         }
       } else {
-        for (int64_t d = 0; d < Dh; ++d) o[d] = 0.f;
-        for (int64_t i = 0; i < total; ++i) {
-          const T* vp = vc + (slots[i] + h) * Dh;
-          const float p = scores[i];
-          for (int64_t d = 0; d < Dh; ++d) o[d] += p * scalar(vp[d]);
+        for (int64_t g = 0; g < n; ++g) {
+          float* o = outf + (r * Hq + hq0 + g) * Dh;
+          for (int64_t d = 0; d < Dh; ++d) o[d] = 0.f;
+          for (int64_t k = 0; k < total; ++k) {
+            const T* vp = vc + (slots[k] + h) * Dh;
+            const float p = scores[g * padded + k];
+            for (int64_t d = 0; d < Dh; ++d) o[d] += p * scalar(vp[d]);
+          }
+          for (int64_t d = 0; d < Dh; ++d) o[d] *= inv[g];
         }
-        for (int64_t d = 0; d < Dh; ++d) o[d] *= inv;
       }
     }
   });
