@@ -1,0 +1,386 @@
+"""The verbs behind `headstart <verb>` (headstart.cli builds the parser and dispatches here).
+
+Each `cmd_*` takes the parsed arguments and returns the exit status; heavy imports happen inside,
+so `headstart --help` stays instant.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Any
+
+from headstart import __version__
+from headstart.errors import HeadstartError
+
+
+def cmd_assets(args: argparse.Namespace) -> int:
+    from headstart.assets import prepare_all
+
+    report = prepare_all()
+    if args.json:
+        print(json.dumps(report, indent=2))
+        return 0
+    print(f"cache: {report['cache_dir']}")
+    for m in report["models"]:
+        state = f"converted in {m['seconds']:.1f}s" if m["converted_now"] else "cached"
+        print(f"model {m['name']:<14} {m['path']}  ({state}; {m['num_hidden_layers']} layers, "
+              f"d={m['hidden_size']}, vocab {m['vocab_size']:,})")
+    for d in report["datasets"]:
+        state = f"salvaged in {d['seconds']:.1f}s" if d["salvaged_now"] else "cached"
+        print(f"data  {d['name']:<14} {d['path']}  ({state}; {d['conversations']:,} complete conversations, "
+              f"{d['bytes_unparsed']:,} of {d['bytes_total']:,} bytes at the end unparsable)")
+    return 0
+
+
+def cmd_data_inspect(args: argparse.Namespace) -> int:
+    from headstart.config import load_recipe
+    from headstart.data.dataset import build_dataset, stats_dict
+    from headstart.data.template import mark_supervised
+
+    overrides = list(args.overrides)
+    if args.limit is not None:
+        overrides.append(f"data.limit={args.limit}")
+    recipe = load_recipe(args.recipe, overrides)
+    built = build_dataset(recipe.data, recipe.target.model, progress=not args.json)
+    s = built.stats
+    if args.json:
+        print(json.dumps(stats_dict(s), indent=2))
+        return 0
+    pct = f"{100 * s.supervised_fraction:.1f}%"
+    rows = [
+        ("recipe", f"{args.recipe} (target {recipe.target.model}, data {recipe.data.source}, "
+                   f"max_length {recipe.data.max_length})"),
+        ("rows read", f"{s.rows_read:,}"),
+        ("conversations", f"{s.conversations:,} kept"),
+        ("skipped", f"{sum(s.skipped.values()):,}" + (f"  ({_reasons(s.skipped)})" if s.skipped else "")),
+        ("repaired", _reasons(s.repaired) if s.repaired else "none"),
+        ("truncated", f"{s.truncated:,} (cut to {recipe.data.max_length} tokens, kept)"),
+        ("tokens", f"{s.tokens:,}"),
+        ("supervised tokens", f"{s.supervised_tokens:,} ({pct} of tokens)"),
+        ("split", f"train {s.train_conversations:,} conversations / {s.train_tokens:,} tokens; "
+                  f"held out {s.heldout_conversations:,} / {s.heldout_tokens:,} "
+                  f"(heldout_fraction {recipe.data.heldout_fraction}, by id hash)"),
+    ]
+    if s.unparsed_tail_bytes:
+        rows.append(("source tail", f"{s.unparsed_tail_bytes:,} bytes at the end of the file were cut off mid-record"))
+    for k, v in rows:
+        print(f"{k:<18} {v}")
+    for reason, where in s.skipped_examples.items():
+        print(f"  {reason}: e.g. {'; '.join(where)}")
+    _print_sample(built, args.sample, mark_supervised)
+    return 0
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    import time
+
+    from headstart.data.sources import read_prompts
+    from headstart.inference import Engine, SamplingParams
+    from headstart.inference.spec import SpecConfig
+
+    if args.prompts:
+        read = read_prompts(args.prompts)
+        if read.skipped:
+            print(f"{args.prompts}: skipped {sum(read.skipped.values())} rows ({_reasons(dict(read.skipped))})",
+                  file=sys.stderr)
+        if not read.conversations:
+            raise HeadstartError(f"{args.prompts}: no usable prompts")
+        ids = [c["id"] for c in read.conversations]
+        prompts: list = [c["messages"] for c in read.conversations]
+    else:
+        ids = [str(i) for i in range(len(args.prompt))]
+        prompts = list(args.prompt)
+    device = _device(args.device)
+    try:
+        params = [
+            SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+                           top_k=args.top_k, min_p=args.min_p, repetition_penalty=args.repetition_penalty,
+                           seed=args.seed + i, stop=args.stop)
+            for i in range(len(prompts))
+        ]
+        spec = None
+        if args.spec == "tree":
+            spec = SpecConfig(method="tree", head=args.head, k=args.tree_depth, tree_topk=args.tree_topk,
+                              tree_tokens=args.tree_tokens, allow_other_target=args.allow_other_target)
+        elif args.spec is not None:
+            spec = SpecConfig(method=args.spec, k=args.k, head=args.head, draft=args.draft,
+                              draft_sampling=args.draft_sampling, allow_other_target=args.allow_other_target)
+        from headstart.hardware import resolve_dtype
+
+        args.dtype = resolve_dtype(args.dtype, device)
+        engine = Engine(args.model, dtype=args.dtype, device=device, backend=args.backend,
+                        kv_cache_gb=args.kv_cache_gb, page_size=args.page_size, max_batch_size=args.batch_size,
+                        seed=args.seed, spec=spec, batch_invariant=not args.no_batch_invariant)
+        chat = not args.raw
+        stream = len(prompts) == 1 and not args.json and sys.stdout.isatty()
+        printed = [0]
+
+        def on_output(out: Any) -> None:
+            if stream:
+                print(out.text[printed[0]:], end="", flush=True)
+                printed[0] = len(out.text)
+            elif not args.json and out.finished:
+                print(f"--- [{ids[int(out.id)]}] ({len(out.token_ids)} tokens, {out.finish_reason})")
+                print(out.text, flush=True)
+
+        start = time.perf_counter()
+        outs = engine.generate(prompts, params, chat=chat, on_output=on_output,
+                               request_ids=[str(i) for i in range(len(prompts))])
+        seconds = time.perf_counter() - start
+    except ValueError as e:
+        raise HeadstartError(str(e)) from None
+    generated = sum(len(o.token_ids) for o in outs)
+    summary: dict[str, Any] = {"tokens_per_s": round(generated / seconds, 2) if seconds else 0.0,
+                               "generated_tokens": generated, "seconds": round(seconds, 3)}
+    if spec is not None:
+        summary.update(engine.spec_metrics.summary())
+    if args.json:
+        for rid, o in zip(ids, outs):
+            row = {"id": rid, "token_ids": o.token_ids, "text": o.text, "finish_reason": o.finish_reason}
+            if o.spec_metrics is not None:
+                row["tau"] = o.spec_metrics["tau"]
+            print(json.dumps(row))
+        print(json.dumps(summary))
+    else:
+        if stream:
+            print()
+        print(f"{generated} tokens in {seconds:.2f}s: {summary['tokens_per_s']} tok/s "
+              f"({args.dtype}, batch {args.batch_size}, {engine.backend.name} attention on {device})", file=sys.stderr)
+        if spec is not None:
+            m = summary
+            if m["steps"]:
+                rate = " ".join(f"{x:.2f}" for x in m["accept_rate_per_pos"])
+                cond = " ".join(f"{x:.2f}" for x in m["cond_accept_per_pos"])
+                print(f"speculation ({args.spec}): tau {m['tau']:.3f}  alpha {m['alpha']:.3f}  steps {m['steps']}  "
+                      f"accept_rate_per_pos [{rate}]  cond_accept_per_pos [{cond}]  "
+                      f"accept_histogram {m['accept_histogram']}  draft {m['draft_seconds']:.2f}s  "
+                      f"verify {m['verify_seconds']:.2f}s", file=sys.stderr)
+            else:
+                print(f"speculation ({args.spec}): no decode-only step ran", file=sys.stderr)
+    return 0
+
+
+def cmd_precompute(args: argparse.Namespace) -> int:
+    from headstart.precompute import read_manifest, run_precompute, summary, verify
+
+    action = args.what[0]
+    if action in ("verify", "inspect"):
+        if len(args.what) != 2:
+            raise HeadstartError(f"usage: headstart precompute {action} DIR")
+        directory = args.what[1]
+        manifest = verify(directory, checksums=not args.no_checksums) if action == "verify" else \
+            read_manifest(directory)
+        info = summary(manifest)
+        if args.json:
+            print(json.dumps(info, indent=2))
+        elif action == "verify":
+            print(f"{directory}: OK ({info['shards']} shards, {info['sequences']:,} sequences, "
+                  f"{info['tokens']:,} tokens{', checksums verified' if not args.no_checksums else ''})")
+        else:
+            err = f", fp8 relative error {info['fp8_rel_error']:.4f}" if info["fp8_rel_error"] is not None else ""
+            print(f"{directory}\n  sequences {info['sequences']:,}  tokens {info['tokens']:,}  "
+                  f"shards {info['shards']}\n"
+                  f"  storage {info['dtype']}  {info['bytes_per_token']:.1f} bytes/token  "
+                  f"({info['bytes'] / 1e6:.1f} MB){err}\n  hidden size {info['hidden_size']}  "
+                  f"aux layers {info['aux_layers']}")
+            for k, v in info["fingerprints"].items():
+                print(f"  {k + ' fingerprint':<22} {v}")
+        return 0
+    if len(args.what) != 1:
+        raise HeadstartError("usage: headstart precompute RECIPE [--resume] [--set key=value]")
+    from headstart.config import load_recipe
+
+    recipe = load_recipe(action, args.overrides)
+    manifest = run_precompute(recipe, resume=args.resume, progress=not args.json)
+    if args.json and manifest is not None:
+        print(json.dumps(summary(manifest), indent=2))
+    return 0
+
+
+def cmd_regenerate(args: argparse.Namespace) -> int:
+    from headstart.config import load_recipe
+    from headstart.precompute.regenerate import run_regenerate
+
+    recipe = load_recipe(args.recipe, args.overrides)
+    run_regenerate(recipe, resume=args.resume)
+    return 0
+
+
+def cmd_train(args: argparse.Namespace) -> int:
+    from headstart.config import load_recipe
+    from headstart.train import run_train
+
+    recipe = load_recipe(args.recipe, args.overrides)
+    metrics = run_train(recipe, resume=args.resume, progress=not args.no_progress)
+    if int(__import__("os").environ.get("RANK", "0")) == 0:
+        keys = ("step", "tokens", "val_loss", "tau", "alpha", "top1_per_step")
+        print("train: " + json.dumps({k: metrics.get(k) for k in keys}))
+        print(f"train: heads in {recipe.output_dir}/head-final and head-best; curve in {recipe.output_dir}/metrics.csv")
+    return 0
+
+
+def cmd_head_init(args: argparse.Namespace) -> int:
+    from headstart.assets import resolve_model
+    from headstart.heads import HeadConfig, build_head, save_head
+    from headstart.heads.base import check_head_output
+    from headstart.models.llama import load_llama
+
+    check_head_output(args.out, overwrite=args.force)  # before the target loads: a wrong --out costs nothing
+    try:
+        cfg = HeadConfig(head_type=args.type, num_layers=args.num_layers, medusa_num_heads=args.medusa_heads)
+    except ValueError as e:
+        raise HeadstartError(f"head init: {e}") from None
+    target = load_llama(resolve_model(args.model), dtype=args.dtype)
+    head = build_head(cfg, target)
+    path = save_head(head, args.out, overwrite=args.force)
+    n = sum(p.numel() for p in head.trainable_parameters())
+    print(f"{args.type} head for {args.model} ({n:,} trainable parameters, initialised from the target) -> {path}")
+    return 0
+
+
+def _csv(text: str, kind: type, flag: str) -> list:
+    try:
+        return [kind(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise HeadstartError(f"{flag}: expected comma-separated {kind.__name__} values, got {text!r}") from None
+
+
+def cmd_eval(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from headstart.assets import resolve_model
+    from headstart.config import load_recipe
+    from headstart.evaluate import EvalPlan, check_plan, evaluate, read_prompt_file, write_reports
+    from headstart.hardware import resolve_dtype
+    from headstart.models.llama import load_llama
+
+    recipe = load_recipe(args.recipe, args.overrides)
+    plan = EvalPlan(heads=args.head, ks=_csv(args.k, int, "--k"), temperatures=_csv(args.temperature, float,
+                    "--temperature"), methods=_csv(args.spec, str, "--spec"), batch_size=args.batch_size,
+                    max_tokens=args.max_tokens, seed=recipe.seed)
+    check_plan(plan)
+    for h in plan.heads:
+        if not (Path(h) / "config.json").is_file():
+            raise HeadstartError(f"--head {h}: not a head checkpoint directory")
+    model_dir = resolve_model(recipe.target.model)
+    device = _device(args.device)
+    dtype = resolve_dtype(recipe.target.dtype, device)
+    target = load_llama(model_dir, dtype=dtype, device=device)
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+    if args.prompts:
+        rows = read_prompt_file(args.prompts)
+        prompts = []
+        for r in rows:
+            msgs = r["messages"] if "messages" in r else [{"role": "user", "content": r["prompt"]}]
+            out = tokenizer.apply_chat_template(msgs, tokenize=True, add_generation_prompt=True)
+            prompts.append(list(out["input_ids"] if hasattr(out, "keys") else out))
+        categories = [r.get("category") for r in rows]
+        source = str(args.prompts)
+    else:
+        from headstart.data.dataset import build_dataset
+        from headstart.train.validate import heldout_prompts
+
+        built = build_dataset(recipe.data, str(model_dir), progress=not args.no_progress)
+        prompts = heldout_prompts([list(x) for x in built.heldout["input_ids"]],
+                                  [list(x) for x in built.heldout["loss_mask"]], args.heldout)
+        categories = [None] * len(prompts)
+        source = f"{recipe.data.source} held-out, first {len(prompts)} first user turns"
+    print(f"eval: {len(prompts)} prompts ({source}); target {recipe.target.model} in {dtype}")
+    info = {"target": recipe.target.model, "dtype": dtype, "device": device, "prompt_source": source,
+            "target_fingerprint": target.fingerprint(), "recipe": str(args.recipe), "headstart": __version__}
+    report = evaluate(target, tokenizer, prompts, categories, plan, progress=not args.no_progress, info=info)
+    out = Path(args.out or Path(recipe.output_dir) / "eval")
+    files = write_reports(report, out)
+    for r in report["runs"]:
+        tau = f"{r['tau']:.3f}" if r["tau"] is not None else "- (no speculative step)"
+        print(f"eval: {Path(r['head']).name} {r['method']} k={r['k']} T={r['temperature']}: tau {tau}, "
+              f"{r['tokens_per_s']:.1f} tok/s vs AR {r['ar_tokens_per_s']:.1f} = {r['speedup']:.2f}x"
+              + (f", lossless_check {r['lossless_check']}" if "lossless_check" in r else ""))
+    print("eval: wrote " + ", ".join(str(f) for f in files))
+    return 0
+
+
+def cmd_export(args: argparse.Namespace) -> int:
+    from headstart.assets import resolve_model
+    from headstart.export import check_export_output, export_head
+    from headstart.heads import load_head, read_head_config
+    from headstart.models.llama import load_llama
+
+    check_export_output(args.out, overwrite=args.force, source=args.head, native=args.format == "native")
+    cfg = read_head_config(args.head)
+    target = load_llama(resolve_model(args.model), dtype="fp32")
+    head = load_head(args.head, target, allow_other_target=args.allow_other_target)
+    target = target.to(head.dtype)
+    info = export_head(head, target, args.format, args.out, overwrite=args.force, source=args.head)
+    print(f"export: {cfg.head_type} head -> {args.format} at {info['out']} ({info['tensors']} tensors; read back: "
+          f"logits {info['roundtrip']})")
+    if args.format == "deepseek-mtp" and cfg.head_type == "mtp":
+        print("export: note: DeepSeek MTP loaders zero the embedding at position 0; this mtp head was trained "
+              "without that, and since every later row attends to row 0, its drafts in such a server differ "
+              "slightly from ours (acceptance may drop a little); a deepseek_mtp head matches exactly")
+    if args.format == "vllm" and cfg.head_type == "mtp":
+        print("export: note: speculators' mtp feeds its final-normed output to the next draft step; this head "
+              "feeds back its pre-norm output, so step 1 matches exactly and later steps differ in vLLM")
+    return 0
+
+
+def cmd_import(args: argparse.Namespace) -> int:
+    from headstart.assets import resolve_model
+    from headstart.export import import_head
+    from headstart.heads.base import check_head_output
+    from headstart.models.llama import load_llama
+
+    check_head_output(args.out, overwrite=args.force)
+    target = load_llama(resolve_model(args.target), dtype="fp32")
+    head = import_head(args.src, args.format, target, args.out, overwrite=args.force,
+                       allow_other_target=args.allow_other_target)
+    n = sum(p.numel() for p in head.parameters())
+    print(f"import: {args.format} checkpoint -> {head.config.head_type} head ({n:,} parameters) at {args.out}")
+    return 0
+
+
+def _reasons(skipped: dict[str, int]) -> str:
+    return ", ".join(f"{r} {n}" for r, n in sorted(skipped.items(), key=lambda kv: -kv[1]))
+
+
+def _device(name: str | None) -> str:
+    """--device: cpu or cuda[:N], checked (default: cuda if available)."""
+    import torch
+
+    if name is None:
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    try:
+        dev = torch.device(name)
+    except RuntimeError:
+        raise HeadstartError(f"--device {name[:40]!r}: not a device; use cpu or cuda[:N]") from None
+    if dev.type not in ("cpu", "cuda"):
+        raise HeadstartError(f"--device {name[:40]!r}: headstart runs on cpu or cuda[:N]")
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise HeadstartError(f"--device {name}: no CUDA GPU is visible here; use --device cpu")
+        if dev.index is not None and dev.index >= torch.cuda.device_count():
+            raise HeadstartError(f"--device {name}: only {torch.cuda.device_count()} GPU(s) are visible")
+    return name
+
+
+def _print_sample(built: Any, index: int | None, mark: Any) -> None:
+    ds = built.train if len(built.train) else built.heldout
+    if index is None:
+        # Prefer a short multi-turn conversation: it shows every kind of span in a few lines.
+        index = 0
+        for i in range(min(len(ds), 500)):
+            row = ds[i]
+            turns = sum(1 for a, b in zip([0] + row["loss_mask"], row["loss_mask"]) if b and not a)
+            if turns >= 2 and row["num_tokens"] <= 400:
+                index = i
+                break
+    if not 0 <= index < len(ds):
+        raise HeadstartError(f"--sample {index}: out of range (0..{len(ds) - 1})")
+    row = ds[index]
+    print(f"\nsample {index} (id {row['id']}, {row['num_tokens']} tokens, {row['num_supervised']} supervised; "
+          "supervised spans are marked ⟦...⟧):\n")
+    print(mark(built.tokenizer, row["input_ids"], row["loss_mask"], color=sys.stdout.isatty()))
