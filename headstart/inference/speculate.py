@@ -29,7 +29,7 @@ class SpeculativeSteps:
 
     def _resolve_draft(self, spec: SpecConfig, dtype: str) -> Any:
         """The proposer's model: a head (chain / medusa) or a draft LM, loaded if given as a path."""
-        from headstart.heads import DraftHead, is_head_checkpoint, load_head
+        from headstart.heads import DraftHead, DraftLM, is_head_checkpoint, load_head
 
         if spec.method in ("chain", "medusa", "tree"):
             head = spec.head
@@ -47,7 +47,6 @@ class SpeculativeSteps:
             raise ValueError("--spec draft needs a draft model (--draft NAME_OR_DIR or a DraftLM head)")
         if isinstance(draft, (str, Path)):
             from headstart.assets import resolve_model
-            from headstart.heads import DraftLM
 
             path = Path(str(draft))
             if is_head_checkpoint(path):
@@ -59,8 +58,6 @@ class SpeculativeSteps:
             if draft.config.vocab_size != self.model.config.vocab_size:
                 raise ValueError(f"the draft's vocab_size {draft.config.vocab_size} differs from the target's "
                                  f"{self.model.config.vocab_size}: they must share a tokenizer")
-        from headstart.heads import DraftLM
-
         if not isinstance(draft, DraftLM | LlamaForCausalLM):
             raise TypeError(f"a draft model must be a DraftLM head or a LlamaForCausalLM, got {type(draft).__name__}")
         return draft
