@@ -17,6 +17,7 @@ from importlib import metadata
 from pathlib import Path
 
 from headstart.errors import AssetError
+from headstart.console import status
 from headstart.fileio import atomic_path, atomic_write_text, file_lock, read_json_array
 
 
@@ -137,7 +138,7 @@ def _convert_gguf(gguf: Path, out: Path) -> None:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    print(f"converting {gguf.name} -> {out} (once; later calls reuse it)", flush=True)
+    status(f"converting {gguf.name} -> {out} (once; later calls reuse it)")
     tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
     # fp32 keeps the dequantised Q4_1 values exactly; bf16 would round them a second time.
     model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
@@ -214,7 +215,7 @@ def _read_meta(meta_path: Path, src: Path) -> dict | None:
 
 
 def _salvage(src: Path, out: Path, meta_path: Path) -> dict:
-    print(f"reading {src.name} element by element (the packaged file is cut off mid-record)", flush=True)
+    status(f"reading {src.name} element by element (the packaged file is cut off mid-record)")
     read = read_json_array(src)
     with atomic_path(out) as tmp, open(tmp, "w", encoding="utf-8") as f:
         for record in read.records:

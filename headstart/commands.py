@@ -289,7 +289,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
                                   [list(x) for x in built.heldout["loss_mask"]], args.heldout)
         categories = [None] * len(prompts)
         source = f"{recipe.data.source} held-out, first {len(prompts)} first user turns"
-    print(f"eval: {len(prompts)} prompts ({source}); target {recipe.target.model} in {dtype}")
+    print(f"eval: {len(prompts)} prompts ({source}); target {recipe.target.model} in {dtype}", file=sys.stderr)
     info = {"target": recipe.target.model, "dtype": dtype, "device": device, "prompt_source": source,
             "target_fingerprint": target.fingerprint(), "recipe": str(args.recipe), "headstart": __version__}
     report = evaluate(target, tokenizer, prompts, categories, plan, progress=not args.no_progress, info=info)

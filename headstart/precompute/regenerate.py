@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from headstart.config import Recipe
+from headstart.console import status
 from headstart.errors import DataError
 from headstart.fileio import atomic_write_text, read_json_object
 
@@ -98,7 +99,7 @@ def run_regenerate(recipe: Recipe, resume: bool = False, progress: bool = True) 
     bar.close()
     os.replace(partial, out)
     if progress:
-        print(f"regenerate: {len(read.conversations):,} conversations -> {out} "
+        status(f"regenerate: {len(read.conversations):,} conversations -> {out} "
               f"({sum(read.skipped.values())} source rows skipped)")
     return out
 

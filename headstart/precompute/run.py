@@ -23,6 +23,7 @@ from typing import Any
 import torch
 
 from headstart.config import Recipe
+from headstart.console import status
 from headstart.errors import DataError
 from headstart.fileio import exclusive_lock, read_json_object
 from headstart.nn.attention import AttentionBackend
@@ -201,7 +202,7 @@ def run_precompute(recipe: Recipe, resume: bool = False, progress: bool = True) 
 
     dtype = resolve_dtype(recipe.target.dtype, device)
     if progress and rank == 0:
-        print(f"precompute: target dtype {dtype} ({recipe.target.dtype}; {describe(device)})", flush=True)
+        status(f"precompute: target dtype {dtype} ({recipe.target.dtype}; {describe(device)})")
     model = load_llama(model_dir, dtype, device)
     built = build_dataset(recipe.data, str(model_dir), progress=progress and rank == 0)
     split = recipe.precompute.split
@@ -278,7 +279,7 @@ def _run(recipe: Recipe, out: Path, header: dict[str, Any], resume: bool, rank: 
         manifest = _write_manifest(out, header, len(shards))
         if progress:
             secs = time.perf_counter() - start
-            print(f"precompute: {manifest['sequences']:,} sequences, {manifest['tokens']:,} tokens in "
+            status(f"precompute: {manifest['sequences']:,} sequences, {manifest['tokens']:,} tokens in "
                   f"{len(shards)} shards -> {out} ({secs:.1f}s this run, "
                   f"{manifest['bytes_per_token']:.1f} bytes/token, {manifest['storage']})")
     if world > 1:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import sys
 import time
 from typing import Any
 
@@ -126,7 +127,7 @@ class HeadModule(L.LightningModule):
             self._micro = 0
             opt.zero_grad(set_to_none=True)
             self.print(f"non-finite loss at step {self.global_step}: step skipped "
-                       f"({self.bad_steps} in a row, {self.skipped_steps} in all)")
+                       f"({self.bad_steps} in a row, {self.skipped_steps} in all)", file=sys.stderr)
             if self.bad_steps >= self.cfg.max_bad_steps:
                 raise TrainingDiverged(
                     f"the loss was non-finite for {self.bad_steps} consecutive steps (step {self.global_step}); "

@@ -12,6 +12,7 @@ from __future__ import annotations
 import csv
 import json
 import os
+import sys
 import zipfile
 from pathlib import Path
 from typing import Any
@@ -21,6 +22,7 @@ import torch
 from lightning.pytorch.callbacks import RichProgressBar
 
 from headstart.config import Recipe
+from headstart.console import status
 from headstart.errors import ConfigError, DataError, HeadstartError
 from headstart.fileio import atomic_write_text, check_output_path, read_json_object
 from headstart.heads import build_head, head_config_from_recipe, save_head
@@ -151,8 +153,7 @@ class Outputs(L.Callback):
         if self.curve:
             self.curve.start(trainer.global_step)
         if trainer.global_step and trainer.is_global_zero:
-            print(f"train: resumed at step {trainer.global_step} ({module.consumed} micro-batches consumed)",
-                  flush=True)
+            status(f"train: resumed at step {trainer.global_step} ({module.consumed} micro-batches consumed)")
 
     def on_train_batch_end(self, trainer: L.Trainer, module: HeadModule, *args: Any) -> None:
         step = trainer.global_step
@@ -212,9 +213,10 @@ class Outputs(L.Callback):
                 self.best_tau = tau
                 save_head(module.head, out / "head-best", overwrite=True)
                 atomic_write_text(out / "head-best" / "metrics.json", json.dumps(metrics, indent=2))
-            module.print(f"validation @ step {trainer.global_step}: tau {_f(tau)}  alpha {_f(metrics.get('alpha'))}  "
-                         f"val_loss {_f(metrics.get('val_loss'))}  top1/step "
-                         f"{[round(x, 3) for x in metrics.get('top1_per_step', [])]}")
+            line = (f"validation @ step {trainer.global_step}: tau {_f(tau)}  alpha {_f(metrics.get('alpha'))}  "
+                    f"val_loss {_f(metrics.get('val_loss'))}  top1/step "
+                    f"{[round(x, 3) for x in metrics.get('top1_per_step', [])]}")
+            module.print(line, file=sys.stderr)  # through the progress bar, so the bar is not torn
         trainer.strategy.barrier("validation")
 
     def state_dict(self) -> dict[str, Any]:
@@ -280,7 +282,7 @@ class TrainRun:
             raise ConfigError(f"trainer.precision {self.precision} computes in fp32 but target.dtype is {self.dtype}; "
                               "set target.dtype: fp32 (or auto) or trainer.precision: bf16-mixed")
         if self.rank == 0:
-            print(f"train: target dtype {self.dtype}, precision {self.precision} ({describe(device)})", flush=True)
+            status(f"train: target dtype {self.dtype}, precision {self.precision} ({describe(device)})")
         model_dir = resolve_model(recipe.target.model)
         self.target = load_llama(model_dir, self.dtype)
         built = build_dataset(recipe.data, str(model_dir), progress=progress and self.rank == 0)
@@ -313,8 +315,8 @@ class TrainRun:
                                 if sum(held.lengths[i] for i in b) >= 3][:cfg.val_loss_batches]
         self.prompts = heldout_prompts(held.ids, held.masks, cfg.val_prompts)
         if len(self.prompts) < cfg.val_prompts and self.rank == 0:
-            print(f"train: train.val_prompts={cfg.val_prompts} but the held-out split has {len(self.prompts)} "
-                  f"prompts; validating on {len(self.prompts)}", flush=True)
+            status(f"train: train.val_prompts={cfg.val_prompts} but the held-out split has {len(self.prompts)} "
+                  f"prompts; validating on {len(self.prompts)}")
         self.identity = _identity(recipe, self.target.fingerprint(), built.fingerprint,
                                   {"resolved.dtype": self.dtype, "resolved.precision": self.precision,
                                    "resolved.world_size": self.world})
@@ -362,7 +364,7 @@ class TrainRun:
             loggers.append(WandbLogger(project=recipe.logging.project, name=recipe.name, save_dir=str(out),
                                        offline=offline))
             if offline and self.rank == 0:
-                print("train: no WANDB_API_KEY: Weights & Biases logs offline (wandb sync later)", flush=True)
+                status("train: no WANDB_API_KEY: Weights & Biases logs offline (wandb sync later)")
         strategy: Any = tr.strategy
         if strategy == "auto" and self.world > 1:
             strategy = "ddp"
