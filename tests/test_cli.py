@@ -92,3 +92,24 @@ def test_head_init_never_deletes_a_user_directory(chat_model_dir, tmp_path, caps
     assert main(init + [str(head), "--force"]) == 0  # a recognised head checkpoint may be replaced
     assert main(init + [str(victim), "--force"]) == 2  # --force never replaces what is not a head
     assert (victim / "notes.txt").read_text() == "precious"
+
+
+@pytest.mark.real
+def test_json_verbs_print_one_document_on_a_cold_cache(tmp_path):
+    """A new machine: the first use converts the model and salvages the data set. Those status lines
+    go to stderr; stdout holds exactly one JSON document (run as a user runs it: a subprocess)."""
+    import os
+
+    env = {**os.environ, "HEADSTART_CACHE": str(tmp_path / "cold")}
+
+    def run(*argv: str) -> tuple[dict, str]:
+        done = subprocess.run([sys.executable, "-m", "headstart.cli", *argv], env=env, capture_output=True,
+                              text=True, timeout=1800)
+        assert done.returncode == 0, done.stderr[-2000:]
+        return json.loads(done.stdout), done.stderr
+
+    stats, err = run("data", "inspect", "recipes/smollm2-135m-mtp.yaml", "--limit", "50", "--json")
+    assert stats["rows_read"] == 50
+    assert "converting" in err and "element by element" in err  # the cache really was cold
+    report, _ = run("assets", "--json")
+    assert [m["converted_now"] for m in report["models"]] == [False]
