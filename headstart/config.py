@@ -72,7 +72,7 @@ class HeadSection:
     type: HeadType = "mtp"
     num_layers: int = 1  # decoder layers in the head (draft_lm: its depth)
     aux_layer_ids: list[int] | None = None  # eagle3: target layers to fuse (None: 2, L//2, L-3)
-    draft_vocab_size: int | None = None  # eagle3 / medusa: reduced vocabulary size (None: full)
+    draft_vocab_size: int | None = None  # drafts over the V_d most frequent supervised tokens (None: full vocab)
     medusa_num_heads: int = 4
     medusa_num_layers: int = 1
     init_from_target: bool = True  # start from the target's last layer / final norm where shapes allow

@@ -238,22 +238,33 @@ def test_unseeded_requests_do_not_repeat(target):
     assert [o.token_ids for o in same] == [o.token_ids for o in a]  # a seeded engine stays reproducible
 
 
-@pytest.mark.parametrize("kind", ["medusa", "eagle3"])
+@pytest.mark.parametrize("kind", ["medusa", "eagle3", "mtp", "eagle1", "deepseek_mtp"])
 def test_reduced_draft_vocabularies_in_the_engine(target, kind):
-    """Medusa and eagle3 with a draft vocabulary: lossless greedy, and draft sampling verified with
-    the full-q rule on q spread over the target vocabulary (no shape error, seeded)."""
+    """Every head family with a draft vocabulary (Medusa / eagle3: their own lm_head; mtp, eagle1,
+    deepseek_mtp: the target's rows): lossless greedy, drafts inside the vocabulary, and draft
+    sampling verified with the full-q rule on q spread over the target vocabulary (seeded)."""
     from headstart.heads import build_vocab_maps
 
     head = build_head(HeadConfig(head_type=kind, draft_vocab_size=64,
                                  aux_layer_ids=[0, 1, 2] if kind == "eagle3" else None), target)
     d2t, _ = build_vocab_maps(torch.arange(320, 0, -1).float() ** 0.5, 64)
-    head.set_vocab_maps(d2t + 3 * (torch.arange(64) > 20), _t2d(d2t, 3))
+    t2d = _t2d(d2t, 3)
+    head.set_vocab_maps(d2t + 3 * (torch.arange(64) > 20), t2d)
     method = "medusa" if kind == "medusa" else "chain"
     prompts = _prompts(3, seed=14)
     greedy = SamplingParams(max_tokens=10, ignore_eos=True)
     ref = [o.token_ids for o in Engine(target, page_size=4).generate(prompts, greedy)]
     eng = Engine(target, page_size=4, spec=SpecConfig(method=method, k=3, head=head))
     assert [o.token_ids for o in eng.generate(prompts, greedy)] == ref
+    allowed = set(torch.nonzero(t2d).flatten().tolist())
+    drafted = set(head.to_target_ids(torch.arange(64)).tolist())
+    assert drafted == allowed and len(allowed) == 64
+    if kind in ("mtp", "eagle1", "deepseek_mtp"):  # the target's lm_head rows, no parameter of its own
+        plain = build_head(HeadConfig(head_type=kind), target)
+        assert sum(p.numel() for p in head.parameters()) == sum(p.numel() for p in plain.parameters())
+        feats = torch.randn(5, head.config.hidden_size)
+        full = head.target.lm_head(feats).float()
+        assert torch.equal(head.lm_logits(feats), full[:, sorted(allowed)])
     sampled = [SamplingParams(max_tokens=10, temperature=0.8, seed=i, ignore_eos=True) for i in range(3)]
     outs = Engine(target, page_size=4, spec=SpecConfig(method=method, k=3, head=head, draft_sampling=True)
                   ).generate(prompts, sampled)
@@ -289,16 +300,22 @@ def _exact_first_tokens(target, prompt, params, n=3):
     return law
 
 
-@pytest.mark.parametrize("method", ["chain", "full_q", "full_q_draft_vocab", "draft", "tree"])
+@pytest.mark.parametrize("method", ["chain", "full_q", "full_q_draft_vocab", "full_q_shared_draft_vocab", "draft",
+                                    "tree", "tree_draft_vocab"])
 def test_sampled_speculation_follows_the_target_law_at_every_position(target, method, request):
     """T = 0.8, top-k 3: the first three emitted tokens (one from prefill, two from a speculative
     step) follow the target's own sequential law, for every proposer and rule."""
     prompt = _prompts(1, seed=LAW_PROMPT_SEED)[0]
-    n = 3000 if method == "full_q_draft_vocab" else 1200  # more samples: a lossy q spread shifts each cell a little
+    n = 3000 if "draft_vocab" in method else 1200  # more samples: a lossy q spread shifts each cell a little
     params = [SamplingParams(max_tokens=3, temperature=0.8, top_k=3, seed=1000 + i, ignore_eos=True)
               for i in range(n)]
     if method == "tree":
         spec = SpecConfig(method="tree", k=2, head=_spec(target, "mtp").head, tree_topk=2, tree_tokens=4)
+    elif method == "tree_draft_vocab":  # an EAGLE-2 tree over the target's lm_head rows of 64 tokens
+        spec = SpecConfig(method="tree", k=2, head=request.getfixturevalue("fitted")["mtp"], tree_topk=2,
+                          tree_tokens=4)
+    elif method == "full_q_shared_draft_vocab":
+        spec = SpecConfig(method="chain", k=2, head=request.getfixturevalue("fitted")["mtp"], draft_sampling=True)
     elif method == "draft":
         spec = _spec(target, "draft_lm", k=2)
     elif method == "full_q_draft_vocab":  # q over 64 draft tokens, spread onto the target vocabulary
@@ -310,8 +327,8 @@ def test_sampled_speculation_follows_the_target_law_at_every_position(target, me
     outs = eng.generate([prompt] * n, params)
     s = eng.spec_metrics.summary()
     assert s["steps"] > 0
-    if method == "full_q_draft_vocab":  # a fitted head: drafts are accepted often, so the spread q matters
-        assert s["alpha"] > 0.3, s
+    if "draft_vocab" in method:  # a fitted head: drafts are accepted often, so the spread q matters
+        assert (s["tau"] > 1.5 if method.startswith("tree") else s["alpha"] > 0.3), s  # a tree drafts 4 nodes
     law = _exact_first_tokens(target, prompt, params[0])
     counts: dict = {}
     for o in outs:
@@ -326,7 +343,7 @@ LAW_PROMPT_SEED = 21  # the prompt of the target-law tests
 
 @pytest.fixture(scope="module")
 def fitted(target):
-    """eagle3 and Medusa heads with a 64-token draft vocabulary, fitted for a few seconds (our own
+    """eagle3, Medusa and mtp heads with a 64-token draft vocabulary, fitted for a few seconds (our own
     loss) to the target's greedy continuations of four prompts and of the target-law prompt."""
     from headstart.config import recipe_from_dict
     from headstart.heads import PackedBatch, build_vocab_maps
@@ -338,7 +355,7 @@ def fitted(target):
     ids = torch.tensor([t for s in seqs for t in s])
     mask = torch.tensor([float(i >= len(p)) for p, s in zip(prompts, seqs) for i in range(len(s))])
     heads = {}
-    for kind in ("eagle3", "medusa"):
+    for kind in ("eagle3", "medusa", "mtp"):
         torch.manual_seed(0)
         head = build_head(HeadConfig(head_type=kind, draft_vocab_size=64,
                                      aux_layer_ids=[0, 1, 2] if kind == "eagle3" else None), target)
@@ -356,7 +373,7 @@ def fitted(target):
     return heads
 
 
-@pytest.mark.parametrize("kind", ["eagle3", "medusa"])
+@pytest.mark.parametrize("kind", ["eagle3", "medusa", "mtp"])
 def test_trained_heads_with_draft_vocabularies_accept_in_the_engine(target, fitted, kind):
     """The fitted heads accept most drafts in the engine, whole steps included, greedy and with
     sampled drafts verified by the full-q rule."""

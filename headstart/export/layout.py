@@ -28,6 +28,13 @@ class Layout(abc.ABC):
         if head.config.head_type not in self.families:
             return (f"the {self.name} layout holds {', '.join(self.families)} heads, not "
                     f"{head.config.head_type!r}")
+        if getattr(head, "has_draft_vocab", False):
+            # These layouts predict through the verifier's own (full) lm_head: a server would draft over
+            # every token, and the head never learned to rank the ones outside its draft vocabulary.
+            return (f"the head drafts over a {head.config.draft_vocab_size}-token draft vocabulary through the "
+                    f"target's lm_head rows; the {self.name} layout has no place for that vocabulary (its loader "
+                    "reads the verifier's full lm_head). Export it as native, or train it without "
+                    "head.draft_vocab_size")
         return None
 
     @abc.abstractmethod

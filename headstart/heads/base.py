@@ -58,7 +58,7 @@ class HeadConfig:
     num_layers: int = 1  # decoder layers (1 for mtp/eagle1/eagle3/deepseek_mtp; draft_lm: its depth)
     intermediate_size: int | None = None  # None: the target's
     aux_layer_ids: list[int] | None = None  # eagle3: layers whose entering hidden states are fused
-    draft_vocab_size: int | None = None  # eagle3 / medusa: a reduced vocabulary with its own lm_head
+    draft_vocab_size: int | None = None  # eagle3 / medusa: own reduced lm_head; mtp / eagle1 / deepseek_mtp: target rows
     medusa_num_heads: int = 4
     medusa_num_layers: int = 1  # residual blocks per Medusa head
     share_target_embeddings: bool = True  # draft_lm: use the target's embedding and lm_head (same width)
@@ -288,6 +288,53 @@ class DraftHead(nn.Module, abc.ABC):
 
     def init_from_target(self, target: LlamaForCausalLM) -> None:
         """Start from the target's weights where shapes allow (subclasses say which)."""
+
+
+class SharedVocabHead(DraftHead):
+    """A head that predicts through the target's frozen lm_head (mtp, eagle1, deepseek_mtp), over
+    the whole vocabulary or, with `draft_vocab_size`, over the V_d most frequent supervised tokens
+    of the training split: the lm_head's rows for those tokens, gathered once (no new parameters).
+    A draft step then computes V_d logits instead of V (SmolLM2: the full lm_head is ~24 % of a
+    target forward). `d2t` / `t2d` are saved with the head; the proposal q lives on the draft
+    vocabulary and is placed on the target's by `to_target_ids`, so the rejection rules stay exact."""
+
+    def __init__(self, cfg: HeadConfig, target: LlamaForCausalLM) -> None:
+        super().__init__(cfg, target)
+        vd, vocab = cfg.draft_vocab_size, target.config.vocab_size
+        if vd:
+            # Until set_vocab_maps installs the chosen tokens: the first vd ids.
+            self.register_buffer("d2t", torch.zeros(vd, dtype=torch.int64))
+            t2d = torch.zeros(vocab, dtype=torch.bool)
+            t2d[:vd] = True
+            self.register_buffer("t2d", t2d)
+
+    @property
+    def has_draft_vocab(self) -> bool:
+        return self.config.draft_vocab_size is not None
+
+    def set_vocab_maps(self, d2t: torch.Tensor, t2d: torch.Tensor) -> None:
+        from headstart.heads.vocab import check_vocab_maps
+
+        if not self.has_draft_vocab:
+            raise ValueError(f"this {self.config.head_type} head predicts over the full vocabulary "
+                             "(head.draft_vocab_size is not set)")
+        check_vocab_maps(d2t, t2d, self.config.draft_vocab_size, self.t2d.numel())
+        self.d2t.copy_(d2t)
+        self.t2d.copy_(t2d)
+
+    def to_target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
+        from headstart.heads.vocab import draft_to_target
+
+        return draft_to_target(draft_ids, self.d2t) if self.has_draft_vocab else draft_ids
+
+    def lm_logits(self, x: torch.Tensor) -> torch.Tensor:
+        """(N, d) normalised states -> (N, V or V_d) fp32 logits through the target's frozen lm_head."""
+        if not self.has_draft_vocab:
+            return self.target.lm_head(x).float()
+        from headstart.heads.vocab import restricted_lm_head
+
+        lin = restricted_lm_head(self.target, self.target.lm_head, self.d2t)  # shared with the teacher's side
+        return lin(x.to(lin.weight.dtype)).float()
 
 
 def init_from_last_layers(layers: nn.ModuleList, target: LlamaForCausalLM) -> None:

@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from headstart.errors import AssetError
-from headstart.heads.base import DraftHead, HeadConfig, init_from_last_layers, init_fusion_as_identity
+from headstart.heads.base import HeadConfig, SharedVocabHead, init_from_last_layers, init_fusion_as_identity
 from headstart.models.llama import SUPPORTED_MODEL_TYPES, LlamaForCausalLM
 from headstart.nn.attention import AttentionBackend, AttentionMetadata, KVPages
 from headstart.nn.decoder import DecoderLayer
@@ -29,7 +29,7 @@ class _SharedHead(nn.Module):
         self.norm = RMSNorm(d, eps)
 
 
-class DeepSeekMTPHead(DraftHead):
+class DeepSeekMTPHead(SharedVocabHead):
     def __init__(self, cfg: HeadConfig, target: LlamaForCausalLM) -> None:
         super().__init__(cfg, target)
         if target.config.model_type not in SUPPORTED_MODEL_TYPES:
@@ -57,7 +57,7 @@ class DeepSeekMTPHead(DraftHead):
         return x
 
     def compute_logits(self, h: torch.Tensor) -> torch.Tensor:
-        return self.target.lm_head(self.shared_head.norm(h)).float()
+        return self.lm_logits(self.shared_head.norm(h))
 
     def init_from_target(self, target: LlamaForCausalLM) -> None:
         init_from_last_layers(self.layers, target)

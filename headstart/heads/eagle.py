@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from headstart.heads.base import DraftHead, HeadConfig, init_from_last_layers, init_fusion_as_identity
+from headstart.heads.base import HeadConfig, SharedVocabHead, init_from_last_layers, init_fusion_as_identity
 from headstart.models.llama import LlamaForCausalLM
 from headstart.nn.attention import AttentionBackend, AttentionMetadata, KVPages
 from headstart.nn.decoder import DecoderLayer
@@ -22,7 +22,7 @@ from headstart.nn.linear import Linear
 from headstart.nn.norm import RMSNorm
 
 
-class EagleHead(DraftHead):
+class EagleHead(SharedVocabHead):
     def __init__(self, cfg: HeadConfig, target: LlamaForCausalLM) -> None:
         super().__init__(cfg, target)
         d, eps = cfg.hidden_size, target.config.rms_norm_eps
@@ -56,7 +56,7 @@ class EagleHead(DraftHead):
         return x
 
     def compute_logits(self, h: torch.Tensor) -> torch.Tensor:
-        return self.target.lm_head(self.norm(h) if self.norm is not None else h).float()
+        return self.lm_logits(self.norm(h) if self.norm is not None else h)
 
     def init_from_target(self, target: LlamaForCausalLM) -> None:
         """Decoder layers from the target's last layers, final norm from the target's, and fc set so

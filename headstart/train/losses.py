@@ -8,8 +8,10 @@ checkpointing), so peak memory is set by `chunk` rows, not by the batch.
     feature  smooth-L1 between the head's output and the target's next hidden state, in the head's
              feature space (mtp: pre-norm h; eagle1: post-norm h), both divided by the target row's RMS.
 
-Per-step statistics (no gradient): top-1 agreement with the target's argmax and the expected
-acceptance of a one-hot draft, sum_x min(p(x), q(x)), over supervised rows.
+Per-step statistics (no gradient), over supervised rows: top-1 agreement with the target's argmax
+(a greedy draft is accepted under greedy verification iff the two agree), the acceptance of a draft
+sampled from q under the full-q rule, sum_x min(p(x), q(x)), and the target's probability mass
+inside the draft vocabulary (1 without one).
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ class LossParts:
     rows: int  # supervised rows
     correct: torch.Tensor = field(default_factory=lambda: torch.zeros(()))  # top-1 agreements (no grad)
     accept: torch.Tensor = field(default_factory=lambda: torch.zeros(()))  # sum of min(p, q) (no grad)
+    mass: torch.Tensor = field(default_factory=lambda: torch.zeros(()))  # target mass inside the draft vocab
 
 
 def target_logits(head: DraftHead, target_h: torch.Tensor) -> torch.Tensor:
@@ -57,24 +60,45 @@ class _ForwardKL(torch.autograd.Function):
 def _chunk_kl(head: DraftHead, draft_ids: torch.Tensor | None, head_h: torch.Tensor, target_h: torch.Tensor,
               stats: list[torch.Tensor]) -> torch.Tensor:
     """KL of one chunk. Checkpointed: it runs again in the backward pass, where `stats` (filled by
-    the first run: top-1 agreements, sum of min(p, q)) is already set and not recomputed. A caller
-    that wants no statistics passes [None, None] (they cost ~10% of the step)."""
+    the first run: top-1 agreements, sum of min(p, q), target mass inside the draft vocabulary) is
+    already set and not recomputed. A caller that wants no statistics passes [None, None, None]
+    (they cost ~10% of the step).
+
+    With a draft vocabulary the teacher is the target's distribution restricted to the V_d draft
+    tokens and renormalised, p_d(x) = p(x) / p(V_d). Forward KL(p_d || q) is a proper objective: it
+    is minimised exactly at q = p_d, and p_d is also the q that maximises the acceptance of drafts
+    sampled from q, sum_x min(p(x), q(x)) = p(V_d), the most any q on V_d can reach. Its logits need
+    only the V_d lm_head rows (the full-vocabulary normaliser cancels), so the teacher's side costs
+    V_d rows too; the full vocabulary is computed only when statistics are asked for."""
     logits = head.compute_logits(head_h)  # (R, V or Vd) fp32
     with torch.no_grad():
-        t_logits = target_logits(head, target_h)  # (R, V)
-        top = t_logits.argmax(-1) if not stats else None
-        if draft_ids is not None:
-            p_full = torch.softmax(t_logits, dim=-1)[:, draft_ids] if not stats else None
-            t_logits = t_logits[:, draft_ids]  # restricted to the draft vocab, renormalised below
+        want = not stats
+        if draft_ids is not None and not want:
+            t_logits = restricted_target_logits(head, target_h)  # (R, Vd)
+        else:
+            t_logits = target_logits(head, target_h)  # (R, V)
+        if want:
+            top = t_logits.argmax(-1)
+            p_full = torch.softmax(t_logits, dim=-1)
+            if draft_ids is not None:
+                p_full = p_full[:, draft_ids]
+                t_logits = t_logits[:, draft_ids]  # restricted to the draft vocab, renormalised below
         logp = torch.log_softmax(t_logits, dim=-1)
         del t_logits
-        if not stats:
+        if want:
             q = torch.softmax(logits.detach(), dim=-1)
             pick = q.argmax(-1)
             correct = (pick if draft_ids is None else draft_ids[pick]) == top
-            p = logp.exp() if draft_ids is None else p_full
-            stats += [correct.sum().float(), torch.minimum(p, q).sum()]
+            stats += [correct.sum().float(), torch.minimum(p_full, q).sum(), p_full.sum()]
     return _ForwardKL.apply(logits, logp)
+
+
+def restricted_target_logits(head: DraftHead, target_h: torch.Tensor) -> torch.Tensor:
+    """(R, d) pre-norm target states -> (R, Vd) fp32 target logits of the draft vocabulary's tokens."""
+    from headstart.heads.vocab import restricted_lm_head
+
+    lin = restricted_lm_head(head.target, head.target.lm_head, head.d2t)
+    return lin(head.target.norm(target_h.to(lin.weight.dtype))).float()
 
 
 def distill(head: DraftHead, head_h: torch.Tensor, target_h: torch.Tensor, rows: torch.Tensor,
@@ -89,19 +113,20 @@ def distill(head: DraftHead, head_h: torch.Tensor, target_h: torch.Tensor, rows:
     draft_ids = None
     if d2t is not None and d2t.numel() != head.target.lm_head.weight.shape[0]:
         draft_ids = torch.arange(d2t.numel(), device=d2t.device) + d2t  # draft id i -> target id i + d2t[i]
-    kl, correct, accept = zero, torch.zeros((), device=head_h.device), torch.zeros((), device=head_h.device)
+    kl = zero
+    correct, accept, mass = (torch.zeros((), device=head_h.device) for _ in range(3))
     if with_kl:
         for a in range(0, n, chunk):
             r = rows[a:a + chunk]
             hh, th = head_h[r], target_h[r]
-            stats: list = [] if with_stats else [None, None]
+            stats: list = [] if with_stats else [None, None, None]
             if torch.is_grad_enabled() and hh.requires_grad:
                 k = checkpoint(_chunk_kl, head, draft_ids, hh, th, stats, use_reentrant=False)
             else:
                 k = _chunk_kl(head, draft_ids, hh, th, stats)
             kl = kl + k
             if with_stats:
-                correct, accept = correct + stats[0], accept + stats[1]
+                correct, accept, mass = correct + stats[0], accept + stats[1], mass + stats[2]
     feat = zero
     if feature_target is not None:
         # In units of the target row's RMS: pre-norm states carry outlier dimensions hundreds of times
@@ -109,4 +134,4 @@ def distill(head: DraftHead, head_h: torch.Tensor, target_h: torch.Tensor, rows:
         t = feature_target[rows].float()
         scale = t.pow(2).mean(-1, keepdim=True).sqrt().clamp(min=1e-6)
         feat = F.smooth_l1_loss(head_h[rows].float() / scale, t / scale, reduction="sum")
-    return LossParts(kl, feat, n, correct.detach(), accept.detach())
+    return LossParts(kl, feat, n, correct.detach(), accept.detach(), mass.detach())

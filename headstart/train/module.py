@@ -106,6 +106,7 @@ class HeadModule(L.LightningModule):
         stats: dict[str, Any] = {"rows": [p.rows for p in per_step], "tokens": int(batch.input_ids.numel())}
         if with_stats:  # host syncs: only when asked
             stats.update(correct=[float(p.correct) for p in per_step], accept=[float(p.accept) for p in per_step],
+                         mass=[float(p.mass) for p in per_step],
                          kl=[float(p.kl.detach()) / max(p.rows, 1) for p in per_step])
         return total, stats
 
@@ -178,20 +179,19 @@ class HeadModule(L.LightningModule):
         """val_loss and per-step top-1 / expected acceptance on held-out micro-batches."""
         was = self.head.training
         self.head.eval()
-        total, n, rows, correct, accept = 0.0, 0, None, None, None
+        total, n, sums = 0.0, 0, {}
         for b in batches:
             loss, st = self.losses(b)
             total += float(loss)
             n += 1
-            rows = st["rows"] if rows is None else [a + x for a, x in zip(rows, st["rows"])]
-            correct = st["correct"] if correct is None else [a + x for a, x in zip(correct, st["correct"])]
-            accept = st["accept"] if accept is None else [a + x for a, x in zip(accept, st["accept"])]
+            for key in ("rows", "correct", "accept", "mass"):
+                sums[key] = st[key] if key not in sums else [a + x for a, x in zip(sums[key], st[key])]
         self.head.train(was)
         if not n:
             return {}
-        return {"val_loss": total / n,
-                "top1_per_step": [c / max(r, 1) for c, r in zip(correct, rows)],
-                "expected_accept_per_step": [a / max(r, 1) for a, r in zip(accept, rows)]}
+        per_row = {key: [c / max(r, 1) for c, r in zip(sums[key], sums["rows"])] for key in ("correct", "accept", "mass")}
+        return {"val_loss": total / n, "top1_per_step": per_row["correct"],
+                "expected_accept_per_step": per_row["accept"], "draft_vocab_mass": per_row["mass"][0]}
 
     # ------------------------------------------------------------------------------ optimisation
 

@@ -295,7 +295,7 @@ class TrainRun:
         if cfg.loss_weights.kl == 0 and self.head.config.head_type in ("eagle3", "medusa", "draft_lm"):
             raise ConfigError(f"train.loss_weights.kl=0: a {self.head.config.head_type} head learns from the KL "
                               "term only (it has no feature loss), so nothing would be trained")
-        if self.head.config.head_type in ("eagle3", "medusa") and self.head.config.draft_vocab_size:
+        if self.head.config.draft_vocab_size:
             self._install_draft_vocab(built.train)
         if self.precision != "bf16-true":
             self.head.float()  # fp32 master weights; the frozen target stays in its compute dtype
@@ -330,7 +330,8 @@ class TrainRun:
         self.device = device
 
     def _install_draft_vocab(self, train_ds: Any) -> None:
-        """The reduced vocabulary: the most frequent supervised target tokens of the training split."""
+        """The draft vocabulary: the most frequent supervised target tokens of the training split
+        (deterministic, so a resumed run rebuilds the same maps its checkpoint holds)."""
         from headstart.heads import build_vocab_maps
 
         vocab = self.target.config.vocab_size
@@ -338,8 +339,14 @@ class TrainRun:
         for ids, mask in zip(train_ds["input_ids"], train_ds["loss_mask"]):
             t = torch.tensor(ids)[torch.tensor(mask, dtype=torch.bool)]
             counts += torch.bincount(t, minlength=vocab).double()
-        d2t, t2d = build_vocab_maps(counts, self.head.config.draft_vocab_size)
+        vd = self.head.config.draft_vocab_size
+        d2t, t2d = build_vocab_maps(counts, vd)
         self.head.set_vocab_maps(d2t, t2d)
+        self.vocab_coverage = float(counts[t2d].sum() / counts.sum().clamp(min=1))
+        if self.rank == 0:
+            status(f"train: draft vocabulary {vd:,} of {vocab:,} tokens covers {100 * self.vocab_coverage:.1f}% of the "
+                   "supervised training tokens (the target's probability mass inside it is reported as "
+                   "draft_vocab_mass at each validation)")
 
     @torch.no_grad()
     def validate(self, module: HeadModule) -> dict[str, Any]:
