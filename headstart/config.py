@@ -106,6 +106,9 @@ class RegenerateConfig:
     """Rewrite the assistant turns with the target itself (headstart regenerate)."""
 
     output: str | None = None  # default: <output_dir>/regenerated.jsonl
+    source: str | None = None  # conversations to rewrite (None: data.source; data.source then names the output)
+    limit: int | None = None  # read only the first N rows of the source (None: data.limit)
+    max_turns: int | None = None  # keep each conversation up to its N-th assistant turn (None: all turns)
     temperature: float = 0.0
     top_p: float = 1.0
     max_tokens: int = 512  # per assistant turn
@@ -116,6 +119,9 @@ class RegenerateConfig:
         _require(0 < self.top_p <= 1, "regenerate.top_p", "must be in (0, 1]")
         _require(self.max_tokens >= 1, "regenerate.max_tokens", "must be >= 1")
         _require(self.batch_size >= 1, "regenerate.batch_size", "must be >= 1")
+        _require(self.limit is None or self.limit > 0, "regenerate.limit", "must be > 0 or null")
+        _require(self.max_turns is None or self.max_turns > 0, "regenerate.max_turns", "must be > 0 or null")
+        _require(self.source is None or bool(self.source.strip()), "regenerate.source", "must not be empty")
 
 
 @dataclass(kw_only=True)

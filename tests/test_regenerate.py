@@ -72,3 +72,25 @@ def test_an_unwritable_output_is_refused_before_decoding(tmp_path, model_dir, mo
     with pytest.raises(DataError, match="cannot be written"):
         run_regenerate(recipe, progress=False)
     assert not loaded
+
+
+def test_max_turns_source_and_limit(tmp_path, model_dir):
+    """regenerate.source / limit pick what is rewritten (data.source may then name the output, so one
+    recipe regenerates and trains); max_turns keeps each conversation up to its N-th reply."""
+    import dataclasses
+
+    recipe = _recipe(tmp_path, model_dir, "turns")
+    src = recipe.data.source
+    out = tmp_path / "turns" / "regenerated.jsonl"
+    recipe = dataclasses.replace(recipe, data=dataclasses.replace(recipe.data, source=str(out)),
+                                 regenerate=dataclasses.replace(recipe.regenerate, source=src, limit=4, max_turns=1))
+    rows = [json.loads(x) for x in run_regenerate(recipe, progress=False).read_text().splitlines()]
+    assert [r["id"] for r in rows] == ["c0", "c1", "c2", "c3"]
+    for r in rows:
+        assert [t["from"] for t in r["conversations"]] == ["system", "human", "gpt"]
+        assert r["regenerated"]["max_turns"] == 1 and len(r["regenerated"]["finish_reasons"]) == 1
+    same = dataclasses.replace(recipe, regenerate=dataclasses.replace(recipe.regenerate, source=None,
+                                                                        output=str(tmp_path / "x.jsonl")))
+    same = dataclasses.replace(same, data=dataclasses.replace(same.data, source=str(tmp_path / "x.jsonl")))
+    with pytest.raises(DataError, match="is the output"):
+        run_regenerate(same, progress=False)

@@ -58,6 +58,10 @@ def run_regenerate(recipe: Recipe, resume: bool = False, progress: bool = True) 
     out = output_path(recipe)
     partial = out.with_name(out.name + ".partial")
     run_file = out.with_name(out.name + ".run.json")
+    source = cfg.source or recipe.data.source
+    if Path(source).resolve() == out.resolve():
+        raise DataError(f"regenerate: the source {source} is the output; set regenerate.source to the conversations "
+                        "to rewrite")
     if out.exists():
         raise DataError(f"{out} already exists; remove it or set regenerate.output")
     try:  # an unwritable destination is found before the engine loads, not after hours of decoding
@@ -68,11 +72,14 @@ def run_regenerate(recipe: Recipe, resume: bool = False, progress: bool = True) 
         raise DataError(f"{partial}: cannot be written ({e.strerror or e}); set regenerate.output") from None
     from headstart.hardware import resolve_dtype
 
+    # Nothing here compares a token with its own speculative re-run, so torch's blocked kernels serve
+    # the prompts (a long prefill costs 1.4-2x less than with the row-invariant ones).
     engine = Engine(recipe.target.model, dtype=resolve_dtype(recipe.target.dtype), max_batch_size=cfg.batch_size,
-                    seed=recipe.seed)
+                    seed=recipe.seed, batch_invariant=False)
+    limit = cfg.limit if cfg.limit is not None else recipe.data.limit
     provenance = {"model": recipe.target.model, "target_fingerprint": engine.model.fingerprint(),
                   "temperature": cfg.temperature, "top_p": cfg.top_p, "max_tokens": cfg.max_tokens,
-                  "seed": recipe.seed, "source": recipe.data.source}
+                  "seed": recipe.seed, "source": source, "limit": limit, "max_turns": cfg.max_turns}
     if partial.stat().st_size or run_file.exists():
         if not resume:
             raise DataError(f"{partial} holds an unfinished run; pass --resume to continue it")
@@ -83,7 +90,7 @@ def run_regenerate(recipe: Recipe, resume: bool = False, progress: bool = True) 
     else:
         atomic_write_text(run_file, json.dumps(provenance, indent=2))
     done = _done_ids(partial)
-    read = read_conversations(resolve_data(recipe.data.source), recipe.data.format, recipe.data.limit)
+    read = read_conversations(resolve_data(source), recipe.data.format, limit)
     todo = [c for c in read.conversations if c["id"] not in done]
     bar = tqdm(total=len(read.conversations), initial=len(read.conversations) - len(todo), unit="conv",
                desc="regenerate", disable=not progress)
@@ -115,8 +122,12 @@ def _regenerate_chunk(engine: Any, convs: list[dict[str, Any]], cfg: Any, seed: 
             while st["pos"] < len(msgs) and msgs[st["pos"]]["role"] != "assistant":
                 st["out"].append(msgs[st["pos"]])
                 st["pos"] += 1
+            turn = sum(m["role"] == "assistant" for m in st["out"])
+            if cfg.max_turns is not None and turn >= cfg.max_turns:
+                st["pos"] = len(msgs)  # the rest of the conversation is dropped, not kept stale
+                while st["out"] and st["out"][-1]["role"] != "assistant":
+                    st["out"].pop()
             if st["pos"] < len(msgs):
-                turn = sum(m["role"] == "assistant" for m in st["out"])
                 pending.append(st)
                 prompts.append(list(st["out"]))
                 params.append(sampling_params(max_tokens=cfg.max_tokens, temperature=cfg.temperature, top_p=cfg.top_p,
