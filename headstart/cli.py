@@ -65,11 +65,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--page-size", type=int, default=16)
     p.add_argument("--raw", action="store_true", help="--prompt text is not wrapped in the chat template")
     p.add_argument("--json", action="store_true", help="one JSON object per prompt, then a summary object")
-    p.add_argument("--spec", choices=["chain", "draft", "medusa", "tree"], default=None,
-                   help="speculative decoding: a head chain, a draft model, Medusa heads, or an EAGLE-2 tree")
+    p.add_argument("--spec", choices=["chain", "draft", "medusa", "tree", "ngram"], default=None,
+                   help="speculative decoding: a head chain, a draft model, Medusa heads, an EAGLE-2 tree, or "
+                        "prompt lookup (ngram: no model)")
     p.add_argument("--head", default=None, help="head checkpoint directory (--spec chain / medusa / tree)")
     p.add_argument("--draft", default=None, help="draft model: name, HF directory or draft_lm head (--spec draft)")
     p.add_argument("--k", type=int, default=3, help="draft tokens per step")
+    p.add_argument("--draft-threshold", type=float, default=None,
+                   help="chain / draft: stop a step's drafting once the draft's top probability falls below this")
     p.add_argument("--draft-sampling", action="store_true",
                    help="sample drafts from q and verify with the full-q rule (default: argmax + one-hot rule)")
     p.add_argument("--tree-topk", type=int, default=4, help="--spec tree: children expanded per node")

@@ -106,7 +106,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
                               tree_tokens=args.tree_tokens, allow_other_target=args.allow_other_target)
         elif args.spec is not None:
             spec = SpecConfig(method=args.spec, k=args.k, head=args.head, draft=args.draft,
-                              draft_sampling=args.draft_sampling, allow_other_target=args.allow_other_target)
+                              draft_sampling=args.draft_sampling, allow_other_target=args.allow_other_target,
+                              draft_threshold=args.draft_threshold)
         from headstart.hardware import resolve_dtype
 
         args.dtype = resolve_dtype(args.dtype, device)

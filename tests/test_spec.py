@@ -301,7 +301,7 @@ def _exact_first_tokens(target, prompt, params, n=3):
 
 
 @pytest.mark.parametrize("method", ["chain", "full_q", "full_q_draft_vocab", "full_q_shared_draft_vocab", "draft",
-                                    "tree", "tree_draft_vocab"])
+                                    "tree", "tree_draft_vocab", "ngram"])
 def test_sampled_speculation_follows_the_target_law_at_every_position(target, method, request):
     """T = 0.8, top-k 3: the first three emitted tokens (one from prefill, two from a speculative
     step) follow the target's own sequential law, for every proposer and rule."""
@@ -314,6 +314,8 @@ def test_sampled_speculation_follows_the_target_law_at_every_position(target, me
     elif method == "tree_draft_vocab":  # an EAGLE-2 tree over the target's lm_head rows of 64 tokens
         spec = SpecConfig(method="tree", k=2, head=request.getfixturevalue("fitted")["mtp"], tree_topk=2,
                           tree_tokens=4)
+    elif method == "ngram":
+        spec = SpecConfig(method="ngram", k=2, ngram_min=1)
     elif method == "full_q_shared_draft_vocab":
         spec = SpecConfig(method="chain", k=2, head=request.getfixturevalue("fitted")["mtp"], draft_sampling=True)
     elif method == "draft":

@@ -29,6 +29,7 @@ from headstart.heads.base import (
     read_head_config,
     save_head,
     shift_for_head,
+    zero_output_projections,
 )
 from headstart.heads.deepseek_mtp import DeepSeekMTPHead
 from headstart.heads.draft_lm import DraftLM
@@ -53,13 +54,24 @@ def head_config_from_recipe(section: HeadSection) -> HeadConfig:
     )
 
 
-def build_head(config: HeadConfig, target: LlamaForCausalLM, init_from_target: bool = True) -> DraftHead:
-    """A head tied to `target`, in the target's dtype and on its device."""
+INITS = ("copy", "copy_zero_out")
+
+
+def build_head(config: HeadConfig, target: LlamaForCausalLM, init_from_target: bool = True,
+               init: str = "copy") -> DraftHead:
+    """A head tied to `target`, in the target's dtype and on its device. With `init_from_target`,
+    `init` = "copy" starts from the target's weights where shapes allow (see each family's
+    `init_from_target`); "copy_zero_out" also zeroes the copied layers' output projections, so the
+    decoder layers start as the identity (benchmarks/init.py compares the two)."""
+    if init not in INITS:
+        raise ValueError(f"unknown head init {init!r}; choose one of {', '.join(INITS)}")
     cfg = config.resolve(target)
     weight = target.model.embed_tokens.weight
     head = FAMILIES[cfg.head_type](cfg, target).to(device=weight.device, dtype=weight.dtype)
     if init_from_target:
         head.init_from_target(target)
+        if init == "copy_zero_out" and hasattr(head, "layers"):
+            zero_output_projections(head.layers)
     return head
 
 

@@ -58,7 +58,7 @@ class HeadConfig:
     num_layers: int = 1  # decoder layers (1 for mtp/eagle1/eagle3/deepseek_mtp; draft_lm: its depth)
     intermediate_size: int | None = None  # None: the target's
     aux_layer_ids: list[int] | None = None  # eagle3: layers whose entering hidden states are fused
-    draft_vocab_size: int | None = None  # eagle3 / medusa: own reduced lm_head; mtp / eagle1 / deepseek_mtp: target rows
+    draft_vocab_size: int | None = None  # eagle3 / medusa: own reduced lm_head; other chains: the target's rows
     medusa_num_heads: int = 4
     medusa_num_layers: int = 1  # residual blocks per Medusa head
     share_target_embeddings: bool = True  # draft_lm: use the target's embedding and lm_head (same width)
@@ -342,6 +342,17 @@ def init_from_last_layers(layers: nn.ModuleList, target: LlamaForCausalLM) -> No
     n = len(target.model.layers)
     for i, layer in enumerate(layers):
         copy_layer(layer, target.model.layers[n - len(layers) + i])
+
+
+def zero_output_projections(layers: nn.ModuleList) -> None:
+    """Zero each decoder layer's attention output and MLP down projections: the layers start as the
+    identity on their residual stream (the copied attention / MLP input weights still give the
+    first gradients a useful direction)."""
+    with torch.no_grad():
+        for layer in layers:
+            for name, p in layer.named_parameters():
+                if name.split(".")[-2] in ("o_proj", "down_proj"):
+                    p.zero_()
 
 
 def init_fusion_as_identity(fusion: nn.Linear) -> None:

@@ -21,6 +21,7 @@ import torch
 from headstart.inference.backends import make_backend
 from headstart.inference.detok import IncrementalText
 from headstart.inference.kv_cache import KVCache, KVCacheSpec, PageAllocator, pages_for_budget
+from headstart.inference.ngram import NgramProposer
 from headstart.inference.runner import ModelRunner
 from headstart.inference.sampler import SamplingParams, sample, token_logprobs
 from headstart.inference.scheduler import Scheduler, Sequence, Status
@@ -123,7 +124,7 @@ class Engine(SpeculativeSteps):
             what = "tree_tokens / tree_topk x depth" if spec.method == "tree" else "k"
             raise ValueError(f"speculation would reserve {spec.lookahead} KV slots per step ({what}), more than the "
                              f"model's context of {self.max_model_len}: it could never run; lower {what}")
-        draft = self._resolve_draft(spec, dtype) if spec is not None else None
+        draft = self._resolve_draft(spec, dtype) if spec is not None and spec.method != "ngram" else None
         draft_spec = draft_kv_spec(draft) if draft is not None else None
         specs = [kv_spec] + ([draft_spec] if draft_spec is not None else [])
         if num_pages is None:
@@ -142,6 +143,8 @@ class Engine(SpeculativeSteps):
         if spec is not None:
             if spec.method == "medusa":
                 self.proposer = MedusaProposer(spec, draft)
+            elif spec.method == "ngram":
+                self.proposer = NgramProposer(spec)
             else:
                 draft_runner = ModelRunner(draft, KVCache(draft_spec, num_pages, page_size, self.device),
                                            self.allocator, self.backend, self.device)

@@ -28,7 +28,7 @@ from headstart.inference.runner import ModelRunner
 from headstart.inference.sampler import draw, processed_probs
 from headstart.inference.scheduler import DraftState, Sequence
 
-SpecMethod = Literal["chain", "draft", "medusa", "tree"]
+SpecMethod = Literal["chain", "draft", "medusa", "tree", "ngram"]
 
 
 @dataclass(kw_only=True)
@@ -41,12 +41,24 @@ class SpecConfig:
     tree_topk: int = 4  # tree: children per expanded node, and nodes expanded per depth
     tree_tokens: int = 16  # tree: draft tokens kept after reranking (verified in one pass); k is the depth
     allow_other_target: bool = False  # load a head checkpoint made for a same-shaped target with other weights
+    # chain / draft: stop drafting a step once the draft's top probability for the token just drafted
+    # falls below this (easy text drafts up to k, hard text stops early); None: always k.
+    draft_threshold: float | None = None
+    ngram_min: int = 2  # ngram: shortest suffix looked up in the sequence's own tokens
+    ngram_max: int = 4  # ngram: longest suffix looked up (tried first)
 
     def __post_init__(self) -> None:
-        if self.method not in ("chain", "draft", "medusa", "tree"):
-            raise ValueError(f"unknown speculation method {self.method!r}; choose chain, draft, medusa or tree")
+        if self.method not in ("chain", "draft", "medusa", "tree", "ngram"):
+            raise ValueError(f"unknown speculation method {self.method!r}; choose chain, draft, medusa, tree or ngram")
         if self.k < 1:
             raise ValueError(f"k must be >= 1, got {self.k}")
+        if self.draft_threshold is not None:
+            if self.method not in ("chain", "draft"):
+                raise ValueError(f"draft_threshold applies to chain and draft drafting, not {self.method}")
+            if not 0.0 < self.draft_threshold < 1.0:
+                raise ValueError(f"draft_threshold must be in (0, 1), got {self.draft_threshold}")
+        if not 1 <= self.ngram_min <= self.ngram_max:
+            raise ValueError(f"ngram needs 1 <= ngram_min <= ngram_max, got {self.ngram_min} / {self.ngram_max}")
         if self.method == "tree" and (self.tree_topk < 1 or self.tree_tokens < 1):
             raise ValueError("tree_topk and tree_tokens must be >= 1")
 
@@ -167,6 +179,8 @@ class _ChainProposer(_Proposer, abc.ABC):
     """Drafts k tokens one after another: the first from the carried logits, each next one from a
     draft forward over the previous draft token (`_step`)."""
 
+    drafted = 1  # draft tokens of the last proposal (adaptive drafting may stop before k)
+
     @abc.abstractmethod
     def _step(self, seqs: list[Sequence], j: int, tokens: torch.Tensor) -> torch.Tensor:
         """Feed draft j (B,) through the draft model; return the logits for draft j + 1."""
@@ -180,14 +194,20 @@ class _ChainProposer(_Proposer, abc.ABC):
         logits = torch.cat([s.draft.carry[1] for s in seqs])
         drafts: list[list[int]] = [[] for _ in seqs]
         qs: list[list[torch.Tensor]] = [[] for _ in seqs]
+        threshold = self.config.draft_threshold
         for j in range(k):
             choice, q = _draft_choice(logits, seqs, sample, gens, self.to_target)
             for b, c in enumerate(choice):
                 drafts[b].append(c)
                 if q[b] is not None:
                     qs[b].append(self._to_target_dist(q[b]))
-            if j < k - 1:
-                logits = self._step(seqs, j, torch.tensor(choice))
+            if j == k - 1:
+                break
+            # Adaptive length: the batch stops when every draft just made was unsure (one host sync).
+            if threshold is not None and float(torch.softmax(logits.float(), -1).amax(-1).max()) < threshold:
+                break
+            logits = self._step(seqs, j, torch.tensor(choice))
+        self.drafted = len(drafts[0])
         return Proposal(drafts, [torch.stack(q) if q else None for q in qs])
 
 
@@ -297,7 +317,7 @@ class DraftModelProposer(_ChainProposer):
     def after_verify(self, seq: Sequence, n: int, accepted: int) -> None:
         """t_n and drafts d_1..d_{k-1} were fed at positions n..n+k-1; the accepted ones stay valid
         (d_k, never fed, is run by the next absorb)."""
-        seq.draft.cached = n + 1 + min(accepted, self.config.k - 1)
+        seq.draft.cached = n + 1 + min(accepted, self.drafted - 1)
         seq.draft.carry = None
 
 

@@ -76,10 +76,10 @@ class SpeculativeSteps:
     def _spec_step(self, seqs: list[Sequence]) -> list[RequestOutput]:
         if isinstance(self.proposer, TreeProposer):
             return self._tree_step(seqs)
-        k = self.spec.k
         t0 = time.perf_counter()
-        proposal = self.proposer.propose(seqs, k)
+        proposal = self.proposer.propose(seqs, self.spec.k)
         t1 = time.perf_counter()
+        k = len(proposal.drafts[0])  # this step's draft length (adaptive drafting / n-gram: 1..spec.k)
         items = [(s.id, s.num_cached, s.num_cached + k + 1) for s in seqs]
         ids = [t for s, d in zip(seqs, proposal.drafts) for t in [s.token_ids[-1]] + d]
         h, aux, _ = self.runner.run(ids, items, capture=self.proposer.capture())
