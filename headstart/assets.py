@@ -16,8 +16,8 @@ from dataclasses import asdict, dataclass
 from importlib import metadata
 from pathlib import Path
 
-from headstart.errors import AssetError
 from headstart.console import status
+from headstart.errors import AssetError
 from headstart.fileio import atomic_path, atomic_write_text, file_lock, read_json_array
 
 
