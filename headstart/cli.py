@@ -129,6 +129,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--out", help="report directory (default: <output_dir>/eval)")
     p.add_argument("--device", help="cpu or cuda[:N] (default: cuda if available)")
+    p.add_argument("--allow-other-target", action="store_true",
+                   help="evaluate heads trained for a same-shaped target with other weights (warns)")
     p.add_argument("--no-progress", action="store_true")
     p.set_defaults(func=commands.cmd_eval)
 

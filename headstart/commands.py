@@ -210,6 +210,8 @@ def cmd_regenerate(args: argparse.Namespace) -> int:
 
 
 def cmd_train(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
     from headstart.config import load_recipe
     from headstart.train import run_train
 
@@ -218,7 +220,9 @@ def cmd_train(args: argparse.Namespace) -> int:
     if int(__import__("os").environ.get("RANK", "0")) == 0:
         keys = ("step", "tokens", "val_loss", "tau", "alpha", "top1_per_step")
         print("train: " + json.dumps({k: metrics.get(k) for k in keys}))
-        print(f"train: heads in {recipe.output_dir}/head-final and head-best; curve in {recipe.output_dir}/metrics.csv")
+        out = Path(recipe.output_dir)
+        heads = [n for n in ("head-final", "head-best") if (out / n / "config.json").is_file()]
+        print(f"train: heads in {' and '.join(f'{out}/{n}' for n in heads) or 'none'}; curve in {out}/metrics.csv")
     return 0
 
 
@@ -253,19 +257,33 @@ def cmd_eval(args: argparse.Namespace) -> int:
 
     from headstart.assets import resolve_model
     from headstart.config import load_recipe
-    from headstart.evaluate import EvalPlan, check_plan, evaluate, read_prompt_file, write_reports
+    from headstart.evaluate import (
+        EvalPlan,
+        check_plan,
+        check_report_dir,
+        evaluate,
+        head_labels,
+        read_prompt_file,
+        write_reports,
+    )
+    from headstart.fileio import read_json_object
     from headstart.hardware import resolve_dtype
     from headstart.models.llama import load_llama
 
     recipe = load_recipe(args.recipe, args.overrides)
     plan = EvalPlan(heads=args.head, ks=_csv(args.k, int, "--k"), temperatures=_csv(args.temperature, float,
                     "--temperature"), methods=_csv(args.spec, str, "--spec"), batch_size=args.batch_size,
-                    max_tokens=args.max_tokens, seed=recipe.seed)
+                    max_tokens=args.max_tokens, seed=recipe.seed, allow_other_target=args.allow_other_target)
     check_plan(plan)
     for h in plan.heads:
         if not (Path(h) / "config.json").is_file():
             raise HeadstartError(f"--head {h}: not a head checkpoint directory")
+    out = check_report_dir(args.out or Path(recipe.output_dir) / "eval")  # before anything loads
+    if args.prompts:
+        rows = read_prompt_file(args.prompts)
     model_dir = resolve_model(recipe.target.model)
+    context = read_json_object(model_dir / "config.json", "model config").get("max_position_embeddings")
+    check_plan(plan, context if isinstance(context, int) else None)
     device = _device(args.device)
     dtype = resolve_dtype(recipe.target.dtype, device)
     target = load_llama(model_dir, dtype=dtype, device=device)
@@ -273,7 +291,6 @@ def cmd_eval(args: argparse.Namespace) -> int:
 
     tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
     if args.prompts:
-        rows = read_prompt_file(args.prompts)
         prompts = []
         for r in rows:
             msgs = r["messages"] if "messages" in r else [{"role": "user", "content": r["prompt"]}]
@@ -294,11 +311,11 @@ def cmd_eval(args: argparse.Namespace) -> int:
     info = {"target": recipe.target.model, "dtype": dtype, "device": device, "prompt_source": source,
             "target_fingerprint": target.fingerprint(), "recipe": str(args.recipe), "headstart": __version__}
     report = evaluate(target, tokenizer, prompts, categories, plan, progress=not args.no_progress, info=info)
-    out = Path(args.out or Path(recipe.output_dir) / "eval")
     files = write_reports(report, out)
+    labels = head_labels(plan.heads)
     for r in report["runs"]:
         tau = f"{r['tau']:.3f}" if r["tau"] is not None else "- (no speculative step)"
-        print(f"eval: {Path(r['head']).name} {r['method']} k={r['k']} T={r['temperature']}: tau {tau}, "
+        print(f"eval: {labels[r['head']]} {r['method']} k={r['k']} T={r['temperature']}: tau {tau}, "
               f"{r['tokens_per_s']:.1f} tok/s vs AR {r['ar_tokens_per_s']:.1f} = {r['speedup']:.2f}x"
               + (f", lossless_check {r['lossless_check']}" if "lossless_check" in r else ""))
     print("eval: wrote " + ", ".join(str(f) for f in files))

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import re
 import reprlib
 import types
 import typing
@@ -20,6 +21,8 @@ from typing import Any, Literal
 import yaml
 
 from headstart.errors import ConfigError
+
+MAX_TTT_STEPS = 16  # train.ttt_steps: unrolled draft steps, bounded (activations grow with each)
 
 Dtype = Literal["auto", "bf16", "fp16", "fp32"]
 DataFormat = Literal["auto", "sharegpt", "messages", "prompt"]
@@ -170,11 +173,13 @@ class TrainConfig:
         _require(self.epochs is None or self.epochs >= 1, "train.epochs", "must be >= 1 or null")
         _require(self.lr > 0, "train.lr", f"must be > 0, got {self.lr}")
         _require(0 <= self.min_lr_ratio <= 1, "train.min_lr_ratio", "must be in [0, 1]")
-        _require(self.warmup_steps >= 0 and self.weight_decay >= 0 and self.grad_clip >= 0, "train",
-                 "warmup_steps, weight_decay and grad_clip must be >= 0")
+        for key in ("warmup_steps", "weight_decay", "grad_clip", "val_every_steps", "val_prompts", "val_loss_batches"):
+            _require(getattr(self, key) >= 0, f"train.{key}", f"must be >= 0, got {getattr(self, key)}")
+        # Each unrolled step keeps its activations for the backward pass: memory grows linearly with
+        # ttt_steps (100 steps on 128-token sequences needed ~20 GB); EAGLE-3 trains with 7.
+        _require(self.ttt_steps <= MAX_TTT_STEPS, "train.ttt_steps",
+                 f"must be in 1..{MAX_TTT_STEPS}, got {self.ttt_steps}")
         _require(0 < self.ttt_decay <= 1, "train.ttt_decay", "must be in (0, 1]")
-        _require(self.val_every_steps >= 0 and self.val_prompts >= 0 and self.val_loss_batches >= 0,
-                 "train", "val_every_steps, val_prompts and val_loss_batches must be >= 0")
         _require(self.val_max_tokens >= 1, "train.val_max_tokens", "must be >= 1")
         _require(self.num_workers >= 0, "train.num_workers", "must be >= 0")
 
@@ -360,6 +365,8 @@ def _coerce(tp: Any, value: Any, key: str, where: typing.Callable[[str], str]) -
     if tp is float:
         if isinstance(value, (int, float)) and not isinstance(value, bool):
             return float(value)
+        if isinstance(value, str) and _NUMBER.fullmatch(value.strip()):
+            return float(value)  # YAML 1.1 reads 1e-4 (no dot) as a string
     elif tp is int:
         if isinstance(value, int) and not isinstance(value, bool):
             return value
@@ -371,6 +378,7 @@ def _coerce(tp: Any, value: Any, key: str, where: typing.Callable[[str], str]) -
     raise ConfigError(f"{where(key)}: '{key}' must be {tp.__name__}, got {_show(value)}")
 
 
+_NUMBER = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?")
 _REPR = reprlib.Repr()  # attributes, not keyword arguments: Python 3.10/3.11 take none
 _REPR.maxlevel, _REPR.maxlist, _REPR.maxdict, _REPR.maxstring, _REPR.maxother = 2, 4, 4, 60, 60
 

@@ -9,6 +9,7 @@ says whether speculative output equals AR output token for token (`lossless_chec
 from __future__ import annotations
 
 import json
+import math
 import platform
 import time
 from dataclasses import dataclass, field
@@ -17,8 +18,12 @@ from typing import Any
 
 import torch
 
-from headstart.errors import DataError, HeadstartError
-from headstart.fileio import atomic_path
+from headstart.errors import ConfigError, DataError, HeadstartError, OutputError
+from headstart.fileio import atomic_path, check_output_path
+
+FORMAT = "headstart-eval/1"  # report.json's marker: a directory holding one may be written again
+ROLES = ("system", "user", "assistant")
+MAX_K = 32  # draft length / tree depth: acceptance past a few tokens is ~0, and each step reserves k KV slots
 
 
 @dataclass
@@ -32,6 +37,7 @@ class EvalPlan:
     seed: int = 0
     tree_topk: int = 4
     tree_tokens: int = 16
+    allow_other_target: bool = False  # heads trained for a same-shaped target with other weights
 
 
 def read_prompt_file(path: str | Path) -> list[dict[str, Any]]:
@@ -63,6 +69,9 @@ def read_prompt_file(path: str | Path) -> list[dict[str, Any]]:
                     for m in msgs)):
                 raise DataError(f"{where}: \"messages\" must be a non-empty list of "
                                 "{\"role\": str, \"content\": str}")
+            bad = [m["role"] for m in msgs if m["role"] not in ROLES]
+            if bad:
+                raise DataError(f"{where}: role {bad[0][:40]!r} is not one of {', '.join(ROLES)}")
         elif not (isinstance(row.get("prompt"), str) and row["prompt"].strip()):
             raise DataError(f"{where}: a row needs a non-empty \"prompt\" string or a \"messages\" list")
         if row.get("category") is not None and not isinstance(row["category"], str):
@@ -77,7 +86,8 @@ def _engine(target: Any, tokenizer: Any, prompts: list[list[int]], plan: EvalPla
     from headstart.inference import Engine
 
     page = 16
-    longest = max(len(p) for p in prompts) + plan.max_tokens + (spec.lookahead if spec else 0) + 1
+    context = target.config.max_position_embeddings  # the engine stops a request there
+    longest = min(max(len(p) for p in prompts) + plan.max_tokens, context) + (spec.lookahead if spec else 0) + 1
     pages = min(len(prompts), plan.batch_size) * (-(-longest // page) + 1) + 8
     return Engine(target, tokenizer=tokenizer, device=target.model.embed_tokens.weight.device, page_size=page,
                   num_pages=pages, max_batch_size=plan.batch_size, seed=plan.seed, spec=spec)
@@ -117,7 +127,13 @@ def evaluate(target: Any, tokenizer: Any, prompts: list[list[int]], categories: 
 
     if not prompts:
         raise DataError("eval: no prompts")
-    heads = {path: load_head(path, target) for path in plan.heads}
+    context = target.config.max_position_embeddings
+    check_plan(plan, context)
+    for i, p in enumerate(prompts):
+        if len(p) + 1 > context:  # checked before any KV page is allocated
+            raise DataError(f"eval: prompt {i} has {len(p):,} tokens; the target's context is {context:,}")
+    heads = {path: load_head(path, target, allow_other_target=plan.allow_other_target) for path in plan.heads}
+    labels = head_labels(plan.heads)
     runs, ar, kernels = [], {}, None
     n_runs = len(plan.temperatures) * (1 + sum(len(plan.ks) * len(_methods(h, plan)) for h in heads.values()))
     with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
@@ -140,16 +156,24 @@ def evaluate(target: Any, tokenizer: Any, prompts: list[list[int]], categories: 
                         spec = SpecConfig(method=method, k=k, head=head if method != "draft" else None,
                                           draft=head if method == "draft" else None, tree_topk=plan.tree_topk,
                                           tree_tokens=plan.tree_tokens)
-                        outs, secs = _run(_engine(target, tokenizer, prompts, plan, spec), prompts, temp, plan, bar,
-                                          task, f"{Path(path).name} {method} k={k} T={temp}")
+                        try:
+                            engine = _engine(target, tokenizer, prompts, plan, spec)
+                        except ValueError as e:  # a plan this target can never run
+                            raise HeadstartError(f"eval: {labels[path]} {method} k={k}: {e}") from None
+                        outs, secs = _run(engine, prompts, temp, plan, bar, task,
+                                          f"{labels[path]} {method} k={k} T={temp}")
                         runs.append(_summarise(path, head, method, k, temp, outs, secs, categories, ar[temp]))
+                        runs[-1]["label"] = labels[path]
     return {
+        "format": FORMAT,
         "runs": runs,
         "heads": {path: {"head_type": h.config.head_type, "num_layers": h.config.num_layers,
                          "aux_layer_ids": h.config.aux_layer_ids, "draft_vocab_size": h.config.draft_vocab_size,
                          "weights_sha256": _sha(path)} for path, h in heads.items()},
         "engine": {"page_size": 16, "max_batch_size": plan.batch_size, "backend": "auto",
-                   "kernels": kernels, "batch_invariant": True,
+                   # what the engine really ran: without the row-invariant kernels (HEADSTART_KERNELS=0, no
+                   # compiler, CUDA) a token's bits depend on its batch, and lossless_check may differ
+                   "kernels": kernels, "batch_invariant": kernels == "rowwise",
                    "tree_topk": plan.tree_topk, "tree_tokens": plan.tree_tokens},
         "ar": {str(t): {k: v for k, v in r.items() if k != "outputs"} for t, r in ar.items()},
         "prompts": len(prompts), "max_tokens": plan.max_tokens, "batch_size": plan.batch_size, "seed": plan.seed,
@@ -214,8 +238,50 @@ def _summarise(path: str, head: Any, method: str, k: int, temp: float, outs: lis
 # ------------------------------------------------------------------------------------ reports
 
 
+def head_labels(paths: list[str]) -> dict[str, str]:
+    """A short, distinct label per head: its directory name, with as many parent names as it takes
+    to tell two heads apart (runs/a/head-best and runs/b/head-best -> a/head-best, b/head-best)."""
+    parts = {p: Path(p).resolve().parts for p in paths}
+    labels = {}
+    for p in paths:
+        n = 1
+        while n < len(parts[p]) and any(q != p and parts[q][-n:] == parts[p][-n:] for q in paths):
+            n += 1
+        labels[p] = "/".join(parts[p][-n:])
+    return labels
+
+
+def _label(run: dict[str, Any]) -> str:
+    return run.get("label") or Path(run["head"]).name
+
+
+def is_report_dir(path: str | Path) -> bool:
+    """True for a directory an earlier `headstart eval` wrote (its report.json carries our marker;
+    reports written before the marker existed are known by their top-level keys)."""
+    f = Path(path) / "report.json"
+    try:
+        obj = json.loads(f.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return False
+    return isinstance(obj, dict) and (obj.get("format") == FORMAT or
+                                      {"runs", "heads", "engine", "ar", "settings"} <= set(obj))
+
+
+def check_report_dir(out: str | Path) -> Path:
+    """Refuse a report directory before any work: only a new or empty directory, or an earlier
+    eval report, is written (report.json, report.md and the plots are replaced there)."""
+    path = check_output_path(out, replaces=is_report_dir, hint="it is not an earlier eval report; choose a new --out")
+    if path.exists() and not path.is_dir():
+        raise OutputError(f"{out}: is a file; --out names a report directory")
+    return path
+
+
 def write_reports(report: dict[str, Any], out: Path) -> list[Path]:
-    out.mkdir(parents=True, exist_ok=True)
+    out = check_report_dir(out)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise OutputError(f"{out}: cannot create the report directory ({e.strerror or e})") from None
     written = []
     with atomic_path(out / "report.json") as tmp:
         tmp.write_text(json.dumps(report, indent=2))
@@ -240,7 +306,7 @@ def markdown(report: dict[str, Any]) -> str:
         rate = " ".join(f"{x:.2f}" for x in r["accept_rate_per_pos"])
         alpha = f"{r['alpha']:.3f}" if r["alpha"] is not None else "-"
         tau = f"{r['tau']:.3f}" if r["tau"] is not None else "-"
-        lines.append(f"| {Path(r['head']).name} | {r['method']} | {r['k']} | {r['temperature']} | {tau} | "
+        lines.append(f"| {_label(r)} | {r['method']} | {r['k']} | {r['temperature']} | {tau} | "
                      f"{alpha} | {rate} | {r['tokens_per_s']:.1f} | {r['speedup']:.2f}x | "
                      f"{r.get('lossless_check', '-')} |")
     cats = [r for r in report["runs"] if r["tau_by_category"]]
@@ -249,7 +315,7 @@ def markdown(report: dict[str, Any]) -> str:
                   " | ".join(sorted(cats[0]["tau_by_category"])) + " |", "|---" * (4 + len(cats[0]["tau_by_category"]))
                   + "|"]
         for r in cats:
-            lines.append(f"| {Path(r['head']).name} | {r['method']} | {r['k']} | {r['temperature']} | " +
+            lines.append(f"| {_label(r)} | {r['method']} | {r['k']} | {r['temperature']} | " +
                          " | ".join(f"{r['tau_by_category'].get(c, float('nan')):.3f}"
                                     for c in sorted(cats[0]["tau_by_category"])) + " |")
     return "\n".join(lines) + "\n"
@@ -269,14 +335,14 @@ def plots(report: dict[str, Any], out: Path) -> list[Path]:
     for r in runs:
         if r["k"] == max(x["k"] for x in runs if x["head"] == r["head"] and x["method"] == r["method"]):
             ax.plot(range(1, len(r["accept_rate_per_pos"]) + 1), r["accept_rate_per_pos"], marker="o",
-                    label=f"{Path(r['head']).name} {r['method']} k={r['k']} T={r['temperature']}")
+                    label=f"{_label(r)} {r['method']} k={r['k']} T={r['temperature']}")
     ax.set(xlabel="draft position", ylabel="P(accepted up to here)", title="acceptance per position", ylim=(0, 1))
     ax.legend(fontsize=7)
     written.append(_save(fig, out / "accept_per_position.png"))
     fig, (a1, a2) = plt.subplots(1, 2, figsize=(10, 4))
     groups: dict[tuple, list] = {}
     for r in runs:
-        groups.setdefault((Path(r["head"]).name, r["method"], r["temperature"]), []).append(r)
+        groups.setdefault((_label(r), r["method"], r["temperature"]), []).append(r)
     for (name, method, temp), rs in groups.items():
         rs = sorted(rs, key=lambda r: r["k"])
         a1.plot([r["k"] for r in rs], [r["tau"] or float("nan") for r in rs], marker="o",
@@ -294,7 +360,7 @@ def plots(report: dict[str, Any], out: Path) -> list[Path]:
         width = 0.8 / len(cats)
         for i, r in enumerate(cats):
             ax.bar([j + i * width for j in range(len(names))], [r["tau_by_category"].get(c, 0) for c in names],
-                   width, label=f"{Path(r['head']).name} {r['method']} k={r['k']} T={r['temperature']}")
+                   width, label=f"{_label(r)} {r['method']} k={r['k']} T={r['temperature']}")
         ax.set_xticks([j + 0.4 - width / 2 for j in range(len(names))], names, rotation=30, fontsize=8)
         ax.set(ylabel="tau", title="tau by prompt category")
         ax.legend(fontsize=6)
@@ -312,15 +378,19 @@ def _save(fig: Any, path: Path) -> Path:
     return path
 
 
-def check_plan(plan: EvalPlan) -> None:
+def check_plan(plan: EvalPlan, context: int | None = None) -> None:
+    """Refuse a plan that could never run; with the target's `context`, lengths past it too."""
     if not plan.heads:
         raise HeadstartError("eval: give at least one --head")
-    if any(k < 1 for k in plan.ks) or not plan.ks:
-        raise HeadstartError(f"eval: --k must list integers >= 1, got {plan.ks}")
-    if any(t < 0 for t in plan.temperatures) or not plan.temperatures:
-        raise HeadstartError(f"eval: --temperature must list values >= 0, got {plan.temperatures}")
+    if any(not 1 <= k <= MAX_K for k in plan.ks) or not plan.ks:
+        raise ConfigError(f"eval: --k must list integers in 1..{MAX_K}, got {str(plan.ks)[:60]}")
+    if any(not (math.isfinite(t) and t >= 0) for t in plan.temperatures) or not plan.temperatures:
+        raise ConfigError(f"eval: --temperature must list finite values >= 0, got {str(plan.temperatures)[:60]}")
     bad = [m for m in plan.methods if m not in ("chain", "tree")]
     if bad:
         raise HeadstartError(f"eval: --spec takes chain and/or tree, got {bad}")
     if plan.batch_size < 1 or plan.max_tokens < 1:
         raise HeadstartError("eval: --batch-size and --max-tokens must be >= 1")
+    if context is not None and plan.max_tokens >= context:
+        raise ConfigError(f"eval: --max-tokens {plan.max_tokens:,} is not below the target's context of "
+                          f"{context:,} tokens (max_position_embeddings); lower --max-tokens")

@@ -137,15 +137,50 @@ def exclusive_lock(path: Path, what: str) -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def file_lock(path: Path) -> Iterator[None]:
-    """An exclusive advisory lock, so two processes never build the same cache entry at once."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "a+") as f:
-        fcntl.flock(f, fcntl.LOCK_EX)
+def file_lock(path: Path, timeout: float = 600.0, what: str = "the cache entry") -> Iterator[None]:
+    """An exclusive advisory lock, so two processes never build the same cache entry at once.
+
+    The kernel drops the lock when its holder dies, so a wait only outlasts a live holder; after
+    `timeout` seconds that is an error naming the lock rather than a hang."""
+    import time
+
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        f = open(path, "a+")
+    except OSError as e:
+        raise OutputError(f"{path.parent}: cannot be written ({e.strerror or e})") from None
+    with f:
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() >= deadline:
+                    raise OutputError(f"{what}: another process has held the lock {path} for over {timeout:.0f}s; "
+                                      "wait for it to finish, or stop it") from None
+                time.sleep(0.2)
         try:
             yield
         finally:
             fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def remove_stale_temporaries(directory: Path) -> None:
+    """Remove `.NAME.tmp-PID` / `.NAME.old-PID` siblings (see `atomic_path`) left by a process that
+    was killed; those of live processes (another rank, another run) are left alone."""
+    if not directory.is_dir() or directory.is_symlink():
+        return
+    for p in directory.glob(".*.*-*"):
+        kind, _, pid = p.name.rpartition("-")
+        if not (pid.isdigit() and kind.endswith((".tmp", ".old"))):
+            continue
+        try:
+            os.kill(int(pid), 0)
+        except ProcessLookupError:
+            _remove(p)
+        except PermissionError:
+            pass  # alive, someone else's
 
 
 def sha256_file(path: Path, chunk: int = 1 << 22) -> str:

@@ -117,3 +117,15 @@ def test_long_bad_values_are_cut_in_messages(tmp_path):
     with pytest.raises(ConfigError) as e:
         load_recipe(_write(tmp_path, f"{'k' * 100_000}: 1\n"))
     assert len(str(e.value)) < 600
+
+
+def test_set_values_are_coerced_bounded_and_named():
+    recipe = Path(__file__).resolve().parents[1] / "recipes" / "smollm2-135m-mtp.yaml"
+    assert load_recipe(recipe, ["train.lr=1e-4"]).train.lr == 1e-4  # YAML 1.1 reads this as a string
+    with pytest.raises(ConfigError, match=r"--set train.lr: 'train.lr' must be float, got str 'fast'"):
+        load_recipe(recipe, ["train.lr=fast"])
+    with pytest.raises(ConfigError, match=r"^--set train.ttt_steps: 'train.ttt_steps' must be in 1..16, got 100"):
+        load_recipe(recipe, ["train.ttt_steps=100"])
+    for key in ("warmup_steps", "grad_clip", "val_prompts"):
+        with pytest.raises(ConfigError, match=rf"^--set train.{key}: 'train.{key}' must be >= 0"):
+            load_recipe(recipe, [f"train.{key}=-1"])

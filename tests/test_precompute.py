@@ -277,3 +277,18 @@ def test_stale_shard_temporaries_are_removed_on_resume(tmp_path, model_dir):
     live.write_bytes(b"writing")
     assert main(["precompute", str(path), "--resume"]) == 0
     assert not dead.exists() and live.exists()
+
+
+def test_a_shard_truncated_during_training_is_named_not_a_bus_error(tmp_path, model_dir):
+    from headstart.train.data import ShardSequences
+
+    run_precompute(load_recipe(_recipe(tmp_path, model_dir)), progress=False)
+    out = tmp_path / "r" / "precompute"
+    seqs = ShardSequences(out)
+    last = [i for i, r in enumerate(seqs.refs) if r.shard == 1][-1]
+    seqs.load([last])  # the shard is open (memory-mapped) now
+    victim = out / "shard-00001.safetensors"
+    with open(victim, "r+b") as f:  # truncated in place, as a full disk or a user would
+        f.truncate(victim.stat().st_size // 2)
+    with pytest.raises(DataError, match=r"shard-00001.safetensors: shard 1 has .* bytes, the manifest says"):
+        seqs.load([last])

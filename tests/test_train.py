@@ -205,7 +205,7 @@ def test_bad_input_is_one_clear_line(tmp_path, chat_model_dir, capsys):
     assert "no manifest.json" in capsys.readouterr().err
     many = _recipe(tmp_path, chat_model_dir, name="many", train={"val_prompts": 500, "max_steps": 1})
     assert main(["train", str(many), "--no-progress"]) == 0
-    assert "validating on" in capsys.readouterr().out
+    assert "validating on" in capsys.readouterr().err
 
 
 def test_non_finite_losses_skip_steps_then_stop(tmp_path, chat_model_dir, capsys):
@@ -297,14 +297,15 @@ def test_more_bad_input_is_refused_before_any_work(tmp_path, chat_model_dir, cap
     (out / "head-final").mkdir()
     (out / "head-final" / "notes.txt").write_text("mine")
     fails(match="head-final that no training run")
-    (out / "train.json").write_text("{}")  # even inside a run's directory, a user's head-final stays
+    record = json.dumps({"format": "headstart-train/1"})
+    (out / "train.json").write_text(record)  # even inside a run's directory, a user's head-final stays
     fails(match="exists and is not empty")
     (out / "train.json").unlink()
     assert (out / "head-final" / "notes.txt").read_text() == "mine"
     (out / "head-final" / "notes.txt").unlink()
     (out / "head-final").rmdir()
     fails("--resume", match="holds no checkpoint to resume")
-    (out / "train.json").write_text("{}")  # a run that died before its first checkpoint starts afresh
+    (out / "train.json").write_text(record)  # a run that died before its first checkpoint starts afresh
     assert main(["train", str(path), "--no-progress"]) == 0
     ckpt = out / "checkpoints" / "last.ckpt"
     ckpt.write_bytes(ckpt.read_bytes()[:1000])
@@ -317,6 +318,6 @@ def test_weights_and_biases_logs_offline_without_an_api_key(tmp_path, chat_model
     monkeypatch.setenv("WANDB_SILENT", "true")
     path = _recipe(tmp_path, chat_model_dir, train={"max_steps": 2, "val_every_steps": 0, "val_prompts": 1})
     assert main(["train", str(path), "--no-progress", "--set", "logging.wandb=true"]) == 0
-    assert "logs offline" in capsys.readouterr().out
+    assert "logs offline" in capsys.readouterr().err
     runs = list((tmp_path / "run" / "wandb").glob("offline-run-*"))
     assert len(runs) == 1 and any(runs[0].glob("*.wandb"))

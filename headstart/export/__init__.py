@@ -41,9 +41,20 @@ def _is_native_export(path: str | Path) -> bool:
     return is_head_checkpoint(path) and (Path(path) / NATIVE_MARK).is_file()
 
 
-def _rules(overwrite: bool, native: bool = False) -> dict[str, Any]:
+# What an export directory holds; --force replaces one only when it holds nothing else.
+EXPORT_FILES = {"config.json", "model.safetensors"}
+NATIVE_FILES = EXPORT_FILES | {NATIVE_MARK}
+
+
+def _rules(overwrite: bool, native: bool = False, out: str | Path | None = None) -> dict[str, Any]:
     replaceable = _is_native_export if native else is_export
-    return {"replaces": replaceable if overwrite else None, "hint": "pass --force to replace an earlier export"}
+    if overwrite:
+        hint = "it is not an earlier export of this format; choose a new --out"
+    elif out is not None and replaceable(out):
+        hint = "it is an earlier export: pass --force to replace it"
+    else:
+        hint = "choose a new --out"
+    return {"replaces": replaceable if overwrite else None, "hint": hint}
 
 
 def check_export_output(out: str | Path, overwrite: bool = False, *, source: str | Path | None = None,
@@ -54,7 +65,16 @@ def check_export_output(out: str | Path, overwrite: bool = False, *, source: str
         out_r, src_r = Path(out).resolve(), Path(source).resolve()
         if out_r == src_r or out_r in src_r.parents:
             raise AssetError(f"{out}: it holds the head being exported; choose another --out")
-    return check_output_path(out, **_rules(overwrite, native))
+        if src_r in out_r.parents:
+            raise AssetError(f"{out}: it is inside the head being exported ({source}); choose another --out")
+    path = check_output_path(out, **_rules(overwrite, native, out))
+    if overwrite and path.is_dir() and any(path.iterdir()):
+        foreign = sorted(p.name for p in path.iterdir() if p.name not in (NATIVE_FILES if native else EXPORT_FILES))
+        if foreign:
+            listed = ", ".join(foreign[:5]) + (f" (+{len(foreign) - 5} more)" if len(foreign) > 5 else "")
+            raise AssetError(f"{path}: an earlier export, but it also holds {listed}, which the exporter did not "
+                             "write; --force would delete them: move them out, or choose a new --out")
+    return path
 
 
 def export_head(head: DraftHead, target: LlamaForCausalLM, fmt: str, out: str | Path, *,

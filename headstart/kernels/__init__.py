@@ -56,6 +56,11 @@ def rowwise() -> Any:
         return _module
 
 
+# How long a process waits for another one's build of the same kernels (~30 s on 2 cores) before
+# it gives up and keeps torch's kernels.
+LOCK_TIMEOUT_S = 300.0
+
+
 def _build() -> Any:
     if os.environ.get("HEADSTART_KERNELS", "1") == "0":
         return None
@@ -63,21 +68,104 @@ def _build() -> Any:
         warnings.warn("headstart: row-invariant kernels are built for x86-64 only; using torch's", stacklevel=3)
         return None
     try:
-        from torch.utils.cpp_extension import load
-
         from headstart.assets import cache_dir
 
         key = build_key()
-        build = Path(os.environ.get("HEADSTART_KERNEL_CACHE") or cache_dir() / "kernels").expanduser() / key
-        build.mkdir(parents=True, exist_ok=True)
-        return load(name=f"headstart_rowwise_{key}", sources=[str(_SOURCE)], build_directory=str(build),
-                    extra_cflags=["-O3", "-march=native", "-ffp-contract=fast", "-fopenmp"],
-                    extra_ldflags=["-fopenmp"], verbose=False)
+        root = Path(os.environ.get("HEADSTART_KERNEL_CACHE") or cache_dir() / "kernels").expanduser()
+        return _cached_build(root, key)
     except Exception as e:  # noqa: BLE001 - any build failure leaves torch's kernels in place
         reason = str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__
         warnings.warn(f"headstart: could not build the row-invariant CPU kernels ({type(e).__name__}: {reason}); "
-                      "using torch's", stacklevel=3)
+                      "using torch's", stacklevel=4)
         return None
+
+
+def _cached_build(root: Path, key: str) -> Any:
+    """The module from `root/key`, healing the cache on the way.
+
+    A build is trusted only when its `.so` matches the sha256 and size recorded after it was built
+    (a truncated library would crash the process with a bus error on import); anything else is
+    removed and built again. A valid build is imported without writing anything, so a read-only
+    cache works; a read-only cache without one builds into a temporary directory for this process.
+    Builds are serialised by an flock beside the build directory, which the kernel releases when
+    its holder dies, so a killed build never blocks later ones (torch's own `lock` file would)."""
+    from headstart.fileio import file_lock
+
+    name = f"headstart_rowwise_{key}"
+    build = root / key
+    if _valid(build, name):
+        return _import(build, name)
+    try:
+        build.mkdir(parents=True, exist_ok=True)
+        writable = os.access(build, os.W_OK)
+    except OSError:
+        writable = False
+    if not writable:
+        import tempfile
+
+        tmp = Path(tempfile.mkdtemp(prefix="headstart-kernels-"))
+        warnings.warn(f"headstart: the kernel cache {root} is read-only and holds no valid build; building the "
+                      f"kernels into {tmp} for this process", stacklevel=4)
+        return _compile(name, tmp)
+    with file_lock(root / f"{key}.lock", timeout=LOCK_TIMEOUT_S, what="the kernel build"):
+        if _valid(build, name):  # built by the process we waited for
+            return _import(build, name)
+        import shutil
+
+        # Ours alone (keyed by source, torch and CPU): a damaged .so, its objects and a stale torch
+        # `lock` of a killed build all go, so the build starts clean.
+        shutil.rmtree(build)
+        build.mkdir()
+        module = _compile(name, build)
+        _record(build, name)
+        return module
+
+
+def _compile(name: str, build: Path) -> Any:
+    from torch.utils.cpp_extension import load
+
+    return load(name=name, sources=[str(_SOURCE)], build_directory=str(build),
+                extra_cflags=["-O3", "-march=native", "-ffp-contract=fast", "-fopenmp"],
+                extra_ldflags=["-fopenmp"], verbose=False)
+
+
+def _record(build: Path, name: str) -> None:
+    import json
+
+    from headstart.fileio import atomic_write_text, sha256_file
+
+    so = build / f"{name}.so"
+    atomic_write_text(build / "checksum.json", json.dumps({"file": so.name, "size": so.stat().st_size,
+                                                           "sha256": sha256_file(so)}))
+
+
+def _valid(build: Path, name: str) -> bool:
+    """The .so is the one recorded after its build (same size, same sha256)."""
+    import json
+
+    from headstart.fileio import sha256_file
+
+    so = build / f"{name}.so"
+    try:
+        rec = json.loads((build / "checksum.json").read_text())
+        return (isinstance(rec, dict) and so.stat().st_size == rec.get("size") and rec.get("size", 0) > 0
+                and sha256_file(so) == rec.get("sha256"))
+    except (OSError, ValueError):
+        return False
+
+
+def _import(build: Path, name: str) -> Any:
+    """Import the built library as torch's loader would (module name = the extension's name)."""
+    import importlib.util
+    import sys
+
+    import torch  # noqa: F401 - the library links against libtorch, which must be loaded first
+
+    spec = importlib.util.spec_from_file_location(name, build / f"{name}.so")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    sys.modules[name] = module
+    return module
 
 
 # Row counts up to which the row-invariant kernels serve a linear or a sequence's queries (decode,

@@ -25,7 +25,7 @@ import torch
 from headstart.config import Recipe
 from headstart.console import status
 from headstart.errors import DataError
-from headstart.fileio import exclusive_lock, read_json_object
+from headstart.fileio import exclusive_lock, read_json_object, remove_stale_temporaries
 from headstart.nn.attention import AttentionBackend
 from headstart.precompute.shards import ShardRecord, read_record, shard_name, write_json_atomic, write_shard
 
@@ -243,7 +243,7 @@ def _run(recipe: Recipe, out: Path, header: dict[str, Any], resume: bool, rank: 
 
     dtype = header["target"]["dtype"]
     _check_output_dir(out, header, resume, rank)
-    _remove_stale_temporaries(out)
+    remove_stale_temporaries(out)  # shards of a killed process; live ranks' are kept
     lengths = list(ds["num_tokens"])
     shards = plan_shards(lengths, recipe.precompute.shard_tokens)
     mine = [i for i in range(len(shards)) if i % world == rank]
@@ -286,21 +286,6 @@ def _run(recipe: Recipe, out: Path, header: dict[str, Any], resume: bool, rank: 
         torch.distributed.barrier()
         torch.distributed.destroy_process_group()
     return manifest or json.loads((out / "manifest.json").read_text())
-
-
-def _remove_stale_temporaries(out: Path) -> None:
-    """Shard temporaries left by a killed process (`.shard-NNNNN.safetensors.tmp-PID` whose PID is
-    gone); those of live processes (other ranks) are left alone."""
-    for tmp in out.glob(".shard-*.safetensors.tmp-*"):
-        pid = tmp.name.rsplit("-", 1)[-1]
-        if not pid.isdigit():
-            continue
-        try:
-            os.kill(int(pid), 0)
-        except ProcessLookupError:
-            tmp.unlink(missing_ok=True)
-        except PermissionError:
-            pass  # alive, someone else's
 
 
 def _check_output_dir(out: Path, header: dict[str, Any], resume: bool, rank: int) -> None:

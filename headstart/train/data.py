@@ -11,6 +11,7 @@ consumed micro-batches replays that arithmetic and skips them without loading a 
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -64,8 +65,21 @@ class ShardSequences:
         self._handles: dict[int, Any] = {}
 
     def _handle(self, shard: int) -> Any:
+        """The shard's open file, after checking its size: the file is memory-mapped, and reading a
+        mapping past the end of a file truncated since (a full disk, a user) kills the process with
+        a bus error instead of raising."""
+        rec = self.records[shard]
+        path = self.dir / rec["name"]
+        try:
+            size = os.stat(path).st_size
+        except OSError as e:
+            raise DataError(f"{path}: shard {shard} cannot be read ({e.strerror or e}); run "
+                            f"`headstart precompute verify {self.dir}`") from None
+        if size != rec["bytes"]:
+            raise DataError(f"{path}: shard {shard} has {size:,} bytes, the manifest says {rec['bytes']:,} (truncated "
+                            f"or replaced during training); run `headstart precompute verify {self.dir}`")
         if shard not in self._handles:
-            self._handles[shard] = safe_open(str(self.dir / self.records[shard]["name"]), framework="pt")
+            self._handles[shard] = safe_open(str(path), framework="pt")
         return self._handles[shard]
 
     def load(self, indices: list[int]) -> PackedBatch:

@@ -13,7 +13,6 @@ import csv
 import json
 import os
 import sys
-import zipfile
 from pathlib import Path
 from typing import Any
 
@@ -23,21 +22,18 @@ from lightning.pytorch.callbacks import RichProgressBar
 
 from headstart.config import Recipe
 from headstart.console import status
-from headstart.errors import ConfigError, DataError, HeadstartError
-from headstart.fileio import atomic_write_text, check_output_path, read_json_object
+from headstart.errors import ConfigError, DataError, HeadstartError, OutputError
+from headstart.fileio import atomic_write_text, exclusive_lock
 from headstart.heads import build_head, head_config_from_recipe, save_head
-from headstart.heads.base import check_head_output
 from headstart.train.data import PackedStream, ShardSequences, TokenSequences, TrainData, pack
 from headstart.train.module import HeadModule
+from headstart.train.outputs import FORMAT, check_output_dir, check_resume, lock_path, remove_crash_leftovers
 from headstart.train.validate import engine_acceptance, heldout_prompts
 
-FORMAT = "headstart-train/1"
 # Keys that may change on --resume without changing what is being trained.
 RESUMABLE_CHANGES = ("train.max_steps", "train.epochs", "train.val_every_steps", "train.val_prompts",
                      "train.val_max_tokens", "train.val_loss_batches", "train.ckpt_every_steps", "train.num_workers",
                      "logging", "trainer", "name", "precompute", "regenerate", "output_dir")
-# Outputs of a training run; an output_dir holding any of them without train.json is someone else's.
-RUN_OUTPUTS = ("metrics.csv", "metrics.json", "checkpoints", "head-final", "head-best")
 
 
 def run_dir(recipe: Recipe) -> Path:
@@ -62,46 +58,6 @@ def _identity(recipe: Recipe, target_fp: str, data_fp: str, resolved: dict[str, 
             if not any(k == p or k.startswith(p + ".") for p in RESUMABLE_CHANGES)}
     flat.update(resolved)
     return {"format": FORMAT, "target_fingerprint": target_fp, "data_fingerprint": data_fp, "recipe": flat}
-
-
-def _check_resume(out: Path, identity: dict[str, Any], resume: bool, rank: int = 0) -> Path | None:
-    """The checkpoint to resume from, or None for a fresh run; refuses what would mix two runs.
-    Rank 0 decides for a fresh run (the other ranks start after it has written train.json)."""
-    info, last = out / "train.json", out / "checkpoints" / "last.ckpt"
-    if not resume and rank != 0:
-        return None
-    if not resume:
-        if last.exists():
-            raise ConfigError(f"{out} holds a training run already; pass --resume to continue it, or choose "
-                              "another output_dir")
-        foreign = [n for n in RUN_OUTPUTS if (out / n).exists()]
-        if foreign and not info.exists():
-            raise ConfigError(f"{out} holds {', '.join(foreign)} that no training run of headstart wrote (no "
-                              "train.json); choose another output_dir")
-        for name in ("head-final", "head-best"):
-            check_head_output(out / name, overwrite=True)  # refused up front, not after hours of training
-        return None  # a run that died before its first checkpoint starts afresh
-    if not info.exists() or not last.exists():
-        raise ConfigError(f"--resume: {out} holds no checkpoint to resume (train.json / checkpoints/last.ckpt); "
-                          "run without --resume to start")
-    if not zipfile.is_zipfile(last):
-        raise DataError(f"{last}: damaged (not a complete checkpoint archive); restore it from a copy, or delete "
-                        f"the checkpoints directory to start over")
-    prev = read_json_object(info, "training run record")
-    diffs = []
-    for key in ("target_fingerprint", "data_fingerprint"):
-        if prev.get(key) != identity[key]:
-            diffs.append(f"{key.split('_')[0]} ({str(prev.get(key))[:12]}… -> {identity[key][:12]}…)")
-    old, new = prev.get("recipe", {}), identity["recipe"]
-    for key in sorted(set(old) | set(new)):
-        if key not in old:  # recorded by an older headstart that did not know this key
-            continue
-        if old.get(key) != new.get(key):
-            diffs.append(f"{key} ({old.get(key)!r:.40} -> {new.get(key)!r:.40})")
-    if diffs:
-        raise ConfigError(f"--resume: {out} was trained with a different " + "; ".join(diffs[:8]) +
-                          "; resume with the same recipe or choose another output_dir")
-    return last
 
 
 class CurveWriter:
@@ -189,9 +145,14 @@ class Outputs(L.Callback):
         trainer.lightning_module.sync_tokens()
         d = run_dir(self.run.recipe) / "checkpoints"
         tmp = d / f".last.ckpt.tmp-{os.getpid()}"
-        trainer.save_checkpoint(str(tmp))  # every rank takes part; rank 0 writes
-        if trainer.is_global_zero:
-            os.replace(tmp, d / "last.ckpt")
+        try:
+            trainer.save_checkpoint(str(tmp))  # every rank takes part; rank 0 writes
+            if trainer.is_global_zero:
+                os.replace(tmp, d / "last.ckpt")
+        except OSError as e:
+            tmp.unlink(missing_ok=True)
+            raise OutputError(f"{d / 'last.ckpt'}: the checkpoint cannot be written ({e.strerror or e}); the "
+                              "previous one is kept: free space, then rerun with --resume") from None
         trainer.strategy.barrier("checkpoint")
 
     def validate(self, trainer: L.Trainer, module: HeadModule) -> None:
@@ -264,11 +225,6 @@ class TrainRun:
         self.rank = global_rank(tr.devices)
         self.world = tr.devices * tr.num_nodes
         out = run_dir(recipe)
-        # Only '.', '..', the root and links are refused here (the directory is shared with precompute's
-        # output); what it may already hold is checked with the resume identity below.
-        check_output_path(out, replaces=lambda p: True)
-        if out.exists() and not out.is_dir():
-            raise ConfigError(f"output_dir {out} is a file")
         use_cuda = tr.accelerator in ("gpu", "cuda") or (tr.accelerator == "auto" and torch.cuda.is_available())
         if use_cuda and not torch.cuda.is_available():
             raise ConfigError(f"trainer.accelerator={tr.accelerator} but no CUDA GPU is visible here; use "
@@ -320,7 +276,7 @@ class TrainRun:
         self.identity = _identity(recipe, self.target.fingerprint(), built.fingerprint,
                                   {"resolved.dtype": self.dtype, "resolved.precision": self.precision,
                                    "resolved.world_size": self.world})
-        self.ckpt = _check_resume(out, self.identity, resume, self.rank)
+        self.ckpt = check_resume(out, self.identity, resume, self.rank)
         self.best_tau = None
         if self.rank == 0:
             out.mkdir(parents=True, exist_ok=True)
@@ -400,7 +356,17 @@ class TrainRun:
 
 
 def run_train(recipe: Recipe, *, resume: bool = False, progress: bool = True) -> dict[str, Any]:
-    """Train the recipe's head; returns the last validation's metrics."""
+    """Train the recipe's head; returns the last validation's metrics. The output_dir is checked
+    before the target loads, and held by one run at a time (a second one refuses at once)."""
+    out = check_output_dir(recipe, resume)
+    rank = global_rank(recipe.trainer.devices)
+    with exclusive_lock(lock_path(out, rank), what=f"train into {out}"):
+        if rank == 0:
+            remove_crash_leftovers(out)
+        return _train(recipe, resume, progress)
+
+
+def _train(recipe: Recipe, resume: bool, progress: bool) -> dict[str, Any]:
     run = TrainRun(recipe, resume=resume, progress=progress)
     try:
         return run.fit()

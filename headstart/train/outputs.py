@@ -1,0 +1,160 @@
+"""What `headstart train` may write into, checked before the target loads.
+
+A training output_dir is new or empty, or recognisably headstart's: a previous run (its train.json
+carries our `format`), or what the other verbs of the same recipe put there (precompute's shards,
+regenerate's JSONL, an eval report). Anything else is the user's and is refused, so a dataset named
+train.json is never replaced by a run record. The subdirectories training writes into are never
+symbolic links (a planted `checkpoints -> elsewhere` would receive last.ckpt).
+"""
+
+from __future__ import annotations
+
+import json
+import pickle
+import zipfile
+from pathlib import Path
+from typing import Any
+
+from headstart.config import Recipe
+from headstart.errors import ConfigError, DataError, OutputError
+from headstart.fileio import check_output_path, read_json_object, remove_stale_temporaries
+
+FORMAT = "headstart-train/1"
+PRECOMPUTE_FORMAT = "headstart-precompute/1"
+# Outputs of a training run; an output_dir holding any of them without train.json is someone else's.
+RUN_OUTPUTS = ("metrics.csv", "metrics.json", "checkpoints", "head-final", "head-best")
+# Subdirectories training writes into: a symbolic link there would send our files elsewhere.
+WRITTEN_DIRS = ("checkpoints", "head-final", "head-best", "lightning_logs")
+LOCK = ".train.lock-rank{rank}"
+
+
+def lock_path(out: Path, rank: int) -> Path:
+    return out / LOCK.format(rank=rank)
+
+
+def check_output_dir(recipe: Recipe, resume: bool) -> Path:
+    """The resolved output_dir, or an error naming what in it headstart did not write."""
+    out = check_output_path(recipe.output_dir, replaces=lambda p: True)  # '.', '..', root, links
+    if out.exists() and not out.is_dir():
+        raise ConfigError(f"output_dir {out} is a file; choose a directory")
+    for name in WRITTEN_DIRS:
+        if (out / name).is_symlink():
+            raise OutputError(f"{out / name}: is a symbolic link; training writes there and never follows a link "
+                              "out of output_dir (remove the link, or choose another output_dir)")
+    info = out / "train.json"
+    if info.exists():
+        if not is_run_record(info):
+            raise ConfigError(f"{info}: is not a headstart training record (no \"format\": \"{FORMAT}\"); it is "
+                              "left alone: choose another output_dir")
+    elif out.is_dir():
+        foreign = sorted(p.name for p in out.iterdir() if not _ours(p, recipe))
+        if foreign:
+            listed = ", ".join(foreign[:5]) + (f" (+{len(foreign) - 5} more)" if len(foreign) > 5 else "")
+            raise ConfigError(f"{out} holds {listed} that no training run of headstart wrote (no train.json); "
+                              "choose a new or empty output_dir")
+    if resume and (out / "checkpoints" / "last.ckpt").is_file():
+        checkpoint_step(out / "checkpoints" / "last.ckpt", recipe.train.max_steps)
+    return out
+
+
+def is_run_record(path: Path) -> bool:
+    try:
+        obj = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return False
+    return isinstance(obj, dict) and obj.get("format") == FORMAT
+
+
+def _ours(p: Path, recipe: Recipe) -> bool:
+    """An entry of a record-less output_dir that a headstart verb of this recipe wrote."""
+    from headstart.evaluate import is_report_dir
+    from headstart.precompute.regenerate import output_path
+
+    if p.name.startswith(".train.lock-rank") or p.name.startswith(".lock-rank"):
+        return True
+    regenerated = output_path(recipe).resolve()
+    if p.resolve() in (regenerated, regenerated.with_name(regenerated.name + ".partial")):
+        return True
+    if _is_precompute_dir(p.parent):  # output_dir is precompute's own directory
+        return p.name in ("run.json", "manifest.json") or p.name.startswith(("shard-", ".shard-"))
+    return p.is_dir() and not p.is_symlink() and (_is_precompute_dir(p) or is_report_dir(p))
+
+
+def _is_precompute_dir(d: Path) -> bool:
+    """precompute's output: its run.json names our format, or it holds only its locks (died early)."""
+    run = d / "run.json"
+    if run.is_file():
+        try:
+            return json.loads(run.read_text(encoding="utf-8")).get("format") == PRECOMPUTE_FORMAT
+        except (OSError, ValueError, AttributeError):
+            return False
+    names = [p.name for p in d.iterdir()] if d.is_dir() else []
+    return bool(names) and all(n.startswith(".lock-rank") for n in names)
+
+
+def checkpoint_step(path: Path, max_steps: int | None = None) -> int:
+    """The optimizer step a Lightning last.ckpt was written at; a file that is not one is a
+    DataError naming it. With `max_steps`, a resume that would train nothing is refused."""
+    import torch
+
+    damaged = (f"{path}: damaged or not a headstart training checkpoint; restore it from a copy, or delete the "
+               "checkpoints directory to start over")
+    if not zipfile.is_zipfile(path):
+        raise DataError(damaged + " (not a complete checkpoint archive)")
+    try:
+        # weights_only: a checkpoint is read as data; a file that needs arbitrary objects is not ours.
+        ckpt: Any = torch.load(path, map_location="cpu", weights_only=True)
+    except (pickle.UnpicklingError, RuntimeError, EOFError, OSError, ValueError, zipfile.BadZipFile):
+        raise DataError(damaged) from None
+    step = ckpt.get("global_step") if isinstance(ckpt, dict) else None
+    if not isinstance(step, int) or not isinstance(ckpt.get("state_dict"), dict) or "loops" not in ckpt:
+        raise DataError(damaged + " (no Lightning state)")
+    if max_steps is not None and 0 < max_steps <= step:
+        raise ConfigError(f"--resume: {path} is at step {step} and train.max_steps is {max_steps}; nothing would "
+                          f"be trained: raise train.max_steps above {step} (--set train.max_steps=N)")
+    return step
+
+
+def check_resume(out: Path, identity: dict[str, Any], resume: bool, rank: int = 0) -> Path | None:
+    """The checkpoint to resume from, or None for a fresh run; refuses what would mix two runs.
+    Rank 0 decides for a fresh run (the other ranks start after it has written train.json)."""
+    from headstart.heads.base import check_head_output
+
+    info, last = out / "train.json", out / "checkpoints" / "last.ckpt"
+    if not resume and rank != 0:
+        return None
+    if not resume:
+        if last.exists():
+            raise ConfigError(f"{out} holds a training run already; pass --resume to continue it, or choose "
+                              "another output_dir")
+        foreign = [n for n in RUN_OUTPUTS if (out / n).exists()]
+        if foreign and not info.exists():
+            raise ConfigError(f"{out} holds {', '.join(foreign)} that no training run of headstart wrote (no "
+                              "train.json); choose another output_dir")
+        for name in ("head-final", "head-best"):
+            check_head_output(out / name, overwrite=True)  # refused up front, not after hours of training
+        return None  # a run that died before its first checkpoint starts afresh
+    if not info.exists() or not last.exists():
+        raise ConfigError(f"--resume: {out} holds no checkpoint to resume (train.json / checkpoints/last.ckpt); "
+                          "run without --resume to start")
+    prev = read_json_object(info, "training run record")
+    diffs = []
+    for key in ("target_fingerprint", "data_fingerprint"):
+        if prev.get(key) != identity[key]:
+            diffs.append(f"{key.split('_')[0]} ({str(prev.get(key))[:12]}… -> {identity[key][:12]}…)")
+    old, new = prev.get("recipe", {}), identity["recipe"]
+    for key in sorted(set(old) | set(new)):
+        if key not in old:  # recorded by an older headstart that did not know this key
+            continue
+        if old.get(key) != new.get(key):
+            diffs.append(f"{key} ({old.get(key)!r:.40} -> {new.get(key)!r:.40})")
+    if diffs:
+        raise ConfigError(f"--resume: {out} was trained with a different " + "; ".join(diffs[:8]) +
+                          "; resume with the same recipe or choose another output_dir")
+    return last
+
+
+def remove_crash_leftovers(out: Path) -> None:
+    """Temporaries of a killed run (`.last.ckpt.tmp-PID`, `.head-best.tmp-PID`, ...) whose PID is gone."""
+    for d in (out, out / "checkpoints"):
+        remove_stale_temporaries(d)

@@ -1,0 +1,128 @@
+"""`headstart eval` refuses before anything loads what it could not run or must not write: a report
+directory that is not one of ours (or a file, or a link), lengths past the target's context, --k and
+--temperature out of range, prompt files with unknown roles; and the report records what the engine
+really ran (kernels, batch invariance) and tells heads with the same directory name apart."""
+
+import json
+import os
+
+import pytest
+from test_eval import _report
+from test_eval import setup as setup  # noqa: F401 - the module fixture, shared
+from test_train import _recipe
+
+from headstart.cli import main
+from headstart.errors import DataError
+from headstart.evaluate import EvalPlan, evaluate, head_labels, is_report_dir, read_prompt_file, write_reports
+from headstart.heads import HeadConfig, build_head, save_head
+
+
+@pytest.fixture
+def no_model(monkeypatch):
+    import headstart.models.llama as llama
+
+    def load(*args, **kwargs):
+        raise AssertionError("the target was loaded before the refusal")
+
+    monkeypatch.setattr(llama, "load_llama", load)
+
+
+@pytest.fixture
+def eval_args(tmp_path, chat_model_dir):
+    head = tmp_path / "head"
+    (head).mkdir()
+    (head / "config.json").write_text("{}")  # enough for the up-front checks; nothing loads it
+    return ["eval", str(_recipe(tmp_path, chat_model_dir)), "--head", str(head), "--no-progress"]
+
+
+def _fails(capsys, argv, match):
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert match in err and "Traceback" not in err and err.count("headstart: error:") == 1, err
+    return err
+
+
+def test_out_must_be_new_or_an_earlier_report(tmp_path, eval_args, capsys, no_model):
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "report.md").write_text("my notes")
+    _fails(capsys, eval_args + ["--out", str(mine)], f"{mine}: exists and is not empty")
+    assert [p.name for p in mine.iterdir()] == ["report.md"] and (mine / "report.md").read_text() == "my notes"
+    root = os.getcwd()  # the project root: never a report directory
+    _fails(capsys, eval_args + ["--out", root], "exists and is not empty")
+    (tmp_path / "afile").write_text("x")
+    _fails(capsys, eval_args + ["--out", str(tmp_path / "afile")], "is a file")
+    (tmp_path / "link").symlink_to(mine)
+    _fails(capsys, eval_args + ["--out", str(tmp_path / "link")], "is a symbolic link")
+
+
+def test_an_earlier_report_directory_is_rewritten(setup, tmp_path):  # noqa: F811
+    report = _report(setup, temps=(0.0,))
+    assert report["format"] == "headstart-eval/1"
+    write_reports(report, tmp_path / "rep")
+    assert is_report_dir(tmp_path / "rep")
+    write_reports(report, tmp_path / "rep")  # a second eval into the same place
+    (tmp_path / "other").mkdir()
+    (tmp_path / "other" / "report.json").write_text(json.dumps({"mine": 1}))
+    with pytest.raises(Exception, match="not an earlier eval report"):
+        write_reports(report, tmp_path / "other")
+
+
+@pytest.mark.parametrize(("args", "match"), [
+    (["--max-tokens", "300000"], "--max-tokens 300,000 is not below the target's context"),
+    (["--k", "10000"], "--k must list integers in 1..32"),
+    (["--temperature", "nan"], "--temperature must list finite values"),
+    (["--temperature", "inf"], "--temperature must list finite values"),
+])
+def test_arguments_are_checked_before_the_model_loads(eval_args, capsys, no_model, args, match):
+    _fails(capsys, eval_args + args, match)
+
+
+def test_a_prompt_past_the_context_is_refused_before_any_kv_page(setup):  # noqa: F811
+    d, target, heads, prompts = setup
+    ctx = target.config.max_position_embeddings
+    with pytest.raises(DataError, match=f"prompt 1 has {ctx + 5:,} tokens; the target's context is {ctx:,}"):
+        evaluate(target, None, [prompts[0], [3] * (ctx + 5)], [None, None], EvalPlan(heads=heads[:1], ks=[1]),
+                 progress=False)
+
+
+def test_prompt_roles_are_checked(tmp_path):
+    f = tmp_path / "p.jsonl"
+    f.write_text('{"prompt": "ok"}\n{"messages": [{"role": "human", "content": "hi"}]}\n')
+    with pytest.raises(DataError, match=r"p.jsonl:2: role 'human' is not one of system, user, assistant"):
+        read_prompt_file(f)
+
+
+def test_the_report_records_the_kernels_the_engine_used(setup, monkeypatch):  # noqa: F811
+    import headstart.kernels as kernels
+    from headstart.models.llama import load_llama
+
+    monkeypatch.setattr(kernels, "_tried", True)  # as if the build failed / HEADSTART_KERNELS=0
+    monkeypatch.setattr(kernels, "_module", None)
+    d, target, heads, prompts = setup
+    fresh = load_llama(d / "target", "fp32")  # the shared target has the kernels switched on already
+    report = evaluate(fresh, None, prompts[:2], [None, None], EvalPlan(heads=heads[:1], ks=[1], max_tokens=4),
+                      progress=False)
+    assert report["engine"]["kernels"] != "rowwise" and report["engine"]["batch_invariant"] is False
+
+
+def test_heads_with_the_same_directory_name_get_distinct_labels(setup, tmp_path):  # noqa: F811
+    d, target, heads, prompts = setup
+    paths = []
+    for run in ("a", "b"):
+        save_head(build_head(HeadConfig(head_type="mtp"), target), tmp_path / run / "head-best")
+        paths.append(str(tmp_path / run / "head-best"))
+    assert head_labels(paths) == {paths[0]: "a/head-best", paths[1]: "b/head-best"}
+    plan = EvalPlan(heads=paths, ks=[1], max_tokens=4, batch_size=2)
+    report = evaluate(target, None, prompts[:2], [None, None], plan, progress=False)
+    assert {r["label"] for r in report["runs"]} == {"a/head-best", "b/head-best"}
+    write_reports(report, tmp_path / "rep")
+    md = (tmp_path / "rep" / "report.md").read_text()
+    assert "| a/head-best |" in md and "| b/head-best |" in md
+
+
+def test_eval_accepts_allow_other_target():
+    from headstart.cli import build_parser
+
+    args = build_parser().parse_args(["eval", "r.yaml", "--head", "h", "--allow-other-target"])
+    assert args.allow_other_target
