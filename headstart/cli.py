@@ -124,7 +124,15 @@ def build_parser() -> argparse.ArgumentParser:
     src.add_argument("--heldout", type=int, default=32, help="first user turns of N held-out conversations")
     p.add_argument("--k", default="1,2,3,4,5", help="draft lengths (tree: depths), comma-separated")
     p.add_argument("--temperature", default="0", help="temperatures, comma-separated")
-    p.add_argument("--spec", default="chain", help="chain and/or tree for chain heads, comma-separated")
+    p.add_argument("--spec", default="chain",
+                   help="chain, tree and/or adaptive (a chain that stops when the head is unsure) for chain heads, "
+                        "comma-separated")
+    p.add_argument("--draft-threshold", type=float, default=0.4,
+                   help="--spec adaptive: stop drafting once the head's top probability falls below this")
+    p.add_argument("--repeats", type=int, default=1,
+                   help="alternations of plain and speculative runs per batch group (timing; median reported)")
+    p.add_argument("--no-baseline", action="store_true",
+                   help="leave out the prompt-lookup (ngram) rows that show what speculation gives untrained")
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--out", help="report directory (default: <output_dir>/eval)")

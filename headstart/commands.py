@@ -273,7 +273,8 @@ def cmd_eval(args: argparse.Namespace) -> int:
     recipe = load_recipe(args.recipe, args.overrides)
     plan = EvalPlan(heads=args.head, ks=_csv(args.k, int, "--k"), temperatures=_csv(args.temperature, float,
                     "--temperature"), methods=_csv(args.spec, str, "--spec"), batch_size=args.batch_size,
-                    max_tokens=args.max_tokens, seed=recipe.seed, allow_other_target=args.allow_other_target)
+                    max_tokens=args.max_tokens, seed=recipe.seed, allow_other_target=args.allow_other_target,
+                    baseline=not args.no_baseline, repeats=args.repeats, draft_threshold=args.draft_threshold)
     check_plan(plan)
     for h in plan.heads:
         if not (Path(h) / "config.json").is_file():
@@ -315,8 +316,9 @@ def cmd_eval(args: argparse.Namespace) -> int:
     labels = head_labels(plan.heads)
     for r in report["runs"]:
         tau = f"{r['tau']:.3f}" if r["tau"] is not None else "- (no speculative step)"
-        print(f"eval: {labels[r['head']]} {r['method']} k={r['k']} T={r['temperature']}: tau {tau}, "
-              f"{r['tokens_per_s']:.1f} tok/s vs AR {r['ar_tokens_per_s']:.1f} = {r['speedup']:.2f}x"
+        print(f"eval: {labels.get(r['head'], r['label'])} {r['method']} k={r['k']} T={r['temperature']}: tau {tau}, "
+              f"{r['tokens_per_s']:.1f} tok/s vs AR {r['ar_tokens_per_s']:.1f} = {r['speedup']:.2f}x "
+              f"({r['speedup_min']:.2f}..{r['speedup_max']:.2f})"
               + (f", lossless_check {r['lossless_check']}" if "lossless_check" in r else ""))
     print("eval: wrote " + ", ".join(str(f) for f in files))
     return 0

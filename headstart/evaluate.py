@@ -1,9 +1,13 @@
 """`headstart eval`: the engine with and without speculation on the same prompts, per head x method x
-k x temperature; writes report.json, report.md and PNG plots.
+k x temperature, beside a no-training baseline (prompt lookup); writes report.json, report.md and
+PNG plots.
 
-Tokens/s are wall-clock over the whole batch (prefill included) on this machine, after a warm-up
-run; speedup = speculative tokens/s / AR tokens/s from the same process. At temperature 0 the report
-says whether speculative output equals AR output token for token (`lossless_check`).
+Speed survives a shared machine: each setting's runs alternate with plain decoding of the same
+prompts, batch group by batch group (AR, spec; then spec, AR on the next repeat), so a change of load
+hits both sides of a ratio. `speedup` is the median of the per-group ratios (speculative tokens/s
+over AR tokens/s, wall-clock with prefill, after a warm-up run) with their spread; a wide spread is
+flagged. At temperature 0 the report says whether speculative output equals AR output token for
+token (`lossless_check`).
 """
 
 from __future__ import annotations
@@ -38,6 +42,9 @@ class EvalPlan:
     tree_topk: int = 4
     tree_tokens: int = 16
     allow_other_target: bool = False  # heads trained for a same-shaped target with other weights
+    baseline: bool = True  # add prompt-lookup (ngram) rows: what speculation gives without training
+    repeats: int = 1  # alternations of AR and speculative runs per batch group (timing only)
+    draft_threshold: float = 0.4  # the "adaptive" method: a chain that stops when the head is unsure
 
 
 def read_prompt_file(path: str | Path) -> list[dict[str, Any]]:
@@ -93,37 +100,94 @@ def _engine(target: Any, tokenizer: Any, prompts: list[list[int]], plan: EvalPla
                   num_pages=pages, max_batch_size=plan.batch_size, seed=plan.seed, spec=spec)
 
 
-def _run(engine: Any, prompts: list[list[int]], temperature: float, plan: EvalPlan, bar: Any = None,
-         task: Any = None, label: str = "") -> tuple[list[Any], float]:
+def _warm(engine: Any) -> None:
     from headstart.inference import SamplingParams
 
-    params = [SamplingParams(max_tokens=plan.max_tokens, temperature=temperature, seed=plan.seed + i,
+    engine.generate([[engine.model.config.bos_token_id or 1] * 4], SamplingParams(max_tokens=4, temperature=0.0))
+
+
+def _run(engine: Any, prompts: list[list[int]], first: int, temperature: float, plan: EvalPlan) -> tuple[list, float]:
+    """Decode `prompts` (indices first.. of the whole set, which fix their seeds) -> (outputs, seconds)."""
+    from headstart.inference import SamplingParams
+
+    params = [SamplingParams(max_tokens=plan.max_tokens, temperature=temperature, seed=plan.seed + first + i,
                              ignore_eos=False) for i in range(len(prompts))]
-    engine.generate(prompts[:1], SamplingParams(max_tokens=4, temperature=0.0))  # warm-up
-    if engine.proposer is not None:
-        engine.spec_metrics = type(engine.spec_metrics)()
-    done = [0]
-
-    def tick(out: Any) -> None:
-        if out.finished and bar is not None:
-            done[0] += 1
-            s = engine.spec_metrics.summary() if engine.proposer is not None else {}
-            tau = f"tau {s['tau']:.2f}" if s.get("tau") else "AR"
-            bar.update(task, advance=1, description=f"{label} {tau}")
-
     t0 = time.perf_counter()
     with torch.inference_mode():
-        outs = engine.generate(prompts, params, on_output=tick)
+        outs = engine.generate(prompts, params)
     return outs, time.perf_counter() - t0
+
+
+@dataclass
+class _Setting:
+    label: str
+    path: str | None  # None: the baseline proposer (no head)
+    head: Any
+    method: str  # chain | tree | adaptive | medusa | draft | ngram
+    k: int
+
+    def spec(self, plan: EvalPlan) -> Any:
+        from headstart.inference.spec import SpecConfig
+
+        if self.method == "ngram":
+            return SpecConfig(method="ngram", k=self.k)
+        method = "chain" if self.method == "adaptive" else self.method
+        return SpecConfig(method=method, k=self.k, head=self.head if method != "draft" else None,
+                          draft=self.head if method == "draft" else None, tree_topk=plan.tree_topk,
+                          tree_tokens=plan.tree_tokens,
+                          draft_threshold=plan.draft_threshold if self.method == "adaptive" else None)
+
+
+def _settings(heads: dict[str, Any], labels: dict[str, str], plan: EvalPlan) -> list[_Setting]:
+    from headstart.train.validate import spec_method
+
+    out = []
+    for path, head in heads.items():
+        for method in _methods(head, plan):
+            for k in plan.ks:
+                if spec_method(head.config.head_type) == "medusa" and k > head.config.medusa_num_heads:
+                    continue
+                out.append(_Setting(labels[path], path, head, method, k))
+    if plan.baseline:
+        out += [_Setting("ngram (no training)", None, None, "ngram", k) for k in plan.ks]
+    return out
+
+
+def _timed_setting(ar_engine: Any, engine: Any, prompts: list[list[int]], temp: float, plan: EvalPlan,
+                   tick: Any) -> dict[str, Any]:
+    """Alternate AR and speculative runs over each batch group, `plan.repeats` times (order flipped
+    on odd repeats) -> outputs of the first repeat and the per-group tokens/s ratios."""
+    b = plan.batch_size
+    outs, ar_outs, ratios = [], [], []
+    ar_tok = ar_sec = sp_tok = sp_sec = 0.0
+    for first in range(0, len(prompts), b):
+        group = prompts[first:first + b]
+        for rep in range(plan.repeats):
+            order = ("ar", "spec") if rep % 2 == 0 else ("spec", "ar")
+            got = {}
+            for which in order:
+                got[which] = _run(ar_engine if which == "ar" else engine, group, first, temp, plan)
+                tick(len(group) / 2)
+            (a_out, a_sec), (s_out, s_sec) = got["ar"], got["spec"]
+            a_n, s_n = sum(len(o.token_ids) for o in a_out), sum(len(o.token_ids) for o in s_out)
+            ratios.append((s_n / s_sec) / (a_n / a_sec))
+            ar_tok, ar_sec, sp_tok, sp_sec = ar_tok + a_n, ar_sec + a_sec, sp_tok + s_n, sp_sec + s_sec
+            if rep == 0:
+                outs += s_out
+                ar_outs += a_out
+    return {"outputs": outs, "ar_outputs": ar_outs, "ratios": ratios, "tokens": sp_tok, "seconds": sp_sec,
+            "ar_tokens_per_s": ar_tok / ar_sec}
+
+
+WIDE_SPREAD = 0.25  # (max - min) / median of the per-group ratios past which a speedup is flagged
 
 
 def evaluate(target: Any, tokenizer: Any, prompts: list[list[int]], categories: list[str | None], plan: EvalPlan,
              *, progress: bool = True, info: dict[str, Any] | None = None) -> dict[str, Any]:
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
+    from headstart.console import status
     from headstart.heads import load_head
-    from headstart.inference.spec import SpecConfig
-    from headstart.train.validate import spec_method
 
     if not prompts:
         raise DataError("eval: no prompts")
@@ -134,36 +198,38 @@ def evaluate(target: Any, tokenizer: Any, prompts: list[list[int]], categories: 
             raise DataError(f"eval: prompt {i} has {len(p):,} tokens; the target's context is {context:,}")
     heads = {path: load_head(path, target, allow_other_target=plan.allow_other_target) for path in plan.heads}
     labels = head_labels(plan.heads)
+    settings = _settings(heads, labels, plan)
     runs, ar, kernels = [], {}, None
-    n_runs = len(plan.temperatures) * (1 + sum(len(plan.ks) * len(_methods(h, plan)) for h in heads.values()))
     with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                   disable=not progress) as bar:
-        task = bar.add_task("eval", total=n_runs * len(prompts))
+        task = bar.add_task("eval", total=len(plan.temperatures) * len(settings) * plan.repeats * len(prompts))
         for temp in plan.temperatures:
-            engine = _engine(target, tokenizer, prompts, plan, None)
-            kernels = engine.kernels
-            outs, secs = _run(engine, prompts, temp, plan, bar, task, f"AR T={temp}")
-            ar[temp] = {"outputs": [o.token_ids for o in outs], "seconds": secs,
-                        "tokens": sum(len(o.token_ids) for o in outs)}
-            ar[temp]["tokens_per_s"] = ar[temp]["tokens"] / secs
-            for path, head in heads.items():
-                kind = spec_method(head.config.head_type)
-                for method in _methods(head, plan):
-                    for k in plan.ks:
-                        if kind == "medusa" and k > head.config.medusa_num_heads:
-                            bar.update(task, advance=len(prompts))
-                            continue
-                        spec = SpecConfig(method=method, k=k, head=head if method != "draft" else None,
-                                          draft=head if method == "draft" else None, tree_topk=plan.tree_topk,
-                                          tree_tokens=plan.tree_tokens)
-                        try:
-                            engine = _engine(target, tokenizer, prompts, plan, spec)
-                        except ValueError as e:  # a plan this target can never run
-                            raise HeadstartError(f"eval: {labels[path]} {method} k={k}: {e}") from None
-                        outs, secs = _run(engine, prompts, temp, plan, bar, task,
-                                          f"{labels[path]} {method} k={k} T={temp}")
-                        runs.append(_summarise(path, head, method, k, temp, outs, secs, categories, ar[temp]))
-                        runs[-1]["label"] = labels[path]
+            ar_engine = _engine(target, tokenizer, prompts, plan, None)
+            kernels = ar_engine.kernels
+            _warm(ar_engine)
+            rates = []
+            for st in settings:
+                name = f"{st.label} {st.method} k={st.k} T={temp}"
+                try:
+                    engine = _engine(target, tokenizer, prompts, plan, st.spec(plan))
+                except ValueError as e:  # a plan this target can never run
+                    raise HeadstartError(f"eval: {name}: {e}") from None
+                _warm(engine)
+                bar.update(task, description=name)
+                timed = _timed_setting(ar_engine, engine, prompts, temp, plan,
+                                       lambda n: bar.update(task, advance=n))
+                rates.append(timed["ar_tokens_per_s"])
+                if temp not in ar:
+                    ar[temp] = {"outputs": [o.token_ids for o in timed["ar_outputs"]]}
+                row = _summarise(st, temp, timed, categories, ar[temp])
+                if st.method == "adaptive":
+                    row["draft_threshold"] = plan.draft_threshold
+                runs.append(row)
+                if row["speedup_spread"] > WIDE_SPREAD:
+                    status(f"eval: warning: {name}: the per-group speedups range {row['speedup_min']:.2f}x.."
+                           f"{row['speedup_max']:.2f}x around {row['speedup']:.2f}x (the machine's load changed); "
+                           "rerun with --repeats 3 on a quiet machine")
+            ar[temp]["tokens_per_s"] = sorted(rates)[len(rates) // 2] if rates else None
     return {
         "format": FORMAT,
         "runs": runs,
@@ -174,7 +240,8 @@ def evaluate(target: Any, tokenizer: Any, prompts: list[list[int]], categories: 
                    # what the engine really ran: without the row-invariant kernels (HEADSTART_KERNELS=0, no
                    # compiler, CUDA) a token's bits depend on its batch, and lossless_check may differ
                    "kernels": kernels, "batch_invariant": kernels == "rowwise",
-                   "tree_topk": plan.tree_topk, "tree_tokens": plan.tree_tokens},
+                   "tree_topk": plan.tree_topk, "tree_tokens": plan.tree_tokens,
+                   "draft_threshold": plan.draft_threshold, "repeats": plan.repeats},
         "ar": {str(t): {k: v for k, v in r.items() if k != "outputs"} for t, r in ar.items()},
         "prompts": len(prompts), "max_tokens": plan.max_tokens, "batch_size": plan.batch_size, "seed": plan.seed,
         "settings": {**(info or {}), "torch": torch.__version__, "python": platform.python_version(),
@@ -194,7 +261,7 @@ def _methods(head: Any, plan: EvalPlan) -> list[str]:
 
     kind = spec_method(head.config.head_type)
     if kind == "chain":
-        return [m for m in plan.methods if m in ("chain", "tree")] or ["chain"]
+        return [m for m in plan.methods if m in ("chain", "tree", "adaptive")] or ["chain"]
     return [kind]
 
 
@@ -204,10 +271,11 @@ def _cpu_flag() -> bool:
     return cpu_has_native_bf16()
 
 
-def _summarise(path: str, head: Any, method: str, k: int, temp: float, outs: list[Any], secs: float,
-               categories: list[str | None], ar: dict[str, Any]) -> dict[str, Any]:
+def _summarise(st: _Setting, temp: float, timed: dict[str, Any], categories: list[str | None],
+               ar: dict[str, Any]) -> dict[str, Any]:
     from headstart.inference.spec import SpecMetrics
 
+    k, outs = st.k, timed["outputs"]
     pooled = SpecMetrics(positions=k)  # tree: k is the depth, the longest acceptable run
     per_cat: dict[str, list[int]] = {}
     for o, cat in zip(outs, categories):
@@ -220,14 +288,20 @@ def _summarise(path: str, head: Any, method: str, k: int, temp: float, outs: lis
             c[0] += sum(a * count for a, count in enumerate(hist))
             c[1] += sum(hist)
     s = pooled.summary()
-    if method == "tree":  # accepted / tree nodes verified is not comparable with a chain alpha: not reported
+    if st.method in ("tree", "adaptive", "ngram"):
+        # accepted / drafted is not comparable with a fixed-length chain's alpha (trees verify many nodes,
+        # adaptive and n-gram steps draft fewer than k): not reported
         s["alpha"] = None
-    tokens = sum(len(o.token_ids) for o in outs)
-    row = {"head": path, "head_type": head.config.head_type, "method": method, "k": k, "temperature": temp,
+    ratios = sorted(timed["ratios"])
+    median = ratios[len(ratios) // 2] if len(ratios) % 2 else (ratios[len(ratios) // 2 - 1] + ratios[len(ratios) // 2]) / 2
+    row = {"head": st.path, "label": st.label, "head_type": st.head.config.head_type if st.head else None,
+           "method": st.method, "k": k, "temperature": temp,
            "tau": s["tau"], "alpha": s["alpha"], "accept_rate_per_pos": s["accept_rate_per_pos"],
            "cond_accept_per_pos": s["cond_accept_per_pos"], "accept_histogram": s["accept_histogram"],
-           "steps": s["steps"], "tokens": tokens, "seconds": secs, "tokens_per_s": tokens / secs,
-           "ar_tokens_per_s": ar["tokens_per_s"], "speedup": (tokens / secs) / ar["tokens_per_s"],
+           "steps": s["steps"], "tokens": timed["tokens"], "seconds": timed["seconds"],
+           "tokens_per_s": timed["tokens"] / timed["seconds"], "ar_tokens_per_s": timed["ar_tokens_per_s"],
+           "speedup": median, "speedup_min": ratios[0], "speedup_max": ratios[-1],
+           "speedup_spread": (ratios[-1] - ratios[0]) / median, "timing_pairs": len(ratios),
            "tau_by_category": {c: 1 + a / n for c, (a, n) in sorted(per_cat.items())}}
     if temp == 0:
         same = sum(o.token_ids == ref for o, ref in zip(outs, ar["outputs"]))
@@ -300,15 +374,20 @@ def markdown(report: dict[str, Any]) -> str:
              f"seed {report['seed']}; torch {s['torch']}, {s['threads']} threads, CPU bf16 native: {s['cpu_bf16']}.",
              "", "| T | AR tok/s |", "|---|---|"]
     lines += [f"| {t} | {r['tokens_per_s']:.1f} |" for t, r in report["ar"].items()]
-    lines += ["", "| head | method | k | T | tau | alpha | accept rate per position | tok/s | speedup | lossless |",
-              "|---|---|---|---|---|---|---|---|---|---|"]
+    lines += ["", "Speedup: the median of per-batch-group ratios to plain decoding run alternately on the same "
+              "prompts (min..max beside it); `ngram (no training)` is prompt lookup, the baseline.", "",
+              "| head | method | k | T | tau | alpha | accept rate per position | tok/s | AR tok/s | speedup "
+              "(min..max) | lossless |", "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in report["runs"]:
         rate = " ".join(f"{x:.2f}" for x in r["accept_rate_per_pos"])
         alpha = f"{r['alpha']:.3f}" if r["alpha"] is not None else "-"
         tau = f"{r['tau']:.3f}" if r["tau"] is not None else "-"
-        lines.append(f"| {_label(r)} | {r['method']} | {r['k']} | {r['temperature']} | {tau} | "
-                     f"{alpha} | {rate} | {r['tokens_per_s']:.1f} | {r['speedup']:.2f}x | "
-                     f"{r.get('lossless_check', '-')} |")
+        spread = f" ({r['speedup_min']:.2f}..{r['speedup_max']:.2f})" if "speedup_min" in r else ""
+        flag = " ⚠" if r.get("speedup_spread", 0) > WIDE_SPREAD else ""
+        method = r["method"] + (f" ({r['draft_threshold']})" if r.get("draft_threshold") else "")
+        lines.append(f"| {_label(r)} | {method} | {r['k']} | {r['temperature']} | {tau} | "
+                     f"{alpha} | {rate} | {r['tokens_per_s']:.1f} | {r.get('ar_tokens_per_s', 0):.1f} | "
+                     f"{r['speedup']:.2f}x{spread}{flag} | {r.get('lossless_check', '-')} |")
     cats = [r for r in report["runs"] if r["tau_by_category"]]
     if cats:
         lines += ["", "## tau by prompt category", "", "| head | method | k | T | " +
@@ -386,9 +465,13 @@ def check_plan(plan: EvalPlan, context: int | None = None) -> None:
         raise ConfigError(f"eval: --k must list integers in 1..{MAX_K}, got {str(plan.ks)[:60]}")
     if any(not (math.isfinite(t) and t >= 0) for t in plan.temperatures) or not plan.temperatures:
         raise ConfigError(f"eval: --temperature must list finite values >= 0, got {str(plan.temperatures)[:60]}")
-    bad = [m for m in plan.methods if m not in ("chain", "tree")]
+    bad = [m for m in plan.methods if m not in ("chain", "tree", "adaptive")]
     if bad:
-        raise HeadstartError(f"eval: --spec takes chain and/or tree, got {bad}")
+        raise HeadstartError(f"eval: --spec takes chain, tree and/or adaptive, got {str(bad)[:60]}")
+    if not 1 <= plan.repeats <= 20:
+        raise ConfigError(f"eval: --repeats must be in 1..20, got {plan.repeats}")
+    if not (math.isfinite(plan.draft_threshold) and 0 < plan.draft_threshold < 1):
+        raise ConfigError(f"eval: --draft-threshold must be in (0, 1), got {plan.draft_threshold}")
     if plan.batch_size < 1 or plan.max_tokens < 1:
         raise HeadstartError("eval: --batch-size and --max-tokens must be >= 1")
     if context is not None and plan.max_tokens >= context:

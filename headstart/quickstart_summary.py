@@ -22,8 +22,11 @@ def main(run: str) -> int:
     print(f"\n  {report['prompts']} held-out ShareGPT prompts, {report['settings'].get('dtype')}, "
           f"AR {', '.join(f'{v:.1f} tok/s (T={t})' for t, v in ar.items())}")
     for r in report["runs"]:
-        print(f"  {Path(r['head']).parent.name + '/' + Path(r['head']).name:<36} k={r['k']}  tau {r['tau']:.3f}  "
-              f"speedup {r['speedup']:.2f}x  lossless {r.get('lossless_check', '-')}")
+        name = Path(r["head"]).parent.name + "/" + Path(r["head"]).name if r.get("head") else r.get("label", "-")
+        tau = f"{r['tau']:.3f}" if r.get("tau") is not None else "-"
+        spread = f" ({r['speedup_min']:.2f}..{r['speedup_max']:.2f})" if "speedup_min" in r else ""
+        print(f"  {name:<36} {r['method']:<8} k={r['k']}  tau {tau}  speedup {r['speedup']:.2f}x{spread}  "
+              f"lossless {r.get('lossless_check', '-')}")
     return 0
 
 

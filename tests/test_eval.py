@@ -42,8 +42,8 @@ def _report(setup, temps=(0.0, 1.0)):
 def test_eval_report_is_complete_deterministic_and_lossless_in_fp32(setup, tmp_path):
     a = _report(setup)
     runs = a["runs"]
-    # mtp: chain and tree at k = 1, 3; medusa: its own method; two temperatures.
-    assert len(runs) == 2 * (2 * 2 + 2)
+    # mtp: chain and tree at k = 1, 3; medusa: its own method; the ngram baseline; two temperatures.
+    assert len(runs) == 2 * (2 * 2 + 2 + 2)
     for r in runs:
         for key in ("tau", "alpha", "accept_rate_per_pos", "cond_accept_per_pos", "accept_histogram", "tokens_per_s",
                     "ar_tokens_per_s", "speedup", "tau_by_category"):
@@ -55,9 +55,11 @@ def test_eval_report_is_complete_deterministic_and_lossless_in_fp32(setup, tmp_p
             assert r["lossless_check"] == "identical"
         if r["method"] == "chain":
             assert len(r["accept_rate_per_pos"]) == r["k"]
-    assert {r["method"] for r in runs} == {"chain", "tree", "medusa"}
+        assert r["speedup_min"] <= r["speedup"] <= r["speedup_max"] and r["timing_pairs"] == 2  # 6 prompts, batch 4
+    assert {r["method"] for r in runs} == {"chain", "tree", "medusa", "ngram"}
+    assert {r["label"] for r in runs if r["method"] == "ngram"} == {"ngram (no training)"}
     b = _report(setup)
-    strip = ("seconds", "tokens_per_s", "ar_tokens_per_s", "speedup")
+    strip = ("seconds", "tokens_per_s", "ar_tokens_per_s", "speedup", "speedup_min", "speedup_max", "speedup_spread")
     assert [{k: v for k, v in r.items() if k not in strip} for r in a["runs"]] == \
         [{k: v for k, v in r.items() if k not in strip} for r in b["runs"]]
     files = write_reports(a, tmp_path / "rep")
@@ -88,8 +90,12 @@ def test_the_notebook_runs_on_reports(setup, tmp_path):
 def test_bad_eval_input(tmp_path):
     with pytest.raises(HeadstartError, match="--k"):
         check_plan(EvalPlan(heads=["x"], ks=[0]))
-    with pytest.raises(HeadstartError, match="chain and/or tree"):
+    with pytest.raises(HeadstartError, match="chain, tree and/or adaptive"):
         check_plan(EvalPlan(heads=["x"], methods=["beam"]))
+    with pytest.raises(HeadstartError, match="--repeats"):
+        check_plan(EvalPlan(heads=["x"], repeats=0))
+    with pytest.raises(HeadstartError, match="--draft-threshold"):
+        check_plan(EvalPlan(heads=["x"], draft_threshold=float("nan")))
     f = tmp_path / "p.jsonl"
     f.write_text('{"prompt": "hi"}\n{"text": "no"}\n')
     with pytest.raises(DataError, match=r"p.jsonl:2: a row needs"):
@@ -103,24 +109,49 @@ def test_summary_numbers_from_known_per_request_metrics():
     """Pooled tau / alpha / rates / histogram / per-category tau / speedup / lossless from known inputs."""
     from types import SimpleNamespace
 
-    from headstart.evaluate import _summarise
+    from headstart.evaluate import _Setting, _summarise
 
     def out(hist, ids):
         return SimpleNamespace(spec_metrics={"accept_histogram": hist}, token_ids=ids)
 
     # request 1: a = 0, 3, 3; request 2: a = 1, 2; request 3: no step.
     outs = [out([1, 0, 0, 2], [1, 2, 3]), out([0, 1, 1, 0], [4, 5]), out([0, 0, 0, 0], [6])]
-    ar = {"tokens_per_s": 3.0, "outputs": [[1, 2, 3], [4, 9], [6]]}
+    ar = {"outputs": [[1, 2, 3], [4, 9], [6]]}
     head = SimpleNamespace(config=SimpleNamespace(head_type="mtp"))
-    r = _summarise("h", head, "chain", 3, 0.0, outs, 1.0, ["a", "b", "a"], ar)
+    st = _Setting("h", "h", head, "chain", 3)
+    timed = {"outputs": outs, "tokens": 6, "seconds": 1.0, "ar_tokens_per_s": 3.0, "ratios": [2.5, 1.5, 2.0]}
+    r = _summarise(st, 0.0, timed, ["a", "b", "a"], ar)
     assert r["steps"] == 5 and r["tau"] == pytest.approx(1 + 9 / 5) and r["alpha"] == pytest.approx(9 / 15)
     assert r["accept_histogram"] == [1, 1, 1, 2]
     assert r["accept_rate_per_pos"] == pytest.approx([4 / 5, 3 / 5, 2 / 5])
     assert r["cond_accept_per_pos"] == pytest.approx([4 / 5, 3 / 4, 2 / 3])
     assert r["tau_by_category"] == pytest.approx({"a": 1 + 6 / 3, "b": 1 + 3 / 2})
-    assert r["tokens_per_s"] == 6.0 and r["speedup"] == pytest.approx(2.0)
+    assert r["tokens_per_s"] == 6.0 and r["speedup"] == pytest.approx(2.0)  # the median of the ratios
+    assert (r["speedup_min"], r["speedup_max"], r["speedup_spread"]) == pytest.approx((1.5, 2.5, 0.5))
     assert r["lossless_check"] == "differs in 1 of 3"
-    assert "lossless_check" not in _summarise("h", head, "chain", 3, 1.0, outs, 1.0, [None] * 3, ar)
+    assert "lossless_check" not in _summarise(st, 1.0, timed, [None] * 3, ar)
+    assert _summarise(st, 1.0, {**timed, "ratios": [1.0, 3.0]}, [None] * 3, ar)["speedup"] == 2.0
+
+
+def test_plain_and_speculative_runs_alternate_per_group(monkeypatch):
+    """Timing pairs: AR then spec on each batch group, the order flipped on the next repeat, so a load
+    change between two runs moves both sides of a ratio; each ratio uses its own pair's times."""
+    from types import SimpleNamespace
+
+    import headstart.evaluate as ev
+
+    calls, clock = [], iter([2.0, 1.0, 1.0, 4.0, 2.0, 1.0, 1.0, 4.0])  # seconds per call, in call order
+
+    def fake_run(engine, prompts, first, temp, plan):
+        calls.append((engine, first))
+        return [SimpleNamespace(token_ids=[1] * 10, spec_metrics=None) for _ in prompts], next(clock)
+
+    monkeypatch.setattr(ev, "_run", fake_run)
+    plan = EvalPlan(heads=["x"], batch_size=2, repeats=2)
+    timed = ev._timed_setting("AR", "SPEC", [[1]] * 4, 0.0, plan, lambda n: None)
+    assert calls == [("AR", 0), ("SPEC", 0), ("SPEC", 0), ("AR", 0), ("AR", 2), ("SPEC", 2), ("SPEC", 2), ("AR", 2)]
+    assert timed["ratios"] == [2.0, 4.0, 2.0, 4.0]  # (AR s / spec s) per pair
+    assert len(timed["outputs"]) == 4 and len(timed["ar_outputs"]) == 4  # the first repeat's
 
 
 def test_more_bad_prompt_files(tmp_path):
