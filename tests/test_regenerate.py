@@ -94,3 +94,16 @@ def test_max_turns_source_and_limit(tmp_path, model_dir):
     same = dataclasses.replace(same, data=dataclasses.replace(same.data, source=str(tmp_path / "x.jsonl")))
     with pytest.raises(DataError, match="is the output"):
         run_regenerate(same, progress=False)
+
+
+def test_resume_reads_lines_with_unicode_line_separators(tmp_path):
+    """Written with ensure_ascii=False, a reply holding U+2028 / U+0085 stays one JSONL line: the ids
+    already done are read line by line on "\\n" only (str.splitlines would cut the line in two)."""
+    from headstart.precompute.regenerate import _done_ids
+
+    partial = tmp_path / "out.jsonl.partial"
+    rows = [{"id": "a", "text": "one\u2028two\u0085three"}, {"id": "b", "text": "x"}]
+    partial.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows) + '{"id": "c", "te',
+                       encoding="utf-8")
+    assert _done_ids(partial) == {"a", "b"}
+    assert partial.read_text(encoding="utf-8").endswith('"x"}\n')  # the torn line was cut off

@@ -39,7 +39,7 @@ def _done_ids(partial: Path) -> set[str]:
     data = partial.read_bytes()
     keep = data[: data.rfind(b"\n") + 1]
     ids = set()
-    for line in keep.decode("utf-8").splitlines():
+    for line in keep.decode("utf-8").split("\n")[:-1]:  # not splitlines(): U+2028 etc. occur inside JSON strings
         ids.add(json.loads(line)["id"])
     if len(keep) != len(data):
         with open(partial, "r+b") as f:
