@@ -293,7 +293,8 @@ def _summarise(st: _Setting, temp: float, timed: dict[str, Any], categories: lis
         # adaptive and n-gram steps draft fewer than k): not reported
         s["alpha"] = None
     ratios = sorted(timed["ratios"])
-    median = ratios[len(ratios) // 2] if len(ratios) % 2 else (ratios[len(ratios) // 2 - 1] + ratios[len(ratios) // 2]) / 2
+    mid = len(ratios) // 2
+    median = ratios[mid] if len(ratios) % 2 else (ratios[mid - 1] + ratios[mid]) / 2
     row = {"head": st.path, "label": st.label, "head_type": st.head.config.head_type if st.head else None,
            "method": st.method, "k": k, "temperature": temp,
            "tau": s["tau"], "alpha": s["alpha"], "accept_rate_per_pos": s["accept_rate_per_pos"],
