@@ -5,12 +5,12 @@ engine's tau, for each initialisation, on the same SmolLM2 batches, one run.
     .venv/bin/python benchmarks/init.py --steps 20 --head eagle1
 
 Variants (all keep the target's final norm before the lm_head where the family has one):
-  copy          the target's last layer copied, fusion = identity on the hidden half (before this change)
-  copy_zero_out the copied layer with its output projections (o_proj, down_proj) zeroed: the layer
-                starts as the identity, so the head starts by repeating the target's current state
+  scaled        (the default) the target's last layer copied, the fusion a scaled identity on the
+                hidden half, so the copied layer reads a residual stream of the size it was trained on
+  unscaled      the same with an unscaled identity (the default before this benchmark)
+  copy_zero_out scaled, with the copied layer's output projections (o_proj, down_proj) zeroed: the
+                layer starts as the identity, so the head starts by repeating the target's state
   default_fc    the copied layer, the fusion at torch's default (random) init
-  copy_scaled   the copied layer, the identity fusion scaled to the target states' RMS, so the
-                copied layer reads a residual stream of the size it was trained on
   random        every weight at torch's default init, norms at 1
 """
 
@@ -22,24 +22,21 @@ import math
 import time
 
 
-def _variant(name: str, kind: str, target, draft_vocab: int | None, maps, rms: float):  # noqa: ANN001
+def _variant(name: str, kind: str, target, draft_vocab: int | None, maps):  # noqa: ANN001
     import torch
 
     from headstart.heads import HeadConfig, build_head
-    from headstart.heads.base import init_from_last_layers
+    from headstart.heads.base import init_from_last_layers, init_fusion_as_identity
 
     cfg = HeadConfig(head_type=kind, draft_vocab_size=draft_vocab)
     torch.manual_seed(0)
     if name == "random":
         head = build_head(cfg, target, init_from_target=False)
-    elif name in ("copy", "copy_scaled"):
-        head = build_head(cfg, target, init_from_target=True, init="copy")
-        if name == "copy_scaled":
-            fc = head.fc if hasattr(head, "fc") else head.eh_proj
-            with torch.no_grad():
-                fc.weight.mul_(rms)
-    elif name == "copy_zero_out":
-        head = build_head(cfg, target, init_from_target=True, init="copy_zero_out")
+    elif name in ("scaled", "unscaled", "copy_zero_out"):
+        init = "copy_zero_out" if name == "copy_zero_out" else "copy"
+        head = build_head(cfg, target, init_from_target=True, init=init)
+        if name == "unscaled":
+            init_fusion_as_identity(head.fc if hasattr(head, "fc") else head.eh_proj)
     else:  # default_fc
         head = build_head(cfg, target, init_from_target=False)
         init_from_last_layers(head.layers, target)
@@ -61,7 +58,7 @@ def main() -> None:
     ap.add_argument("--draft-vocab", type=int, default=8192)
     ap.add_argument("--prompts", type=int, default=8)
     ap.add_argument("--max-tokens", type=int, default=32)
-    ap.add_argument("--variants", default="copy,copy_zero_out,copy_scaled,default_fc,random")
+    ap.add_argument("--variants", default="scaled,unscaled,copy_zero_out,default_fc,random")
     args = ap.parse_args()
 
     import torch
@@ -100,14 +97,13 @@ def main() -> None:
         counts += torch.bincount(torch.tensor(ids)[torch.tensor(mask, dtype=torch.bool)],
                                  minlength=counts.numel()).double()
     maps = build_vocab_maps(counts, args.draft_vocab) if args.draft_vocab else None
-    rms = float(batches[0].hidden.float().pow(2).mean(-1).sqrt().median())  # the target's pre-norm state size
     print(f"{args.head} head, SmolLM2-135M ({dtype}, {describe('cpu')}); {args.steps} steps x {args.batch_tokens} "
           f"tokens, AdamW lr {args.lr}; draft vocab {args.draft_vocab or 'full'}; {len(prompts)} held-out prompts x "
           f"{args.max_tokens} tokens greedy, k=3 (batches ready in {time.perf_counter() - t0:.0f}s); log V = "
           f"{math.log(target.config.vocab_size):.2f}")
     print(f"{'init':<15}{'KL@0':>8}{'top1@0':>8}{'KL@end':>8}{'top1@end':>10}{'tau@end':>9}{'s/step':>8}")
     for name in args.variants.split(","):
-        head = _variant(name, args.head, target, args.draft_vocab or None, maps, rms)
+        head = _variant(name, args.head, target, args.draft_vocab or None, maps)
         module = HeadModule(recipe, target, head)
         start = module.heldout_metrics(val)
         opt = torch.optim.AdamW(head.trainable_parameters(), lr=args.lr, betas=(0.9, 0.95))

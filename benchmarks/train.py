@@ -1,10 +1,11 @@
-"""Training step throughput and peak memory: our chunked loss (logits recomputed per chunk in the
-backward pass, never a [tokens x vocab] tensor kept) vs a plain step that materialises the full
-logits of head and target, same head, same batches, one run. Each variant runs in its own process
+"""Training throughput and peak memory of the mtp head on SmolLM2-135M: today's step (full
+vocabulary, one step) against the new ones (a draft vocabulary, TTT), from shards (target states
+precomputed; the step is the head's work only) and online (the target runs inside the step), plus
+the plain loss that materialises full logits. Same batches, one run; each variant in its own process
 so its peak RSS is its own.
 
-    .venv/bin/python benchmarks/train.py                   # SmolLM2-135M, mtp head, 4096-token batches
-    .venv/bin/python benchmarks/train.py --batch-tokens 2048 --steps 3
+    .venv/bin/python benchmarks/train.py                     # 4096-token batches, 3 timed steps each
+    .venv/bin/python benchmarks/train.py --steps 2 --variants full_ttt1,vd8192_ttt1
 """
 
 from __future__ import annotations
@@ -16,6 +17,16 @@ import resource
 import subprocess
 import sys
 import time
+
+VARIANTS = {  # name: (draft vocab, ttt steps, source, loss)
+    "full_ttt1": (None, 1, "shards", "ours"),
+    "plain_full_ttt1": (None, 1, "shards", "plain"),
+    "vd8192_ttt1": (8192, 1, "shards", "ours"),
+    "vd8192_ttt3": (8192, 3, "shards", "ours"),
+    "online_full_ttt1": (None, 1, "online", "ours"),
+    "online_vd8192_ttt1": (8192, 1, "online", "ours"),
+}
+BASELINE = "full_ttt1"
 
 
 def _rss_mb() -> float:
@@ -33,33 +44,45 @@ def run_variant(variant: str, batch_tokens: int, steps: int) -> dict:
     from headstart.config import recipe_from_dict
     from headstart.data.dataset import build_dataset
     from headstart.hardware import describe, resolve_dtype
-    from headstart.heads import build_head, head_config_from_recipe
+    from headstart.heads import HeadConfig, PackedBatch, build_head, build_vocab_maps
     from headstart.models.llama import load_llama
     from headstart.train.data import PackedStream, TokenSequences
     from headstart.train.losses import target_logits
     from headstart.train.module import HeadModule, target_forward
     from headstart.train.ttt import unroll
 
+    vocab_size, ttt, source, loss_kind = VARIANTS[variant]
     recipe = recipe_from_dict({
-        "output_dir": "/tmp/headstart-bench-train", "data": {"source": "sharegpt", "max_length": 1024, "limit": 400},
-        "train": {"source": "online", "batch_tokens": batch_tokens, "val_prompts": 0},
-        "logging": {"wandb": False}})
+        "data": {"source": "sharegpt", "max_length": 1024, "limit": 400},
+        "train": {"source": source, "batch_tokens": batch_tokens, "ttt_steps": ttt,
+                  "loss_weights": {"kl": 1.0, "feature": 0.1}}})
     dtype = resolve_dtype("auto")
     target = load_llama(resolve_model("smollm2-135m"), dtype)
-    head = build_head(head_config_from_recipe(recipe.head), target).float()
+    head = build_head(HeadConfig(head_type="mtp", draft_vocab_size=vocab_size), target).float()
     built = build_dataset(recipe.data, str(resolve_model("smollm2-135m")), progress=False)
+    if vocab_size:
+        counts = torch.zeros(target.config.vocab_size, dtype=torch.float64)
+        for ids, mask in zip(built.train["input_ids"], built.train["loss_mask"]):
+            counts += torch.bincount(torch.tensor(ids)[torch.tensor(mask, dtype=torch.bool)],
+                                     minlength=counts.numel()).double()
+        head.set_vocab_maps(*build_vocab_maps(counts, vocab_size))
     stream = PackedStream(TokenSequences.from_dataset(built.train), batch_tokens, seed=0)
     module = HeadModule(recipe, target, head)
     opt = torch.optim.AdamW(head.trainable_parameters(), lr=1e-4)
     autocast = torch.autocast("cpu", dtype=torch.bfloat16) if dtype == "bf16" else contextlib.nullcontext()
     batches = []
     for item in stream:
-        with torch.no_grad(), autocast:
-            batches.append(target_forward(target, item["batch"], []))
+        b = item["batch"]
+        if source == "shards":  # what a shard holds: the target's states, stored in bf16
+            with torch.no_grad(), autocast:
+                full = target_forward(target, b, [])
+            b = PackedBatch(full.input_ids, full.seq_lens, full.hidden.to(torch.bfloat16), None, full.loss_mask)
+        batches.append(b)
         if len(batches) == steps + 1:
             break
 
     def plain_loss(b):
+        b = target_forward(target, b, []) if b.hidden is None else b
         outs, valid, sh = unroll(head, b, 1)
         th = b.hidden[sh.target_rows]
         rows = torch.nonzero(sh.token_mask > 0).flatten()
@@ -68,13 +91,11 @@ def run_variant(variant: str, batch_tokens: int, steps: int) -> dict:
             logp = torch.log_softmax(target_logits(head, th[rows]), -1)
         return (logp.exp() * (logp - logq)).sum(-1).mean()
 
-    recipe.train.loss_weights.feature = 0.0  # both variants: the KL alone
-
     def ours_loss(b):
         loss, _ = module.losses(b, with_stats=False)
         return loss
 
-    loss_fn = ours_loss if variant == "ours" else plain_loss
+    loss_fn = ours_loss if loss_kind == "ours" else plain_loss
     base = _rss_mb()
     tokens, start = 0, None
     for i, b in enumerate(batches):
@@ -90,34 +111,38 @@ def run_variant(variant: str, batch_tokens: int, steps: int) -> dict:
     secs = time.perf_counter() - start
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     return {"variant": variant, "tokens_per_s": tokens / secs, "peak_rss_mb": peak, "step_rss_growth_mb": peak - base,
-            "loss": float(loss), "dtype": dtype, "device": describe("cpu"), "steps": steps,
-            "batch_tokens": batch_tokens, "torch_threads": torch.get_num_threads()}
+            "dtype": dtype, "device": describe("cpu"), "torch_threads": torch.get_num_threads()}
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--batch-tokens", type=int, default=4096)
     ap.add_argument("--steps", type=int, default=3)
-    ap.add_argument("--variant", choices=["ours", "plain"], help=argparse.SUPPRESS)
+    ap.add_argument("--variants", default=",".join(VARIANTS))
+    ap.add_argument("--variant", choices=list(VARIANTS), help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.variant:
         print(json.dumps(run_variant(args.variant, args.batch_tokens, args.steps)))
         return
+    names = args.variants.split(",")
+    if BASELINE not in names:
+        names.insert(0, BASELINE)
     results = {}
-    for v in ("ours", "plain"):
+    for v in names:
         out = subprocess.run([sys.executable, __file__, "--variant", v, "--batch-tokens", str(args.batch_tokens),
                               "--steps", str(args.steps)], capture_output=True, text=True)
         if out.returncode != 0:
             sys.exit(f"{v} failed:\n{out.stderr[-3000:]}")
         results[v] = json.loads(out.stdout.strip().splitlines()[-1])
-    o, p = results["ours"], results["plain"]
-    print(f"training step, SmolLM2-135M target, mtp head, {args.batch_tokens}-token batches, {o['dtype']}, "
-          f"{o['device']}, {o['torch_threads']} threads, {args.steps} timed steps")
-    print(f"{'':28}{'ours (chunked)':>16}{'plain (full logits)':>22}{'ratio':>8}")
-    ot, pt, om, pm = o["tokens_per_s"], p["tokens_per_s"], o["peak_rss_mb"], p["peak_rss_mb"]
-    print(f"{'tokens/s':28}{ot:>16.1f}{pt:>22.1f}{ot / pt:>8.2f}")
-    print(f"{'peak RSS (MB)':28}{om:>16.0f}{pm:>22.0f}{om / pm:>8.2f}")
-    print(f"{'RSS growth in the steps (MB)':28}{o['step_rss_growth_mb']:>16.0f}{p['step_rss_growth_mb']:>22.0f}")
+        r = results[v]
+        if v == names[0]:
+            print(f"mtp head training step, SmolLM2-135M target, {args.batch_tokens}-token batches, {r['dtype']}, "
+                  f"{r['device']}, {r['torch_threads']} threads, {args.steps} timed steps; ratios vs {BASELINE} "
+                  "(today's step: full vocabulary, no TTT, chunked loss)")
+            print(f"{'variant':<22}{'tokens/s':>10}{'ratio':>8}{'peak RSS MB':>13}{'ratio':>8}")
+        b = results[BASELINE]
+        print(f"{v:<22}{r['tokens_per_s']:>10.1f}{r['tokens_per_s'] / b['tokens_per_s']:>8.2f}"
+              f"{r['peak_rss_mb']:>13.0f}{r['peak_rss_mb'] / b['peak_rss_mb']:>8.2f}", flush=True)
 
 
 if __name__ == "__main__":

@@ -112,6 +112,7 @@ class RegenerateConfig:
     source: str | None = None  # conversations to rewrite (None: data.source; data.source then names the output)
     limit: int | None = None  # read only the first N rows of the source (None: data.limit)
     max_turns: int | None = None  # keep each conversation up to its N-th assistant turn (None: all turns)
+    max_prompt_tokens: int | None = None  # skip conversations whose first prompt is longer (None: no limit)
     temperature: float = 0.0
     top_p: float = 1.0
     max_tokens: int = 512  # per assistant turn
@@ -124,6 +125,8 @@ class RegenerateConfig:
         _require(self.batch_size >= 1, "regenerate.batch_size", "must be >= 1")
         _require(self.limit is None or self.limit > 0, "regenerate.limit", "must be > 0 or null")
         _require(self.max_turns is None or self.max_turns > 0, "regenerate.max_turns", "must be > 0 or null")
+        _require(self.max_prompt_tokens is None or self.max_prompt_tokens > 0, "regenerate.max_prompt_tokens",
+                 "must be > 0 or null")
         _require(self.source is None or bool(self.source.strip()), "regenerate.source", "must not be empty")
 
 

@@ -107,3 +107,24 @@ def test_resume_reads_lines_with_unicode_line_separators(tmp_path):
                        encoding="utf-8")
     assert _done_ids(partial) == {"a", "b"}
     assert partial.read_text(encoding="utf-8").endswith('"x"}\n')  # the torn line was cut off
+
+
+def test_max_prompt_tokens_skips_long_prompts(tmp_path, model_dir):
+    import dataclasses
+
+    recipe = _recipe(tmp_path, model_dir, "short")
+    first = run_regenerate(recipe, progress=False)
+    n_all = len(first.read_text().splitlines())
+    lengths = []
+    from headstart.inference import Engine
+
+    eng = Engine(str(model_dir), dtype="fp32")
+    for row in (json.loads(x) for x in first.read_text().splitlines()):
+        turns = [{"role": {"system": "system", "human": "user"}[t["from"]], "content": t["value"]}
+                 for t in row["conversations"][:2]]
+        lengths.append(len(eng.encode(turns)))
+    cut = sorted(lengths)[len(lengths) // 2]
+    short = dataclasses.replace(recipe, output_dir=str(tmp_path / "short2"),
+                                regenerate=dataclasses.replace(recipe.regenerate, max_prompt_tokens=cut))
+    kept = run_regenerate(short, progress=False).read_text().splitlines()
+    assert len(kept) == sum(n <= cut for n in lengths) < n_all

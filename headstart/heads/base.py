@@ -355,15 +355,28 @@ def zero_output_projections(layers: nn.ModuleList) -> None:
                     p.zero_()
 
 
-def init_fusion_as_identity(fusion: nn.Linear) -> None:
-    """A (d, 2d) fusion of cat(embedding, features) that starts as `features`: embedding half zero,
-    feature half identity, no bias."""
+def init_fusion_as_identity(fusion: nn.Linear, scale: float = 1.0) -> None:
+    """A (d, 2d) fusion of cat(embedding, features) that starts as `scale * features`: embedding half
+    zero, feature half a scaled identity, no bias."""
     d = fusion.weight.shape[0]
     with torch.no_grad():
         fusion.weight.zero_()
-        fusion.weight[:, d:] = torch.eye(d, dtype=fusion.weight.dtype)
+        fusion.weight[:, d:] = scale * torch.eye(d, dtype=fusion.weight.dtype)
         if fusion.bias is not None:
             fusion.bias.zero_()
+
+
+def target_state_rms(target: LlamaForCausalLM, tokens: int = 64) -> float:
+    """The typical RMS of the target's pre-norm last hidden state (the residual stream its last
+    layer reads), measured on a fixed probe sequence: its median over positions."""
+    from headstart.nn.attention import PackedCausalAttention, packed_metadata
+
+    device = target.model.embed_tokens.weight.device
+    n = min(tokens, target.config.max_position_embeddings)
+    ids = (torch.arange(n, device=device) * 7919 + 1) % target.config.vocab_size  # a fixed spread of ids
+    with torch.no_grad():
+        h, _ = target(ids, packed_metadata([n], device=device), [None] * target.num_layers, PackedCausalAttention())
+    return float(h.float().pow(2).mean(-1).sqrt().median())
 
 
 def copy_layer(dst: nn.Module, src: nn.Module) -> None:

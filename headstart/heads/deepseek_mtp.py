@@ -15,7 +15,13 @@ import torch
 from torch import nn
 
 from headstart.errors import AssetError
-from headstart.heads.base import HeadConfig, SharedVocabHead, init_from_last_layers, init_fusion_as_identity
+from headstart.heads.base import (
+    HeadConfig,
+    SharedVocabHead,
+    init_from_last_layers,
+    init_fusion_as_identity,
+    target_state_rms,
+)
 from headstart.models.llama import SUPPORTED_MODEL_TYPES, LlamaForCausalLM
 from headstart.nn.attention import AttentionBackend, AttentionMetadata, KVPages
 from headstart.nn.decoder import DecoderLayer
@@ -61,6 +67,8 @@ class DeepSeekMTPHead(SharedVocabHead):
 
     def init_from_target(self, target: LlamaForCausalLM) -> None:
         init_from_last_layers(self.layers, target)
-        init_fusion_as_identity(self.eh_proj)
+        # eh_proj starts as a scaled identity on the normalised h: the copied block reads a residual
+        # stream of the target's size (see EagleHead.init_from_target for the measurement).
+        init_fusion_as_identity(self.eh_proj, target_state_rms(target))
         with torch.no_grad():
             self.shared_head.norm.weight.copy_(target.model.norm.weight)

@@ -79,7 +79,8 @@ def run_regenerate(recipe: Recipe, resume: bool = False, progress: bool = True) 
     limit = cfg.limit if cfg.limit is not None else recipe.data.limit
     provenance = {"model": recipe.target.model, "target_fingerprint": engine.model.fingerprint(),
                   "temperature": cfg.temperature, "top_p": cfg.top_p, "max_tokens": cfg.max_tokens,
-                  "seed": recipe.seed, "source": source, "limit": limit, "max_turns": cfg.max_turns}
+                  "seed": recipe.seed, "source": source, "limit": limit, "max_turns": cfg.max_turns,
+                  "max_prompt_tokens": cfg.max_prompt_tokens}
     if partial.stat().st_size or run_file.exists():
         if not resume:
             raise DataError(f"{partial} holds an unfinished run; pass --resume to continue it")
@@ -91,6 +92,15 @@ def run_regenerate(recipe: Recipe, resume: bool = False, progress: bool = True) 
         atomic_write_text(run_file, json.dumps(provenance, indent=2))
     done = _done_ids(partial)
     read = read_conversations(resolve_data(source), recipe.data.format, limit)
+    if cfg.max_prompt_tokens is not None:  # a long first prompt costs a long prefill and is cut in training
+        def first_prompt_tokens(conv: dict[str, Any]) -> int:
+            turns = conv["messages"]
+            upto = next((i for i, m in enumerate(turns) if m["role"] == "assistant"), len(turns))
+            return len(engine.encode(turns[:upto] or turns[:1]))
+
+        kept = [c for c in read.conversations if first_prompt_tokens(c) <= cfg.max_prompt_tokens]
+        read.skipped["prompt longer than regenerate.max_prompt_tokens"] = len(read.conversations) - len(kept)
+        read.conversations = kept
     todo = [c for c in read.conversations if c["id"] not in done]
     bar = tqdm(total=len(read.conversations), initial=len(read.conversations) - len(todo), unit="conv",
                desc="regenerate", disable=not progress)
