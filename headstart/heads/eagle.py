@@ -21,6 +21,7 @@ from headstart.heads.base import (
     init_from_last_layers,
     init_fusion_as_identity,
     target_state_rms,
+    zero_output_projections,
 )
 from headstart.models.llama import LlamaForCausalLM
 from headstart.nn.attention import AttentionBackend, AttentionMetadata, KVPages
@@ -84,7 +85,15 @@ class EagleHead(SharedVocabHead):
         add. Measured (benchmarks/init.py, 12 equal steps): held-out KL at the start 8.3 nats
         (unscaled: 16.1, above log V = 10.8), after the steps 4.9 (unscaled 6.1), top-1 0.085 (0.038)."""
         init_from_last_layers(self.layers, target)
-        init_fusion_as_identity(self.fc, _feature_scale(self, target))
+        if self.norm is None:
+            # eagle1: no norm before the lm_head, so the layer's output is read as it is; the copied
+            # layer's updates (sized for the target's RMS ~33 stream) would swamp it. Its output
+            # projections start at zero: the head starts as lm_head(norm(h)), the target's own
+            # prediction one position back (held-out KL below log V).
+            init_fusion_as_identity(self.fc)
+            zero_output_projections(self.layers)
+        else:
+            init_fusion_as_identity(self.fc, _feature_scale(self, target))
         if self.norm is not None:
             with torch.no_grad():
                 self.norm.weight.copy_(target.model.norm.weight)
