@@ -59,6 +59,7 @@ def test_precompute_and_earlier_runs_are_recognised(tmp_path, chat_model_dir):
     (out / "precompute").mkdir(parents=True)
     (out / "precompute" / "run.json").write_text(json.dumps({"format": "headstart-precompute/1"}))
     (out / "regenerated.jsonl").write_text("{}\n")
+    (out / "regenerated.jsonl.run.json").write_text("{}")  # regenerate's provenance record beside it
     assert check_output_dir(recipe, resume=False) == out.resolve()
     (out / "precompute" / "run.json").write_text(json.dumps({"format": "something-else"}))
     with pytest.raises(Exception, match="holds precompute that no training run"):

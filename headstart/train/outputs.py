@@ -73,7 +73,8 @@ def _ours(p: Path, recipe: Recipe) -> bool:
     if p.name.startswith(".train.lock-rank") or p.name.startswith(".lock-rank"):
         return True
     regenerated = output_path(recipe).resolve()
-    if p.resolve() in (regenerated, regenerated.with_name(regenerated.name + ".partial")):
+    if p.resolve() in (regenerated, regenerated.with_name(regenerated.name + ".partial"),
+                       regenerated.with_name(regenerated.name + ".run.json")):
         return True
     if _is_precompute_dir(p.parent):  # output_dir is precompute's own directory
         return p.name in ("run.json", "manifest.json") or p.name.startswith(("shard-", ".shard-"))
