@@ -318,7 +318,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
         tau = f"{r['tau']:.3f}" if r["tau"] is not None else "- (no speculative step)"
         print(f"eval: {labels.get(r['head'], r['label'])} {r['method']} k={r['k']} T={r['temperature']}: tau {tau}, "
               f"{r['tokens_per_s']:.1f} tok/s vs AR {r['ar_tokens_per_s']:.1f} = {r['speedup']:.2f}x "
-              f"({r['speedup_min']:.2f}..{r['speedup_max']:.2f})"
+              f"(middle half {r['speedup_p25']:.2f}..{r['speedup_p75']:.2f})"
               + (f", lossless_check {r['lossless_check']}" if "lossless_check" in r else ""))
     print("eval: wrote " + ", ".join(str(f) for f in files))
     return 0

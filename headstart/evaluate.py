@@ -179,7 +179,15 @@ def _timed_setting(ar_engine: Any, engine: Any, prompts: list[list[int]], temp: 
             "ar_tokens_per_s": ar_tok / ar_sec}
 
 
-WIDE_SPREAD = 0.25  # (max - min) / median of the per-group ratios past which a speedup is flagged
+WIDE_SPREAD = 0.25  # (p75 - p25) / median of the per-group ratios past which a speedup is flagged
+
+
+def _quantile(sorted_values: list[float], q: float) -> float:
+    """Linear-interpolated quantile of an ascending list."""
+    pos = q * (len(sorted_values) - 1)
+    lo = int(pos)
+    hi = min(lo + 1, len(sorted_values) - 1)
+    return sorted_values[lo] + (sorted_values[hi] - sorted_values[lo]) * (pos - lo)
 
 
 def evaluate(target: Any, tokenizer: Any, prompts: list[list[int]], categories: list[str | None], plan: EvalPlan,
@@ -226,9 +234,11 @@ def evaluate(target: Any, tokenizer: Any, prompts: list[list[int]], categories: 
                     row["draft_threshold"] = plan.draft_threshold
                 runs.append(row)
                 if row["speedup_spread"] > WIDE_SPREAD:
-                    status(f"eval: warning: {name}: the per-group speedups range {row['speedup_min']:.2f}x.."
-                           f"{row['speedup_max']:.2f}x around {row['speedup']:.2f}x (the machine's load changed); "
-                           "rerun with --repeats 3 on a quiet machine")
+                    status(f"eval: warning: {name}: the per-group speedups spread widely (middle half "
+                           f"{row['speedup_p25']:.2f}x..{row['speedup_p75']:.2f}x, all {row['speedup_min']:.2f}x.."
+                           f"{row['speedup_max']:.2f}x, median {row['speedup']:.2f}x): the groups' text differs, or "
+                           "the machine's load changed; more prompts per group or --repeats 3 on a quiet machine "
+                           "tell them apart")
             ar[temp]["tokens_per_s"] = sorted(rates)[len(rates) // 2] if rates else None
     return {
         "format": FORMAT,
@@ -302,7 +312,10 @@ def _summarise(st: _Setting, temp: float, timed: dict[str, Any], categories: lis
            "steps": s["steps"], "tokens": timed["tokens"], "seconds": timed["seconds"],
            "tokens_per_s": timed["tokens"] / timed["seconds"], "ar_tokens_per_s": timed["ar_tokens_per_s"],
            "speedup": median, "speedup_min": ratios[0], "speedup_max": ratios[-1],
-           "speedup_spread": (ratios[-1] - ratios[0]) / median, "timing_pairs": len(ratios),
+           "speedup_p25": _quantile(ratios, 0.25), "speedup_p75": _quantile(ratios, 0.75),
+           # the middle half's width relative to the median: robust to one odd group
+           "speedup_spread": (_quantile(ratios, 0.75) - _quantile(ratios, 0.25)) / median,
+           "timing_pairs": len(ratios),
            "tau_by_category": {c: 1 + a / n for c, (a, n) in sorted(per_cat.items())}}
     if temp == 0:
         same = sum(o.token_ids == ref for o, ref in zip(outs, ar["outputs"]))
@@ -376,14 +389,15 @@ def markdown(report: dict[str, Any]) -> str:
              "", "| T | AR tok/s |", "|---|---|"]
     lines += [f"| {t} | {r['tokens_per_s']:.1f} |" for t, r in report["ar"].items()]
     lines += ["", "Speedup: the median of per-batch-group ratios to plain decoding run alternately on the same "
-              "prompts (min..max beside it); `ngram (no training)` is prompt lookup, the baseline.", "",
+              "prompts (the middle half beside it; ⚠ when it is wider than 25 % of the median); `ngram (no "
+              "training)` is prompt lookup, the baseline.", "",
               "| head | method | k | T | tau | alpha | accept rate per position | tok/s | AR tok/s | speedup "
-              "(min..max) | lossless |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+              "(p25..p75) | lossless |", "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in report["runs"]:
         rate = " ".join(f"{x:.2f}" for x in r["accept_rate_per_pos"])
         alpha = f"{r['alpha']:.3f}" if r["alpha"] is not None else "-"
         tau = f"{r['tau']:.3f}" if r["tau"] is not None else "-"
-        spread = f" ({r['speedup_min']:.2f}..{r['speedup_max']:.2f})" if "speedup_min" in r else ""
+        spread = f" ({r['speedup_p25']:.2f}..{r['speedup_p75']:.2f})" if "speedup_p25" in r else ""
         flag = " ⚠" if r.get("speedup_spread", 0) > WIDE_SPREAD else ""
         method = r["method"] + (f" ({r['draft_threshold']})" if r.get("draft_threshold") else "")
         lines.append(f"| {_label(r)} | {method} | {r['k']} | {r['temperature']} | {tau} | "

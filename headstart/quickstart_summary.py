@@ -24,7 +24,7 @@ def main(run: str) -> int:
     for r in report["runs"]:
         name = Path(r["head"]).parent.name + "/" + Path(r["head"]).name if r.get("head") else r.get("label", "-")
         tau = f"{r['tau']:.3f}" if r.get("tau") is not None else "-"
-        spread = f" ({r['speedup_min']:.2f}..{r['speedup_max']:.2f})" if "speedup_min" in r else ""
+        spread = f" ({r['speedup_p25']:.2f}..{r['speedup_p75']:.2f})" if "speedup_p25" in r else ""
         print(f"  {name:<36} {r['method']:<8} k={r['k']}  tau {tau}  speedup {r['speedup']:.2f}x{spread}  "
               f"lossless {r.get('lossless_check', '-')}")
     return 0

@@ -59,7 +59,8 @@ def test_eval_report_is_complete_deterministic_and_lossless_in_fp32(setup, tmp_p
     assert {r["method"] for r in runs} == {"chain", "tree", "medusa", "ngram"}
     assert {r["label"] for r in runs if r["method"] == "ngram"} == {"ngram (no training)"}
     b = _report(setup)
-    strip = ("seconds", "tokens_per_s", "ar_tokens_per_s", "speedup", "speedup_min", "speedup_max", "speedup_spread")
+    strip = ("seconds", "tokens_per_s", "ar_tokens_per_s", "speedup", "speedup_min", "speedup_max", "speedup_spread",
+             "speedup_p25", "speedup_p75")
     assert [{k: v for k, v in r.items() if k not in strip} for r in a["runs"]] == \
         [{k: v for k, v in r.items() if k not in strip} for r in b["runs"]]
     files = write_reports(a, tmp_path / "rep")
@@ -127,7 +128,8 @@ def test_summary_numbers_from_known_per_request_metrics():
     assert r["cond_accept_per_pos"] == pytest.approx([4 / 5, 3 / 4, 2 / 3])
     assert r["tau_by_category"] == pytest.approx({"a": 1 + 6 / 3, "b": 1 + 3 / 2})
     assert r["tokens_per_s"] == 6.0 and r["speedup"] == pytest.approx(2.0)  # the median of the ratios
-    assert (r["speedup_min"], r["speedup_max"], r["speedup_spread"]) == pytest.approx((1.5, 2.5, 0.5))
+    assert (r["speedup_min"], r["speedup_max"]) == pytest.approx((1.5, 2.5))
+    assert (r["speedup_p25"], r["speedup_p75"], r["speedup_spread"]) == pytest.approx((1.75, 2.25, 0.25))
     assert r["lossless_check"] == "differs in 1 of 3"
     assert "lossless_check" not in _summarise(st, 1.0, timed, [None] * 3, ar)
     assert _summarise(st, 1.0, {**timed, "ratios": [1.0, 3.0]}, [None] * 3, ar)["speedup"] == 2.0
