@@ -66,7 +66,8 @@ def test_errors_are_one_line_without_traceback(recipe, tmp_path, capsys):
 
 @pytest.mark.real
 def test_quickstart_recipe_inspect_on_real_data(capsys):
-    assert main(["data", "inspect", "recipes/smollm2-135m-mtp.yaml", "--limit", "200", "--json"]) == 0
+    assert main(["data", "inspect", "recipes/smollm2-135m-mtp.yaml", "--set", "data.source=sharegpt", "--limit", "200",
+                 "--json"]) == 0
     stats = json.loads(capsys.readouterr().out)
     assert stats["rows_read"] == 200
     assert stats["conversations"] + sum(stats["skipped"].values()) == 200
@@ -108,7 +109,7 @@ def test_json_verbs_print_one_document_on_a_cold_cache(tmp_path):
         assert done.returncode == 0, done.stderr[-2000:]
         return json.loads(done.stdout), done.stderr
 
-    stats, err = run("data", "inspect", "recipes/smollm2-135m-mtp.yaml", "--limit", "50", "--json")
+    stats, err = run("data", "inspect", "recipes/quickstart.yaml", "--limit", "50", "--json")
     assert stats["rows_read"] == 50
     assert "converting" in err and "element by element" in err  # the cache really was cold
     report, _ = run("assets", "--json")
