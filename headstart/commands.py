@@ -101,6 +101,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
             for i in range(len(prompts))
         ]
         spec = None
+        if args.draft_threshold is not None and args.spec not in ("chain", "draft"):
+            raise HeadstartError(f"--draft-threshold applies to --spec chain or draft, not {args.spec or 'no --spec'}")
         if args.spec == "tree":
             spec = SpecConfig(method="tree", head=args.head, k=args.tree_depth, tree_topk=args.tree_topk,
                               tree_tokens=args.tree_tokens, allow_other_target=args.allow_other_target)
@@ -295,8 +297,8 @@ def cmd_eval(args: argparse.Namespace) -> int:
         prompts = []
         for r in rows:
             msgs = r["messages"] if "messages" in r else [{"role": "user", "content": r["prompt"]}]
-            out = tokenizer.apply_chat_template(msgs, tokenize=True, add_generation_prompt=True)
-            prompts.append(list(out["input_ids"] if hasattr(out, "keys") else out))
+            enc = tokenizer.apply_chat_template(msgs, tokenize=True, add_generation_prompt=True)
+            prompts.append(list(enc["input_ids"] if hasattr(enc, "keys") else enc))
         categories = [r.get("category") for r in rows]
         source = str(args.prompts)
     else:

@@ -192,6 +192,7 @@ def _quantile(sorted_values: list[float], q: float) -> float:
 
 def evaluate(target: Any, tokenizer: Any, prompts: list[list[int]], categories: list[str | None], plan: EvalPlan,
              *, progress: bool = True, info: dict[str, Any] | None = None) -> dict[str, Any]:
+    from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     from headstart.console import status
@@ -207,9 +208,12 @@ def evaluate(target: Any, tokenizer: Any, prompts: list[list[int]], categories: 
     heads = {path: load_head(path, target, allow_other_target=plan.allow_other_target) for path in plan.heads}
     labels = head_labels(plan.heads)
     settings = _settings(heads, labels, plan)
+    if not settings:
+        raise ConfigError(f"eval: nothing to run: every --k ({plan.ks}) exceeds the Medusa heads' count and "
+                          "--no-baseline is set")
     runs, ar, kernels = [], {}, None
     with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                  disable=not progress) as bar:
+                  disable=not progress, console=Console(stderr=True)) as bar:  # stdout is the verb's report
         task = bar.add_task("eval", total=len(plan.temperatures) * len(settings) * plan.repeats * len(prompts))
         for temp in plan.temperatures:
             ar_engine = _engine(target, tokenizer, prompts, plan, None)

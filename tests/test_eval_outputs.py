@@ -126,3 +126,29 @@ def test_eval_accepts_allow_other_target():
 
     args = build_parser().parse_args(["eval", "r.yaml", "--head", "h", "--allow-other-target"])
     assert args.allow_other_target
+
+
+def test_eval_with_a_prompts_file_writes_its_report_where_asked(tmp_path, chat_model_dir, capsys):
+    """End to end through the CLI with --prompts: the report lands in --out (the prompt loop once
+    overwrote the report path), stdout holds the verb's lines only, the baseline rows are there."""
+    from conftest import write_jsonl
+
+    from headstart.heads import HeadConfig, build_head, save_head
+    from headstart.models.llama import load_llama
+
+    target = load_llama(chat_model_dir, "fp32")
+    save_head(build_head(HeadConfig(head_type="mtp"), target), tmp_path / "head")
+    prompts = write_jsonl(tmp_path / "p.jsonl", [{"prompt": "hello there"}, {"prompt": "the fast draft"}])
+    out = tmp_path / "report"
+    argv = ["eval", str(_recipe(tmp_path, chat_model_dir)), "--head", str(tmp_path / "head"), "--prompts",
+            str(prompts), "--k", "2", "--max-tokens", "4", "--batch-size", "2", "--out", str(out), "--no-progress"]
+    assert main(argv) == 0
+    stdout = capsys.readouterr().out
+    report = json.loads((out / "report.json").read_text())
+    assert {r["method"] for r in report["runs"]} == {"chain", "ngram"}
+    assert all(line.startswith("eval: ") for line in stdout.splitlines())
+
+
+def test_draft_threshold_is_refused_where_it_does_nothing(capsys):
+    _fails(capsys, ["generate", "--prompt", "hi", "--spec", "tree", "--head", "h", "--draft-threshold", "0.5"],
+           "--draft-threshold applies to --spec chain or draft")

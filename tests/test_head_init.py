@@ -100,3 +100,22 @@ def test_every_family_overfits_a_few_conversations(tiny_target, kind):
 @pytest.mark.parametrize("plant", ["wrong_shift", "frozen_fusion"])
 def test_the_overfit_test_catches_planted_bugs(tiny_target, plant, monkeypatch):
     assert _overfit(tiny_target, "mtp", plant=plant, monkeypatch=monkeypatch) < 0.9
+
+
+def test_damaged_draft_vocabularies_are_refused(tiny_target, tmp_path):
+    """Maps with a duplicate target token (q spread onto the target vocab would lose mass) or ids
+    outside the vocabulary are refused when set, and a checkpoint holding them is refused on load."""
+    from headstart.errors import AssetError
+    from headstart.heads import build_vocab_maps, load_head, save_head
+
+    head = build_head(HeadConfig(head_type="mtp", draft_vocab_size=8), tiny_target)
+    d2t, t2d = build_vocab_maps(torch.arange(320, 0, -1).float(), 8)
+    dup = d2t.clone()
+    dup[1] -= 1  # draft ids 0 and 1 both mean target id 0
+    with pytest.raises(ValueError, match="two draft ids"):
+        head.set_vocab_maps(dup, t2d)
+    head.set_vocab_maps(d2t, t2d)
+    head.d2t[3] = 10_000  # past the vocabulary, written behind set_vocab_maps' back
+    save_head(head, tmp_path / "bad")
+    with pytest.raises(AssetError, match="draft vocabulary is damaged"):
+        load_head(tmp_path / "bad", tiny_target)

@@ -474,3 +474,10 @@ def load_head_state(head: DraftHead, path: str | Path, sha256: str | None = None
     missing, unexpected = head.load_state_dict(state, strict=False)
     if missing or unexpected:
         raise AssetError(f"{f}: tensors missing {missing} / unexpected {unexpected}")
+    if getattr(head, "has_draft_vocab", False):
+        from headstart.heads.vocab import check_vocab_maps
+
+        try:
+            check_vocab_maps(head.d2t, head.t2d, head.config.draft_vocab_size, head.t2d.numel())
+        except ValueError as e:
+            raise AssetError(f"{f}: the draft vocabulary is damaged ({e})") from None

@@ -45,6 +45,8 @@ def check_vocab_maps(d2t: torch.Tensor, t2d: torch.Tensor, draft_vocab_size: int
     ids = target_ids(d2t.long())
     if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= vocab):
         raise ValueError(f"d2t maps draft ids outside the target vocabulary [0, {vocab})")
+    if ids.unique().numel() != ids.numel():
+        raise ValueError("d2t maps two draft ids to one target token")
     if int(t2d.sum()) != draft_vocab_size or not bool(t2d.bool()[ids].all()):
         raise ValueError("t2d does not mark exactly the tokens d2t maps to")
 
