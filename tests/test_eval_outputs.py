@@ -113,7 +113,7 @@ def test_heads_with_the_same_directory_name_get_distinct_labels(setup, tmp_path)
         save_head(build_head(HeadConfig(head_type="mtp"), target), tmp_path / run / "head-best")
         paths.append(str(tmp_path / run / "head-best"))
     assert head_labels(paths) == {paths[0]: "a/head-best", paths[1]: "b/head-best"}
-    plan = EvalPlan(heads=paths, ks=[1], max_tokens=4, batch_size=2)
+    plan = EvalPlan(heads=paths, ks=[1], max_tokens=4, batch_size=2, baseline=False)
     report = evaluate(target, None, prompts[:2], [None, None], plan, progress=False)
     assert {r["label"] for r in report["runs"]} == {"a/head-best", "b/head-best"}
     write_reports(report, tmp_path / "rep")

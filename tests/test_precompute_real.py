@@ -14,7 +14,8 @@ RECIPE = Path(__file__).resolve().parents[1] / "recipes" / "smollm2-135m-mtp.yam
 
 
 def test_engine_and_hf_backends_store_the_same_hidden_states(tmp_path):
-    common = ["data.source=sharegpt", "data.limit=12", "data.max_length=96", "precompute.shard_tokens=100000", "head.type=eagle3"]
+    common = ["data.source=sharegpt", "data.limit=12", "data.max_length=96", "precompute.shard_tokens=100000",
+              "head.type=eagle3"]
     shards = {}
     for backend in ("engine", "hf"):
         recipe = load_recipe(RECIPE, common + [f"precompute.backend={backend}",

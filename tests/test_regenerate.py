@@ -123,8 +123,8 @@ def test_max_prompt_tokens_skips_long_prompts(tmp_path, model_dir):
         turns = [{"role": {"system": "system", "human": "user"}[t["from"]], "content": t["value"]}
                  for t in row["conversations"][:2]]
         lengths.append(len(eng.encode(turns)))
-    cut = sorted(lengths)[len(lengths) // 2]
-    short = dataclasses.replace(recipe, output_dir=str(tmp_path / "short2"),
-                                regenerate=dataclasses.replace(recipe.regenerate, max_prompt_tokens=cut))
-    kept = run_regenerate(short, progress=False).read_text().splitlines()
-    assert len(kept) == sum(n <= cut for n in lengths) < n_all
+    for cut, expect in ((max(lengths), n_all), (min(lengths) - 1, 0)):
+        short = dataclasses.replace(recipe, output_dir=str(tmp_path / f"short-{cut}"),
+                                    regenerate=dataclasses.replace(recipe.regenerate, max_prompt_tokens=cut))
+        kept = run_regenerate(short, progress=False).read_text().splitlines()
+        assert len(kept) == expect == sum(n <= cut for n in lengths)
