@@ -111,14 +111,18 @@ def _remove(path: Path) -> None:
         path.unlink()
 
 
+def _open_lock_file(path: Path) -> Any:
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        return open(path, "a+")
+    except OSError as e:
+        raise OutputError(f"{path.parent}: cannot be written ({e.strerror or e})") from None
+
+
 @contextlib.contextmanager
 def exclusive_lock(path: Path, what: str) -> Iterator[None]:
     """Hold `path` exclusively for `what`, or refuse at once naming the process that holds it."""
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        f = open(path, "a+")
-    except OSError as e:
-        raise OutputError(f"{path.parent}: cannot be written ({e.strerror or e})") from None
+    f = _open_lock_file(path)
     with f:
         try:
             fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -144,11 +148,7 @@ def file_lock(path: Path, timeout: float = 600.0, what: str = "the cache entry")
     `timeout` seconds that is an error naming the lock rather than a hang."""
     import time
 
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        f = open(path, "a+")
-    except OSError as e:
-        raise OutputError(f"{path.parent}: cannot be written ({e.strerror or e})") from None
+    f = _open_lock_file(path)
     with f:
         deadline = time.monotonic() + timeout
         while True:
