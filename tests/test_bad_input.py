@@ -126,3 +126,54 @@ def test_a_full_disk_while_saving_a_head_leaves_nothing(chat_model_dir, tmp_path
     _fails(capsys, ["head", "init", "--type", "mtp", "--model", str(chat_model_dir), "--out", str(out)],
            "StorageFull")
     assert list(tmp_path.iterdir()) == []  # no half-written head, no temporary left behind
+
+
+def test_integrity_records_cannot_be_edited_away(chat_model_dir, tmp_path, capsys):
+    """Deleting the fingerprint or the weights' sha256 from config.json, or editing what the head
+    reads (aux ids), is refused by name instead of silently switching the check off."""
+    head = tmp_path / "e3"
+    assert main(["head", "init", "--type", "eagle3", "--model", str(chat_model_dir), "--out", str(head)]) == 0
+    cfg = head / "config.json"
+    good = json.loads(cfg.read_text())
+    assert main(_gen(chat_model_dir, "--spec", "chain", "--head", str(head))) == 0
+    capsys.readouterr()
+    no_fp = {**good, "target": {k: v for k, v in good["target"].items() if k != "fingerprint"}}
+    no_sha = {k: v for k, v in good.items() if k != "weights_sha256"}
+    ids = good["aux_layer_ids"]
+    edited = {**good, "aux_layer_ids": [ids[0] + 1 if ids[0] + 1 not in ids else ids[0] - 1] + ids[1:]}
+    for bad, match in ((no_fp, "no target.fingerprint"), (no_sha, "no valid weights_sha256"),
+                       (edited, "aux_layer_ids is")):
+        cfg.write_text(json.dumps(bad))
+        err = _fails(capsys, _gen(chat_model_dir, "--spec", "chain", "--head", str(head)), match)
+        assert str(head) in err
+        _fails(capsys, ["export", str(head), "--format", "native", "--model", str(chat_model_dir), "--out",
+                        str(tmp_path / "x")], match)
+    assert not (tmp_path / "x").exists()
+    cfg.write_text(json.dumps(good))
+    assert main(_gen(chat_model_dir, "--spec", "chain", "--head", str(head))) == 0
+
+
+def test_import_checks_declared_sizes_and_index_paths(chat_model_dir, tmp_path, capsys):
+    head = tmp_path / "h"
+    assert main(["head", "init", "--type", "eagle1", "--model", str(chat_model_dir), "--out", str(head)]) == 0
+    exp = tmp_path / "sg"
+    assert main(["export", str(head), "--format", "sglang", "--model", str(chat_model_dir), "--out", str(exp)]) == 0
+    capsys.readouterr()
+    imp = ["import", str(exp), "--format", "sglang", "--target", str(chat_model_dir)]
+    cfg = exp / "config.json"
+    good = json.loads(cfg.read_text())
+    for key in ("hidden_size", "vocab_size"):  # what SGLang builds its draft model from
+        cfg.write_text(json.dumps({**good, key: good[key] * 2}))
+        _fails(capsys, imp + ["--out", str(tmp_path / f"i-{key}")], f"{key}={good[key] * 2}")
+        assert not (tmp_path / f"i-{key}").exists()
+    cfg.write_text(json.dumps(good))
+    # A safetensors index naming a file outside the checkpoint is refused before anything is read.
+    outside = tmp_path / "elsewhere.safetensors"
+    (exp / "model.safetensors").rename(outside)
+    (exp / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {"fc.weight": "../elsewhere.safetensors"}}))
+    _fails(capsys, imp + ["--out", str(tmp_path / "i-index")], "not a file directly inside")
+    (exp / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {"fc.weight": str(outside)}}))
+    _fails(capsys, imp + ["--out", str(tmp_path / "i-index")], "not a file directly inside")
+    (exp / "model.safetensors.index.json").unlink()
+    outside.rename(exp / "model.safetensors")
+    assert main(imp + ["--out", str(tmp_path / "ok")]) == 0

@@ -17,7 +17,7 @@ from headstart.errors import AssetError, HeadstartError
 from headstart.export.formats import LAYOUTS
 from headstart.export.layout import Layout, check_tensors
 from headstart.fileio import apply_umask, atomic_path, check_output_path, read_json_object
-from headstart.heads import FAMILIES, DraftHead, PackedBatch, is_head_checkpoint, save_head
+from headstart.heads import FAMILIES, DraftHead, HeadConfig, PackedBatch, is_head_checkpoint, save_head
 from headstart.heads.base import check_compatible
 from headstart.models.llama import LlamaForCausalLM
 
@@ -133,7 +133,12 @@ def _load_tensors(src: Path) -> dict[str, torch.Tensor]:
         weight_map = read_json_object(index, "safetensors index").get("weight_map")
         if not isinstance(weight_map, dict):
             raise AssetError(f"{index}: no weight_map")
-        files = [src / name for name in sorted(set(map(str, weight_map.values())))]
+        names = sorted(set(map(str, weight_map.values())))
+        root = src.resolve()
+        for name in names:  # an index names files of this checkpoint, never a path elsewhere
+            if (src / name).resolve().parent != root:
+                raise AssetError(f"{index}: weight_map names {name[:80]!r}, which is not a file directly inside {src}")
+        files = [src / name for name in names]
     else:
         files = sorted(src.glob("*.safetensors")) or sorted(src.glob("pytorch_model*.bin"))
         if len(files) > 1:
@@ -189,6 +194,7 @@ def _read_back(layout: Layout, src: Path, target: LlamaForCausalLM, *,
         cfg.target = {}
         cfg = cfg.resolve(target)
         check_compatible(cfg, target, where=str(src / "config.json"))
+        _check_declared_sizes(config, cfg, target, src)
         head = FAMILIES[cfg.head_type](cfg, target).to(device=target.model.embed_tokens.weight.device)
         fresh = layout.write(head, target)[1] if layout.refuse(head) is None else None
     except HeadstartError as e:
@@ -230,6 +236,21 @@ def _check_target(config: dict[str, Any], target: LlamaForCausalLM, src: Path, a
         import warnings
 
         warnings.warn(msg, stacklevel=3)
+
+
+def _check_declared_sizes(config: dict[str, Any], cfg: HeadConfig, target: LlamaForCausalLM, src: Path) -> None:
+    """Sizes a checkpoint's config.json states must agree with the head it gives and the target:
+    a loader that reads them (a serving engine) would otherwise build another model than we did."""
+    t = target.config
+    want = {"hidden_size": cfg.hidden_size, "target_hidden_size": t.hidden_size, "vocab_size": t.vocab_size}
+    layer = config.get("transformer_layer_config")
+    sources = [("", config)] + ([("transformer_layer_config.", layer)] if isinstance(layer, dict) else [])
+    for prefix, section in sources:
+        for key, expected in want.items():
+            have = section.get(key)
+            if have is not None and have != expected:
+                raise AssetError(f"{src / 'config.json'}: {prefix}{key}={str(have)[:20]} but "
+                                 f"{'the target has' if key != 'hidden_size' else 'the head it holds has'} {expected}")
 
 
 def _check_vocab_maps(state: dict[str, torch.Tensor], target: LlamaForCausalLM, src: Path) -> None:

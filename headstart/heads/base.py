@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import SafetensorError
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 from torch import nn
 
@@ -399,11 +399,14 @@ def save_head(head: DraftHead, path: str | Path, *, overwrite: bool = False) -> 
     cfg["hidden_state_convention"] = HIDDEN_STATE_CONVENTION
     cfg["format"] = "headstart-head/1"
     state = {k: v.detach().contiguous().cpu() for k, v in head.state_dict().items()}
+    # The config also travels inside the weights file: an edit of config.json (aux ids, a deleted
+    # fingerprint) is then found on load instead of silently changing what the head reads.
+    record = {CONFIG_RECORD: json.dumps(dataclasses.asdict(head.config), sort_keys=True)}
     with atomic_path(Path(path), **_head_output_rules(path, overwrite)) as tmp:
         path = Path(path).resolve()
         try:
             tmp.mkdir()
-            save_file(state, str(tmp / "model.safetensors"))
+            save_file(state, str(tmp / "model.safetensors"), metadata=record)
         except (OSError, SafetensorError) as e:  # a full disk reaches us as a SafetensorError
             raise AssetError(f"{path}: the head cannot be written ({getattr(e, 'strerror', None) or str(e)[:160]}); "
                              "nothing was kept") from None
@@ -438,14 +441,21 @@ def read_head_config(path: str | Path) -> HeadConfig:
     return _read_head_config(path)[0]
 
 
-def _read_head_config(path: str | Path) -> tuple[HeadConfig, str | None]:
-    """(config, recorded sha256 of model.safetensors or None for checkpoints written before it was)."""
+CONFIG_RECORD = "headstart_head_config"  # model.safetensors metadata key: the config the weights were saved with
+
+
+def _read_head_config(path: str | Path) -> tuple[HeadConfig, str]:
+    """(config, recorded sha256 of model.safetensors). Both integrity records must be present: a
+    config.json without them would silently switch off the checks they make."""
     path = Path(path)
     f = path / "config.json"
     if not f.is_file():
         raise AssetError(f"{path}: not a head checkpoint (no config.json)")
     raw = read_json_object(f, "head checkpoint's config")
     sha = raw.pop("weights_sha256", None)
+    if not (isinstance(sha, str) and len(sha) == 64):
+        raise AssetError(f"{f}: no valid weights_sha256 (it is written with every head; without it the weights "
+                         "cannot be checked). Re-save the head, or re-import it from an export")
     raw.pop("hidden_state_convention", None)
     fmt = raw.pop("format", None)
     if fmt != "headstart-head/1":
@@ -455,18 +465,45 @@ def _read_head_config(path: str | Path) -> tuple[HeadConfig, str | None]:
     if unknown:
         raise AssetError(f"{f}: unknown keys {[k[:40] for k in unknown[:8]]}")
     try:
-        return HeadConfig(**raw), sha
+        cfg = HeadConfig(**raw)
     except (TypeError, ValueError) as e:
         raise AssetError(f"{f}: {str(e)[:200]}") from None
+    fp = cfg.target.get("fingerprint") if isinstance(cfg.target, dict) else None
+    if not (isinstance(fp, str) and fp):
+        raise AssetError(f"{f}: no target.fingerprint (it records which target the head was trained for and is "
+                         "written with every head). Re-save the head, or re-import it from an export")
+    return cfg, sha
 
 
-def load_head_state(head: DraftHead, path: str | Path, sha256: str | None = None) -> None:
+def _check_config_record(f: Path, cfg: HeadConfig) -> None:
+    """config.json must say what the weights were saved with (model.safetensors' metadata)."""
+    try:
+        with safe_open(str(f), framework="pt") as st:
+            text = (st.metadata() or {}).get(CONFIG_RECORD)
+    except Exception as e:  # safetensors raises its own error types for a damaged file
+        raise AssetError(f"{f}: unreadable ({str(e)[:120]})") from None
+    if text is None:
+        raise AssetError(f"{f}: no {CONFIG_RECORD} record in its metadata (written by an older headstart); "
+                         "re-save the head")
+    try:
+        saved = json.loads(text)
+    except json.JSONDecodeError:
+        raise AssetError(f"{f}: its {CONFIG_RECORD} record is not JSON") from None
+    have = dataclasses.asdict(cfg)
+    for key in sorted(set(saved) | set(have)):
+        if saved.get(key) != have.get(key):
+            raise AssetError(f"{f.parent / 'config.json'}: {key} is {str(have.get(key))[:80]} but the weights were "
+                             f"saved with {str(saved.get(key))[:80]} (config.json edited after saving?)")
+
+
+def load_head_state(head: DraftHead, path: str | Path, sha256: str) -> None:
     f = Path(path) / "model.safetensors"
     if not f.is_file():
         raise AssetError(f"{f}: missing; the head checkpoint is incomplete")
-    if sha256 is not None and sha256_file(f) != sha256:
+    if sha256_file(f) != sha256:
         raise AssetError(f"{f}: its sha256 differs from the one recorded in config.json (altered, truncated or "
                          "corrupted)")
+    _check_config_record(f, head.config)
     try:
         state = load_file(str(f))
     except Exception as e:  # safetensors raises its own error types for a damaged file

@@ -35,7 +35,7 @@ from headstart.inference.spec import (
 )
 from headstart.inference.speculate import SpeculativeSteps
 from headstart.inference.tree import TreeProposer
-from headstart.kernels import MAX_ROWS
+from headstart.kernels import FAST_ROWS
 from headstart.models.llama import LlamaForCausalLM, load_llama
 from headstart.nn.linear import enable_cpu_kernels
 
@@ -108,9 +108,10 @@ class Engine(SpeculativeSteps):
         self.tokenizer = tokenizer
         # CPU: the row-invariant kernels (headstart.kernels) for every matmul and attention row when
         # batch_invariant (a token's logits never depend on what shares its step or where its prompt
-        # was chunked: greedy speculation equals greedy AR), else for matmuls of up to MAX_ROWS rows
-        # and sequences with up to MAX_ROWS queries in the step (decode, verify), torch's for prefill.
-        self._max_rows = None if batch_invariant else MAX_ROWS
+        # was chunked: greedy speculation equals greedy AR), else only where they are the faster
+        # kernels: matmuls of up to FAST_ROWS rows and sequences with up to FAST_ROWS queries in the
+        # step (one-row decode, a k <= 3 verify), torch's for everything bigger.
+        self._max_rows = None if batch_invariant else FAST_ROWS
         self.kernels = "torch"
         if cpu_kernels and self.device.type == "cpu":
             got = self.model.enable_cpu_kernels(True, self._max_rows)

@@ -180,6 +180,12 @@ def _import(build: Path, name: str) -> Any:
 # 2-core Zen4 (bf16): ours beats torch's F.linear for the 49152x576 lm_head at every M up to 33 and
 # the 576x1536 layers up to ~24 rows; the limit is set where the invariance matters (B x (k + 1)).
 MAX_ROWS = 64
+# Without batch invariance (Engine(batch_invariant=False): regeneration, --no-batch-invariant) only
+# calls this small take the row kernels: they stream a weight once per 4 rows, so at 8+ rows torch's
+# blocked bf16 GEMM is faster (2-core Zen4, bf16, 2 threads: 576x1536 at 8 rows 112 vs 72 us, at 64
+# rows 715 vs 149 us; the 49152x576 lm_head at 16 rows 10.7 vs 2.5 ms), while at 1-4 rows ours wins
+# (1 row: 19 vs 74 us).
+FAST_ROWS = 4
 
 
 def kernel_dtype_ok(dtype: Any) -> bool:
