@@ -89,6 +89,32 @@ def test_train_writes_heads_metrics_and_validates_with_the_engine(tmp_path, chat
     assert "pass --resume" in capsys.readouterr().err
 
 
+def test_validation_runs_as_eval_does_outside_the_training_autocast(tmp_path, chat_model_dir, monkeypatch, capsys):
+    """bf16-mixed training: the held-out losses run under the step's autocast, the engine outside it
+    (under autocast every Linear would fall back to torch's matmul and skip the row-invariant
+    kernels), so the callback's tau is what `headstart eval` reports for the saved head."""
+    from headstart.train import run as train_run
+
+    seen = []
+    real = train_run.engine_acceptance
+
+    def spy(*args, **kwargs):
+        seen.append(torch.is_autocast_enabled("cpu"))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(train_run, "engine_acceptance", spy)
+    path = _recipe(tmp_path, chat_model_dir, train={"max_steps": 4, "val_every_steps": 4, "lr": 0.01})
+    path.write_text(path.read_text().replace("dtype: fp32", "dtype: bf16").replace("32-true", "bf16-mixed"))
+    assert main(["train", str(path), "--no-progress"]) == 0
+    assert seen == [False]
+    m = json.loads((tmp_path / "run" / "metrics.json").read_text())
+    report = tmp_path / "eval"
+    assert main(["eval", str(path), "--head", str(tmp_path / "run" / "head-final"), "--heldout", "3", "--k", "3",
+                 "--max-tokens", "8", "--batch-size", "3", "--no-baseline", "--out", str(report)]) == 0
+    run = json.loads((report / "report.json").read_text())["runs"][0]
+    assert run["tau"] == pytest.approx(m["tau"]) and run["steps"] == m["steps"]
+
+
 def test_shards_and_online_give_the_same_first_losses(tmp_path, chat_model_dir):
     online = _recipe(tmp_path, chat_model_dir, name="online", train={"max_steps": 3, "val_every_steps": 0})
     shards = _recipe(tmp_path, chat_model_dir, name="shards", train={"max_steps": 3, "val_every_steps": 0,

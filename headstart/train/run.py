@@ -9,6 +9,8 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import csv
 import json
 import os
@@ -158,8 +160,7 @@ class Outputs(L.Callback):
     def validate(self, trainer: L.Trainer, module: HeadModule) -> None:
         self.last_val_step = trainer.global_step
         if trainer.is_global_zero:
-            with trainer.precision_plugin.forward_context():  # the training step's autocast, if any
-                metrics = self.run.validate(module)
+            metrics = self.run.validate(module, trainer.precision_plugin.forward_context)
             metrics.update(step=trainer.global_step, tokens=module.tokens_seen, skipped_steps=module.skipped_steps)
             scalars = {k: metrics[k] for k in ("val_loss", "tau", "alpha") if metrics.get(k) is not None}
             scalars.update({f"val_top1_{j}": x for j, x in enumerate(metrics.get("top1_per_step", []))})
@@ -305,8 +306,13 @@ class TrainRun:
                    "draft_vocab_mass at each validation)")
 
     @torch.no_grad()
-    def validate(self, module: HeadModule) -> dict[str, Any]:
-        metrics = module.heldout_metrics(self.heldout_batches)
+    def validate(self, module: HeadModule, autocast: Any = contextlib.nullcontext) -> dict[str, Any]:
+        """Held-out loss metrics under the training step's autocast (`autocast()`: the precision
+        plugin's forward context), then the engine's acceptance outside it, exactly as `headstart
+        eval` runs: under autocast every Linear falls back to torch's matmul, the row-invariant
+        kernels are skipped and head-best would be chosen on numbers eval does not reproduce."""
+        with autocast():
+            metrics = module.heldout_metrics(self.heldout_batches)
         acc = engine_acceptance(self.target, module.head, self.prompts, k=self.recipe.head.k,
                                 max_tokens=self.recipe.train.val_max_tokens, tokenizer=self.tokenizer,
                                 seed=self.recipe.seed)
