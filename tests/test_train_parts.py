@@ -256,3 +256,77 @@ def test_stream_packs_shuffles_per_epoch_splits_ranks_and_resumes():
         PackedStream(src, batch_tokens=8, seed=1)
 
 
+
+
+# ------------------------------------------------------------------- tests that catch planted bugs
+
+
+@pytest.mark.parametrize("kind", ["mtp", "eagle1", "deepseek_mtp", "eagle3", "medusa", "draft_lm"])
+def test_every_head_parameter_is_optimised_once_and_moves(target, kind):
+    """Each head parameter is trainable, in exactly one optimiser group, and changed by three steps
+    from the default start (catches a frozen fusion, an emptied norm/bias group, a detached input)."""
+    from headstart.config import recipe_from_dict
+    from headstart.train.module import HeadModule
+
+    cfg = HeadConfig(head_type=kind, aux_layer_ids=[0, 1, 2] if kind == "eagle3" else None)
+    head = build_head(cfg, target)
+    module = HeadModule(recipe_from_dict({"train": {"ttt_steps": 2, "lr": 1e-2, "warmup_steps": 0}}), target, head)
+    opt = module.configure_optimizers()["optimizer"]
+    grouped = [id(p) for g in opt.param_groups for p in g["params"]]
+    named = dict(head.named_parameters())
+    assert sorted(grouped) == sorted(id(p) for p in named.values()), "every parameter in exactly one group"
+    assert all(p.requires_grad for p in named.values()), [n for n, p in named.items() if not p.requires_grad]
+    assert any(p.ndim < 2 for g in opt.param_groups if g["weight_decay"] == 0.0 for p in g["params"]) == any(
+        p.ndim < 2 for p in named.values())
+    before = {n: p.detach().clone() for n, p in named.items()}
+    b = _batch(target)
+    for _ in range(3):
+        loss, _ = module.losses(b, with_stats=False)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    still = [n for n, p in named.items() if torch.equal(p.detach(), before[n])]
+    assert not still, f"unchanged after 3 steps: {still}"
+
+
+@pytest.mark.parametrize("kind", ["mtp", "eagle3"])
+def test_ttt_feeds_the_previous_step_back_with_its_gradient(target, kind):
+    """Step j's output depends on step j-1's (the draft feeds its own state back), and the loss of
+    step j sends gradient into step j-1: a detached feedback would train step j on constants."""
+    head = build_head(HeadConfig(head_type=kind, aux_layer_ids=[0, 1, 2] if kind == "eagle3" else None), target,
+                      init_from_target=False)
+    outs, valid, _ = unroll(head, _batch(target), 3)
+    for j in (1, 2):
+        (g,) = torch.autograd.grad(outs[j][valid[j]].sum(), outs[j - 1], retain_graph=True, allow_unused=True)
+        assert g is not None and g.abs().sum() > 0, f"step {j} does not see step {j - 1}"
+
+
+def test_module_loss_on_a_hand_built_three_token_example(target):
+    """One sequence t0 t1 t2 with t2 supervised: the only row is (h0, t1) -> t2, so the loss is
+    KL(p || q) + w_f * smoothL1(y / r, h1 / r) / d, with p = softmax(W norm(h1)) of the target,
+    q = softmax(W norm_head(y)), y the mtp head's output on fc(cat(n_e(E t1), n_h(h0))) and r = RMS(h1),
+    everything written out here instead of taken from the training code."""
+    import torch.nn.functional as F
+
+    from headstart.config import recipe_from_dict
+    from headstart.nn.attention import PackedCausalAttention, packed_metadata
+    from headstart.train.module import HeadModule
+
+    head = build_head(HeadConfig(head_type="mtp"), target, init_from_target=False)
+    module = HeadModule(recipe_from_dict({"train": {"ttt_steps": 1, "loss_weights": {"kl": 1.0, "feature": 0.25}}}),
+                        target, head)
+    ids = torch.tensor([5, 9, 17])
+    b = target_forward(target, PackedBatch(ids, [3], None, None, torch.tensor([0, 0, 1], dtype=torch.uint8)), [])
+    h0, h1 = b.hidden[0:1], b.hidden[1:2]
+    with torch.no_grad():
+        loss, stats = module.losses(b)
+        x = head.fc(torch.cat([head.embed_norm(target.model.embed_tokens(ids[1:2])), head.hidden_norm(h0)], -1))
+        y = head.layers[0](x, packed_metadata([1]), None, PackedCausalAttention())
+        w = target.lm_head.weight
+        logp = torch.log_softmax(target.model.norm(h1) @ w.T, -1)
+        logq = torch.log_softmax(head.norm(y) @ w.T, -1)
+        kl = (logp.exp() * (logp - logq)).sum()
+        r = h1.pow(2).mean().sqrt()
+        feat = F.smooth_l1_loss(y / r, h1 / r, reduction="sum") / h1.shape[-1]
+    assert stats["rows"] == [1]
+    torch.testing.assert_close(loss, kl + 0.25 * feat, rtol=1e-5, atol=1e-6)
