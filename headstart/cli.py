@@ -129,6 +129,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "comma-separated")
     p.add_argument("--draft-threshold", type=float, default=0.4,
                    help="--spec adaptive: stop drafting once the head's top probability falls below this")
+    p.add_argument("--tree-tokens", type=int, default=16,
+                   help="--spec tree: draft tokens verified per step (each step verifies this + 1 rows)")
+    p.add_argument("--tree-topk", type=int, default=4, help="--spec tree: children expanded per node")
     p.add_argument("--repeats", type=int, default=1,
                    help="alternations of plain and speculative runs per batch group (timing; median reported)")
     p.add_argument("--no-baseline", action="store_true",

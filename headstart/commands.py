@@ -276,7 +276,8 @@ def cmd_eval(args: argparse.Namespace) -> int:
     plan = EvalPlan(heads=args.head, ks=_csv(args.k, int, "--k"), temperatures=_csv(args.temperature, float,
                     "--temperature"), methods=_csv(args.spec, str, "--spec"), batch_size=args.batch_size,
                     max_tokens=args.max_tokens, seed=recipe.seed, allow_other_target=args.allow_other_target,
-                    baseline=not args.no_baseline, repeats=args.repeats, draft_threshold=args.draft_threshold)
+                    baseline=not args.no_baseline, repeats=args.repeats, draft_threshold=args.draft_threshold,
+                    tree_tokens=args.tree_tokens, tree_topk=args.tree_topk)
     check_plan(plan)
     for h in plan.heads:
         if not (Path(h) / "config.json").is_file():

@@ -487,6 +487,9 @@ def check_plan(plan: EvalPlan, context: int | None = None) -> None:
     bad = [m for m in plan.methods if m not in ("chain", "tree", "adaptive")]
     if bad:
         raise HeadstartError(f"eval: --spec takes chain, tree and/or adaptive, got {str(bad)[:60]}")
+    if not (1 <= plan.tree_tokens <= 256 and 1 <= plan.tree_topk <= MAX_K):
+        raise ConfigError(f"eval: --tree-tokens must be in 1..256 and --tree-topk in 1..{MAX_K}, got "
+                          f"{plan.tree_tokens} and {plan.tree_topk}")
     if not 1 <= plan.repeats <= 20:
         raise ConfigError(f"eval: --repeats must be in 1..20, got {plan.repeats}")
     if not (math.isfinite(plan.draft_threshold) and 0 < plan.draft_threshold < 1):

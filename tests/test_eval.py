@@ -97,6 +97,9 @@ def test_bad_eval_input(tmp_path):
         check_plan(EvalPlan(heads=["x"], repeats=0))
     with pytest.raises(HeadstartError, match="--draft-threshold"):
         check_plan(EvalPlan(heads=["x"], draft_threshold=float("nan")))
+    for bad in ({"tree_tokens": 0}, {"tree_tokens": 10**6}, {"tree_topk": 0}):
+        with pytest.raises(HeadstartError, match="--tree-tokens"):
+            check_plan(EvalPlan(heads=["x"], **bad))
     f = tmp_path / "p.jsonl"
     f.write_text('{"prompt": "hi"}\n{"text": "no"}\n')
     with pytest.raises(DataError, match=r"p.jsonl:2: a row needs"):
