@@ -64,7 +64,7 @@ def report(cpu: str) -> str:
     for kind, m in runs.items():
         rate = ", ".join(f"{x:.2f}" for x in m.get("accept_rate_per_pos") or [])
         lines.append(f"| `{kind}` | {m['step']} | {m['tokens']:,} | {m['val_loss']:.3f} | "
-                     f"{m['top1_per_step'][0]:.3f} | {m['expected_accept_per_step'][0]:.3f} | {m['tau']:.3f} | "
+                     f"{m['top1_per_step'][0]:.3f} | {m['sampled_accept_per_step'][0]:.3f} | {m['tau']:.3f} | "
                      f"{m['alpha']:.3f} | [{rate}] |")
     lines += ["", "Validation during training (engine tau and held-out top-1):", "",
               "| head | step | val_loss | top-1 | tau |", "|---|---|---|---|---|"]

@@ -192,7 +192,7 @@ class HeadModule(L.LightningModule):
         per_row = {key: [c / max(r, 1) for c, r in zip(sums[key], sums["rows"])]
                    for key in ("correct", "accept", "mass")}
         return {"val_loss": total / n, "top1_per_step": per_row["correct"],
-                "expected_accept_per_step": per_row["accept"], "draft_vocab_mass": per_row["mass"][0]}
+                "sampled_accept_per_step": per_row["accept"], "draft_vocab_mass": per_row["mass"][0]}
 
     # ------------------------------------------------------------------------------ optimisation
 

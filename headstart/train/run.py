@@ -66,7 +66,7 @@ class CurveWriter:
     """metrics.csv: one row per logged train step or validation (rank 0); rows past a resumed step are dropped."""
 
     FIELDS = ["kind", "step", "tokens", "loss", "lr", "tok_s", "val_loss", "tau", "alpha", "top1_per_step",
-              "expected_accept_per_step", "accept_rate_per_pos"]
+              "sampled_accept_per_step", "accept_rate_per_pos"]
 
     def __init__(self, path: Path) -> None:
         self.path = path
