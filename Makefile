@@ -65,7 +65,6 @@ quickstart: setup
 		$(BIN)/headstart train $(QR) --resume; else $(BIN)/headstart train $(QR); fi
 	$(BIN)/headstart eval $(QR) --head $(QS)/head-best --head $(SHIPPED) \
 		--heldout 16 --k 1,3 --max-tokens 48 --batch-size 8 --out $(QS)/eval
-	$(BIN)/headstart export $(QS)/head-best --format deepseek-mtp --out $(QS)/export/deepseek-mtp --force
 	$(BIN)/headstart export $(QS)/head-best --format native --out $(QS)/export/native --force
 	@$(BIN)/python -m headstart.quickstart_summary $(QS)
 

@@ -17,7 +17,8 @@ def main(run: str) -> int:
           f"validation tau {train.get('tau') or float('nan'):.3f})")
     print(f"  curves          {root / 'metrics.csv'}")
     print(f"  eval report     {root / 'eval' / 'report.md'} (+ report.json, PNG plots)")
-    print(f"  exports         {root / 'export' / 'deepseek-mtp'}, {root / 'export' / 'native'}")
+    print(f"  export          {root / 'export' / 'native'} (an mtp head on a Llama-family target has no serving "
+          "layout: DeepSeek MTP loaders build DeepSeek blocks, speculators' mtp takes Qwen3 targets)")
     ar = {t: r["tokens_per_s"] for t, r in report["ar"].items()}
     print(f"\n  {report['prompts']} held-out ShareGPT prompts, {report['settings'].get('dtype')}, "
           f"AR {', '.join(f'{v:.1f} tok/s (T={t})' for t, v in ar.items())}")

@@ -23,6 +23,16 @@ CASES = [  # (target family, head type, draft vocab, format)
 ]
 
 
+@pytest.fixture(autouse=True)
+def deepseek_layout_on_llama_blocks(monkeypatch):
+    """The DeepSeek-MTP layout is refused for every target but DeepSeek's (test_export_outputs.py
+    checks the refusal); no DeepSeek target loads yet, so its name mapping is checked here on the
+    tiny Llama-family blocks."""
+    from headstart.export import formats
+
+    monkeypatch.setattr(formats, "DEEPSEEK_MODEL_TYPES", formats.DEEPSEEK_MODEL_TYPES + ("llama", "qwen2", "qwen3"))
+
+
 @pytest.fixture(scope="module")
 def targets(tmp_path_factory):
     out = {}

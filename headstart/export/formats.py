@@ -4,7 +4,8 @@
 |----------------|------------------------|------------------------------------------------------------------------|
 | `sglang`       | eagle3, eagle1         | SGLang `LlamaForCausalLMEagle3` / `LlamaForCausalLMEagle` (EAGLE code) |
 | `vllm`         | eagle3, mtp (Qwen3)    | vLLM speculators format (`speculators` 0.9.0 `eagle3` / `mtp`)         |
-| `deepseek-mtp` | deepseek_mtp, mtp      | DeepSeek-V3 MTP module at `model.layers.{L}` (vLLM/SGLang MTP loaders) |
+| `deepseek-mtp` | deepseek_mtp, mtp      | DeepSeek-V3 MTP module at `model.layers.{L}` (vLLM/SGLang MTP loaders), |
+|                |                        | DeepSeek targets only: those loaders build a DeepSeek block            |
 | `medusa`       | medusa                 | vLLM `Medusa` (`blocks.*`, `lm_heads.*`, `token_map`)                 |
 | `hf`           | draft_lm               | a plain HF `LlamaForCausalLM` directory (any engine's draft model)    |
 
@@ -180,7 +181,7 @@ class VLLM(Layout):
             family = cfg.target.get("model_type")
             if family != "qwen3":
                 return (f"the speculators `mtp` type takes Qwen3-family targets only, this target is {family!r}; "
-                        "use --format deepseek-mtp for an mtp head of another family")
+                        "for another family only --format native holds an mtp head today")
             flags = {k: getattr(cfg, k) for k in EAGLE_FLAGS["mtp"]}
             if flags != EAGLE_FLAGS["mtp"] or cfg.num_layers != 1:
                 return f"the speculators `mtp` layer is one RMSNorm-restored layer; this head has {cfg.num_layers} " \
@@ -252,12 +253,27 @@ class VLLM(Layout):
 # ------------------------------------------------------------------------------- DeepSeek MTP
 
 
+# Targets whose decoder block the DeepSeek MTP loaders build: vLLM's DeepSeekMTP and SGLang's
+# DeepseekV3ForCausalLMNextN construct the MTP layer's block from the target's config as a DeepSeek
+# (MLA + MoE) layer, so a Llama-family block under model.layers.{L} is read by none of them.
+DEEPSEEK_MODEL_TYPES = ("deepseek_v2", "deepseek_v3")
+
+
+def _not_deepseek(target: LlamaForCausalLM) -> str | None:
+    kind = target.config.model_type
+    if kind in DEEPSEEK_MODEL_TYPES:
+        return None
+    return (f"DeepSeek MTP loaders (vLLM DeepSeekMTP, SGLang NextN) build the MTP block as a DeepSeek (MLA + MoE) "
+            f"layer from the target's config; this target is {kind!r}, whose layer no such loader reads. Use "
+            "--format native (or --format vllm for a Qwen3-family target)")
+
+
 class DeepSeekMTP(Layout):
     name = "deepseek-mtp"
     families = ("deepseek_mtp", "mtp")
 
     def refuse(self, head: DraftHead) -> str | None:
-        why = super().refuse(head)
+        why = super().refuse(head) or _not_deepseek(head.target.model)
         if why:
             return why
         cfg = head.config
@@ -292,6 +308,9 @@ class DeepSeekMTP(Layout):
         return f"num_nextn_predict_layers {config.get('num_nextn_predict_layers')!r} (expected 1)"
 
     def read(self, config, tensors, target):  # noqa: ANN001, ANN201
+        why = _not_deepseek(target)
+        if why:
+            raise AssetError(f"not importable onto this target: {why}")
         n = target.config.num_hidden_layers
         meta = config.get("headstart") or {}
         kind = "mtp" if meta.get("head_type") == "mtp" else "deepseek_mtp"
