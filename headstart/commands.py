@@ -236,7 +236,10 @@ def cmd_head_init(args: argparse.Namespace) -> int:
 
     check_head_output(args.out, overwrite=args.force)  # before the target loads: a wrong --out costs nothing
     try:
-        cfg = HeadConfig(head_type=args.type, num_layers=args.num_layers, medusa_num_heads=args.medusa_heads)
+        if args.postnorm_features and args.type not in ("mtp", "eagle1", "deepseek_mtp"):
+            raise ValueError(f"--postnorm-features applies to mtp, eagle1 and deepseek_mtp heads, not {args.type}")
+        cfg = HeadConfig(head_type=args.type, num_layers=args.num_layers, medusa_num_heads=args.medusa_heads,
+                         postnorm_features=True if args.postnorm_features else None)
     except ValueError as e:
         raise HeadstartError(f"head init: {e}") from None
     target = load_llama(resolve_model(args.model), dtype=args.dtype)

@@ -80,12 +80,18 @@ class HeadSection:
     medusa_num_layers: int = 1
     init_from_target: bool = True  # start from the target's last layer / final norm where shapes allow
     k: int = 3  # draft tokens per speculative step when the head is validated / evaluated
+    # mtp / eagle1 / deepseek_mtp: read the target's last state AFTER its final norm. That is what vLLM
+    # and SGLang feed every drafter but EAGLE-3 (the model's output), so a head exported to them must
+    # be trained this way. None: the family default (mtp, deepseek_mtp: before the norm; eagle1: after).
+    postnorm_features: bool | None = None
 
     def __post_init__(self) -> None:
         _require(self.num_layers >= 1, "head.num_layers", f"must be >= 1, got {self.num_layers}")
         _require(1 <= self.k <= 16, "head.k", f"must be in [1, 16], got {self.k}")
         _require(self.medusa_num_heads >= 1, "head.medusa_num_heads", "must be >= 1")
         _require(self.draft_vocab_size is None or self.draft_vocab_size > 0, "head.draft_vocab_size", "must be > 0")
+        _require(self.postnorm_features is None or self.type in ("mtp", "eagle1", "deepseek_mtp"),
+                 "head.postnorm_features", f"applies to mtp, eagle1 and deepseek_mtp heads, not {self.type}")
 
 
 @dataclass(kw_only=True)

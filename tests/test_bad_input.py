@@ -50,6 +50,9 @@ def test_head_init_values(chat_model_dir, tmp_path, capsys):
     base = ["head", "init", "--model", str(chat_model_dir), "--out", str(tmp_path / "h")]
     _fails(capsys, base + ["--type", "mtp", "--num-layers", "0"], "num_layers must be >= 1")
     _fails(capsys, base + ["--type", "medusa", "--medusa-heads", "0"], "medusa_num_heads")
+    _fails(capsys, base + ["--type", "eagle3", "--postnorm-features"], "--postnorm-features applies to")
+    assert main(base + ["--type", "mtp", "--postnorm-features"]) == 0
+    assert json.loads((tmp_path / "h" / "config.json").read_text())["postnorm_features"] is True
 
 
 def test_damaged_heads_are_named(chat_model_dir, head_dir, capsys):

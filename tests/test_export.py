@@ -23,6 +23,19 @@ CASES = [  # (target family, head type, draft vocab, format)
 ]
 
 
+@pytest.mark.parametrize(("family", "kind", "fmt"), [("qwen3", "mtp", "vllm"), ("llama", "mtp", "deepseek-mtp"),
+                                                     ("llama", "deepseek_mtp", "deepseek-mtp")])
+def test_a_pre_norm_head_is_refused_where_the_engine_feeds_the_post_norm_state(tmp_path, targets, family, kind,
+                                                                               fmt):
+    target = targets[family]
+    with pytest.raises(AssetError, match="after its final norm.*head.postnorm_features: true"):
+        export_head(_head(target, kind, None, postnorm=False), target, fmt, tmp_path / "exp")
+    assert not (tmp_path / "exp").exists()
+    export_head(_head(target, kind, None), target, fmt, tmp_path / "ok")
+    meta = json.loads((tmp_path / "ok" / "config.json").read_text())["headstart"]
+    assert meta["feature_convention"].startswith("last_hidden_post_norm")
+
+
 @pytest.fixture(autouse=True)
 def deepseek_layout_on_llama_blocks(monkeypatch):
     """The DeepSeek-MTP layout is refused for every target but DeepSeek's (test_export_outputs.py
@@ -43,11 +56,14 @@ def targets(tmp_path_factory):
     return out
 
 
-def _head(target, kind, dv, seed=1, aux=(1, 1, 2)):
-    """aux: SGLang cannot name aux layer 0; speculators wants distinct ids (the tiny target has 2 layers)."""
+def _head(target, kind, dv, seed=1, aux=(1, 1, 2), postnorm=True):
+    """aux: SGLang cannot name aux layer 0; speculators wants distinct ids (the tiny target has 2 layers).
+    postnorm: mtp / deepseek_mtp heads read the post-norm state, as the engines that serve them feed."""
     torch.manual_seed(seed)
     head = build_head(HeadConfig(head_type=kind, draft_vocab_size=dv,
-                                 aux_layer_ids=list(aux) if kind == "eagle3" else None), target)
+                                 aux_layer_ids=list(aux) if kind == "eagle3" else None,
+                                 postnorm_features=True if postnorm and kind in ("mtp", "deepseek_mtp") else None),
+                      target)
     if dv:
         d2t, t2d = build_vocab_maps(torch.rand(320), dv)
         head.set_vocab_maps(d2t, t2d) if kind == "eagle3" else head.set_vocab_maps(d2t)

@@ -111,10 +111,14 @@ def _serve_step_by_step(head, batch):
     return out
 
 
-@pytest.mark.parametrize("kind", CHAIN)
+@pytest.mark.parametrize("kind", CHAIN + ["mtp-postnorm", "deepseek_mtp-postnorm"])
 def test_train_forward_equals_serving_through_the_kv_cache(target, kind):
-    head = build_head(_config(kind), target)
+    base, _, post = kind.partition("-")
+    head = build_head(_config(base, postnorm_features=True) if post else _config(base), target)
     batch = _batch(target)
+    if post:  # the head reads the target's output after its final norm, as vLLM / SGLang feed it
+        with torch.no_grad():
+            assert torch.equal(head.target_features(batch.hidden), target.model.norm(batch.hidden))
     with torch.no_grad():
         trained, shifted = head.train_forward(batch)
     served = _serve_step_by_step(head, batch)

@@ -1,5 +1,8 @@
 """Our vLLM exports load with the `speculators` package's own classes (0.9.0, in .venv-serving) and give
-the same first-step logits as our heads: `eagle3` on a tiny Llama, `mtp` on a tiny Qwen3."""
+the same first-step logits as our heads: `eagle3` on a tiny Llama, `mtp` on a tiny Qwen3. Each side is
+fed what its engine feeds: our head the target's states as our engine captures them (pre-norm, plus
+aux layers), speculators' model what vLLM hands a drafter (the aux states for EAGLE-3, else the
+model's output after the final norm), so a head trained on another state than vLLM feeds fails."""
 
 import json
 import subprocess
@@ -37,7 +40,8 @@ def test_speculators_loads_our_export_with_the_same_logits(tmp_path, family, kin
     target = load_llama(tmp_path / "target", "fp32")
     torch.manual_seed(1)
     head = build_head(HeadConfig(head_type=kind, draft_vocab_size=64 if kind == "eagle3" else None,
-                                 aux_layer_ids=[0, 1, 2] if kind == "eagle3" else None), target)
+                                 aux_layer_ids=[0, 1, 2] if kind == "eagle3" else None,
+                                 postnorm_features=True if kind == "mtp" else None), target)
     if kind == "eagle3":
         head.set_vocab_maps(*build_vocab_maps(torch.rand(320), 64))
     with torch.no_grad():
@@ -49,7 +53,8 @@ def test_speculators_loads_our_export_with_the_same_logits(tmp_path, family, kin
     with torch.no_grad():
         h, _ = head.train_forward(batch)
         expected = head.compute_logits(h)
-    hidden = batch.aux_hidden.reshape(12, -1) if kind == "eagle3" else batch.hidden
+    with torch.no_grad():  # what vLLM feeds: the aux states, or the model's output (after the final norm)
+        hidden = batch.aux_hidden.reshape(12, -1) if kind == "eagle3" else target.model.norm(batch.hidden)
     save_file({"input_ids": ids, "hidden": hidden.contiguous(), "expected": expected.contiguous()},
               str(tmp_path / "case.safetensors"))
     run = subprocess.run([str(SERVING_PY), str(ROOT / "tests" / "serving_check.py"), kind, str(tmp_path / "export"),

@@ -58,11 +58,40 @@ def _layer_config(head: DraftHead, target: LlamaForCausalLM, model_type: str | N
     return cfg
 
 
+def feature_convention(head: DraftHead) -> str:
+    """Which target state the head reads, as every export records it."""
+    cfg = head.config
+    if cfg.head_type == "eagle3":
+        return f"hidden states entering target layers {cfg.aux_layer_ids}, concatenated"
+    if cfg.head_type == "draft_lm":
+        return "none (tokens only)"
+    if cfg.head_type == "medusa" or cfg.postnorm_features:
+        return "last_hidden_post_norm: the target's output after its final norm"
+    return "last_hidden_pre_norm: the last decoder layer's output before the final norm"
+
+
+def _norm_flags(cfg: HeadConfig) -> dict[str, Any]:
+    """The norm placement flags a layout's fixed names must match (the feature convention aside)."""
+    return {k: getattr(cfg, k) for k in EAGLE_FLAGS["mtp"] if k != "postnorm_features"}
+
+
+def _needs_postnorm(head: DraftHead, engine: str) -> str | None:
+    """vLLM and SGLang hand every drafter but EAGLE-3 the target model's output, which for these
+    families is after the final norm (vLLM gpu_model_runner: target_hidden_states =
+    hidden_states[:num_scheduled_tokens]); a head trained on the pre-norm state would read
+    another input than it learned."""
+    if head.config.head_type in ("mtp", "deepseek_mtp") and not head.config.postnorm_features:
+        return (f"{engine} feeds the drafter the target's output after its final norm, and this "
+                f"{head.config.head_type} head was trained on the state before it; train it with "
+                "head.postnorm_features: true (head init --postnorm-features) to serve it there")
+    return None
+
+
 def _meta(head: DraftHead, fmt: str) -> dict[str, Any]:
     from headstart import __version__
 
     return {"export_format": fmt, "head_type": head.config.head_type, "version": __version__,
-            "head_config": dataclasses.asdict(head.config)}
+            "feature_convention": feature_convention(head), "head_config": dataclasses.asdict(head.config)}
 
 
 def _head_config(config: dict[str, Any], head_type: str, target: LlamaForCausalLM, **fields: Any) -> HeadConfig:
@@ -182,8 +211,10 @@ class VLLM(Layout):
             if family != "qwen3":
                 return (f"the speculators `mtp` type takes Qwen3-family targets only, this target is {family!r}; "
                         "for another family only --format native holds an mtp head today")
-            flags = {k: getattr(cfg, k) for k in EAGLE_FLAGS["mtp"]}
-            if flags != EAGLE_FLAGS["mtp"] or cfg.num_layers != 1:
+            if _needs_postnorm(head, "vLLM"):
+                return _needs_postnorm(head, "vLLM")
+            flags = _norm_flags(cfg)
+            if flags != _norm_flags(HeadConfig(head_type="mtp")) or cfg.num_layers != 1:
                 return f"the speculators `mtp` layer is one RMSNorm-restored layer; this head has {cfg.num_layers} " \
                        f"layers and flags {flags}"
         return None
@@ -245,7 +276,7 @@ class VLLM(Layout):
                 t2d[torch.arange(state["d2t"].numel()) + state["d2t"]] = True
                 state["t2d"] = t2d
         else:
-            cfg = _head_config(config, "mtp", target, **_dims(layer))
+            cfg = _head_config(config, "mtp", target, postnorm_features=True, **_dims(layer))  # what vLLM feeds it
             state.pop("lm_head.weight", None)
         return cfg, state
 
@@ -273,13 +304,13 @@ class DeepSeekMTP(Layout):
     families = ("deepseek_mtp", "mtp")
 
     def refuse(self, head: DraftHead) -> str | None:
-        why = super().refuse(head) or _not_deepseek(head.target.model)
+        why = super().refuse(head) or _not_deepseek(head.target.model) or _needs_postnorm(head, "vLLM / SGLang")
         if why:
             return why
         cfg = head.config
         if cfg.num_layers != 1:
             return f"the DeepSeek MTP module holds one decoder block; this head has {cfg.num_layers}"
-        if cfg.head_type == "mtp" and {k: getattr(cfg, k) for k in EAGLE_FLAGS["mtp"]} != EAGLE_FLAGS["mtp"]:
+        if cfg.head_type == "mtp" and _norm_flags(cfg) != _norm_flags(HeadConfig(head_type="mtp")):
             return "only an mtp head with the default norm flags maps onto enorm / hnorm / eh_proj / shared_head.norm"
         return None
 
@@ -318,7 +349,7 @@ class DeepSeekMTP(Layout):
         shared = (f"{p}.embed_tokens.weight", f"{p}.shared_head.head.weight")
         state = {k: v for k, v in tensors.items() if k not in shared}
         state = rename(join_fused(state), invert(self._rules(kind, n)))
-        return _head_config(config, kind, target), state
+        return _head_config(config, kind, target, postnorm_features=True), state  # what the MTP loaders feed it
 
 
 # ------------------------------------------------------------------------------------- Medusa

@@ -66,7 +66,8 @@ class HeadConfig:
     num_attention_heads: int | None = None
     num_key_value_heads: int | None = None
     head_dim: int | None = None
-    # EAGLE-family norm flags (see EAGLE_FLAGS); None = the family default.
+    # EAGLE-family norm flags (see EAGLE_FLAGS); None = the family default. postnorm_features also
+    # applies to deepseek_mtp (default off): the head reads the target's state after its final norm.
     embed_norm: bool | None = None
     hidden_norm: bool | None = None
     layer_input_norm: bool | None = None

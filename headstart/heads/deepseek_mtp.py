@@ -1,7 +1,10 @@
 """DeepSeek-V3's MTP module: embedding first, both inputs normalised, one decoder block of the
 target's own kind, a shared head.
 
-    x = eh_proj(cat(enorm(emb(t)), hnorm(h)))    the embedding at position 0 is zeroed (as DeepSeek)
+    x = eh_proj(cat(enorm(emb(t)), hnorm(h)))    the embedding at position 0 is zeroed (as DeepSeek);
+                                                 h pre-norm, or with postnorm_features the target's
+                                                 output after its final norm (what DeepSeek MTP
+                                                 loaders in vLLM / SGLang feed)
     y = block(x)                                 a decoder layer of the target's family
     logits = shared_head.head(shared_head.norm(y))   the head is the target's lm_head (shared)
 
@@ -51,7 +54,7 @@ class DeepSeekMTPHead(SharedVocabHead):
     def target_features(self, hidden: torch.Tensor | None, aux: torch.Tensor | None = None) -> torch.Tensor:
         if hidden is None:
             raise ValueError("deepseek_mtp needs the target's last hidden state")
-        return hidden
+        return self.target.norm(hidden) if self.config.postnorm_features else hidden
 
     def forward_hidden(self, tokens: torch.Tensor, features: torch.Tensor, meta: AttentionMetadata,
                        caches: list[KVPages] | None, backend: AttentionBackend) -> torch.Tensor:
