@@ -78,7 +78,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
     from headstart.data.sources import read_prompts
     from headstart.inference import Engine, SamplingParams
-    from headstart.inference.spec import SpecConfig
+    from headstart.inference.proposers import SpecConfig
 
     if args.prompts:
         read = read_prompts(args.prompts)

@@ -138,7 +138,7 @@ class RegenerateConfig:
 
 @dataclass(kw_only=True)
 class LossWeights:
-    """Weights of the training losses (DESIGN.md §5)."""
+    """Weights of the training losses (README: head families)."""
 
     kl: float = 1.0  # forward KL to the target's distribution (soft cross-entropy minus its entropy)
     feature: float = 0.1  # smooth-L1 between the head's output and the target's next hidden state

@@ -127,7 +127,7 @@ class _Setting:
     k: int
 
     def spec(self, plan: EvalPlan) -> Any:
-        from headstart.inference.spec import SpecConfig
+        from headstart.inference.proposers import SpecConfig
 
         if self.method == "ngram":
             return SpecConfig(method="ngram", k=self.k)
@@ -287,7 +287,7 @@ def _cpu_flag() -> bool:
 
 def _summarise(st: _Setting, temp: float, timed: dict[str, Any], categories: list[str | None],
                ar: dict[str, Any]) -> dict[str, Any]:
-    from headstart.inference.spec import SpecMetrics
+    from headstart.inference.proposers import SpecMetrics
 
     k, outs = st.k, timed["outputs"]
     pooled = SpecMetrics(positions=k)  # tree: k is the depth, the longest acceptable run

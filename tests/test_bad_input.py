@@ -173,7 +173,8 @@ def test_import_checks_declared_sizes_and_index_paths(chat_model_dir, tmp_path, 
     # A safetensors index naming a file outside the checkpoint is refused before anything is read.
     outside = tmp_path / "elsewhere.safetensors"
     (exp / "model.safetensors").rename(outside)
-    (exp / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {"fc.weight": "../elsewhere.safetensors"}}))
+    index = exp / "model.safetensors.index.json"
+    index.write_text(json.dumps({"weight_map": {"fc.weight": "../elsewhere.safetensors"}}))
     _fails(capsys, imp + ["--out", str(tmp_path / "i-index")], "not a file directly inside")
     (exp / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {"fc.weight": str(outside)}}))
     _fails(capsys, imp + ["--out", str(tmp_path / "i-index")], "not a file directly inside")

@@ -63,7 +63,8 @@ def test_value_checks_name_the_key(tmp_path):
         load_recipe(_write(tmp_path, "data:\n  limit: 0\n"))
     with pytest.raises(ConfigError, match="'head.postnorm_features' applies to mtp, eagle1 and deepseek_mtp"):
         load_recipe(_write(tmp_path, "head:\n  type: eagle3\n  postnorm_features: true\n"))
-    assert load_recipe(_write(tmp_path, "head:\n  type: deepseek_mtp\n  postnorm_features: true\n")).head.postnorm_features
+    ok = load_recipe(_write(tmp_path, "head:\n  type: deepseek_mtp\n  postnorm_features: true\n"))
+    assert ok.head.postnorm_features
 
 
 def test_section_must_be_a_mapping(tmp_path):

@@ -1,5 +1,5 @@
 """Export -> import round trips for every head family x layout (logits identical), the serving names
-and config fields of DESIGN.md §6, refusals with their reasons, and the CLI verbs."""
+and config fields of docs/formats.md, refusals with their reasons, and the CLI verbs."""
 
 import json
 
@@ -105,7 +105,7 @@ def _names(path):
 
 
 def test_serving_names_and_config_fields(tmp_path, targets):
-    """The names and fields of DESIGN.md §6 (checked against SGLang / vLLM / speculators sources)."""
+    """The names and fields of docs/formats.md (checked against SGLang / vLLM / speculators sources)."""
     llama, qwen3 = targets["llama"], targets["qwen3"]
     layer = {f"self_attn.{p}_proj.weight" for p in "qkvo"} | {f"mlp.{p}_proj.weight" for p in ("gate", "up", "down")} \
         | {"post_attention_layernorm.weight"}

@@ -15,7 +15,7 @@ from tiny_models import make_hf_model
 
 from headstart.inference import Engine, SamplingParams
 from headstart.inference.backends import TorchAttention
-from headstart.inference.spec import SpecConfig
+from headstart.inference.proposers import SpecConfig
 from headstart.kernels import mask_key_sets, rowwise
 from headstart.models.llama import load_llama
 from headstart.nn.attention import AttentionMetadata

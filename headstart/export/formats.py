@@ -1,4 +1,4 @@
-"""The serving layouts (DESIGN.md §6), checked against the loaders' sources:
+"""The serving layouts (docs/formats.md), checked against the loaders' sources:
 
 | format         | heads                  | loader it targets                                                      |
 |----------------|------------------------|------------------------------------------------------------------------|

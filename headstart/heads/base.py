@@ -1,5 +1,5 @@
 """What every draft head shares: the typed config, the frozen target parts, the shift by one, and
-the native checkpoint (DESIGN.md §4).
+the native checkpoint (docs/architecture.md).
 
 Shift by one, implemented once (`shift_for_head`). For a sequence t_0..t_{T-1} with target hidden
 states h_0..h_{T-1}, head input row i is (h_i, t_{i+1}) at position i, for i = 0..T-2; its targets
@@ -41,7 +41,7 @@ HIDDEN_STATE_CONVENTION = {
     "aux_layers": "hidden state entering decoder layer j (HF hidden_states[j]; j = 0 is the embedding output)",
 }
 
-# mtp and eagle1 are one code path; these flags are their only difference (DESIGN.md §5).
+# mtp and eagle1 are one code path; these flags are their only difference (README: head families).
 EAGLE_FLAGS = {
     "mtp": {"embed_norm": True, "hidden_norm": True, "layer_input_norm": True, "final_norm": True,
             "postnorm_features": False, "fc_bias": False},
@@ -155,7 +155,7 @@ def check_compatible(cfg: HeadConfig, target: LlamaForCausalLM, where: str) -> N
 
 @dataclass
 class PackedBatch:
-    """Packed training sequences as precompute stores them (DESIGN.md §4 shards)."""
+    """Packed training sequences as precompute stores them (docs/architecture.md, shards)."""
 
     input_ids: torch.Tensor  # (N,) long
     seq_lens: list[int]

@@ -22,10 +22,7 @@ from headstart.inference.backends import make_backend
 from headstart.inference.detok import IncrementalText
 from headstart.inference.kv_cache import KVCache, KVCacheSpec, PageAllocator, pages_for_budget
 from headstart.inference.ngram import NgramProposer
-from headstart.inference.runner import ModelRunner
-from headstart.inference.sampler import SamplingParams, sample, token_logprobs
-from headstart.inference.scheduler import Scheduler, Sequence, Status
-from headstart.inference.spec import (
+from headstart.inference.proposers import (
     DraftModelProposer,
     HeadChainProposer,
     MedusaProposer,
@@ -33,7 +30,10 @@ from headstart.inference.spec import (
     SpecMetrics,
     draft_kv_spec,
 )
-from headstart.inference.speculate import SpeculativeSteps
+from headstart.inference.runner import ModelRunner
+from headstart.inference.sampler import SamplingParams, sample, token_logprobs
+from headstart.inference.scheduler import Scheduler, Sequence, Status
+from headstart.inference.spec_step import SpeculativeSteps
 from headstart.inference.tree import TreeProposer
 from headstart.kernels import FAST_ROWS
 from headstart.models.llama import LlamaForCausalLM, load_llama

@@ -1,4 +1,4 @@
-"""The lossless acceptance rules of speculative decoding (DESIGN.md §1), as pure functions.
+"""The lossless acceptance rules of speculative decoding (docs/acceptance.md), as pure functions.
 
 p = the target's processed distribution (temperature / top-k / top-p applied once, by the sampler),
 q = the draft's distribution. Uniforms are float64 draws from the request's own generator.

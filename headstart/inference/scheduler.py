@@ -21,7 +21,7 @@ from headstart.inference.sampler import SamplingParams
 
 
 def _new_metrics() -> Any:
-    from headstart.inference.spec import SpecMetrics
+    from headstart.inference.proposers import SpecMetrics
 
     return SpecMetrics()
 

@@ -12,8 +12,8 @@ from dataclasses import dataclass
 
 import torch
 
+from headstart.inference.proposers import HeadChainProposer
 from headstart.inference.scheduler import Sequence
-from headstart.inference.spec import HeadChainProposer
 
 
 @dataclass

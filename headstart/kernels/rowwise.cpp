@@ -90,10 +90,13 @@ static inline void tile(const float* x, const W* w, const float* bias, float* y,
   for (int m = 0; m < MB; ++m)
     for (int j = 0; j < JB; ++j) acc[m][j] = fvec{};
   const int64_t kv = K - K % VL;
+  // The weight rows 8 tiles ahead are prefetched; past the last row the address is clamped to it
+  // (forming a pointer beyond the tensor is undefined behaviour, even for a prefetch).
+  const int64_t ahead = std::min<int64_t>(j0 + 8 * JB, N - JB);
   for (int64_t k = 0; k < kv; k += VL) {
     fvec wv[JB];
     for (int j = 0; j < JB; ++j) {
-      __builtin_prefetch(w + (j0 + j + 8 * JB) * K + k);
+      __builtin_prefetch(w + (ahead + j) * K + k);
       wv[j] = load(w + (j0 + j) * K + k);
     }
     for (int m = 0; m < MB; ++m) {
@@ -121,10 +124,11 @@ static inline void tile(const uint16_t* x, const uint16_t* w, const float* bias,
   for (int m = 0; m < MB; ++m)
     for (int j = 0; j < JB; ++j) acc[m][j] = _mm512_setzero_ps();
   const int64_t kv = K - K % 32;
+  const int64_t ahead = std::min<int64_t>(j0 + 8 * JB, N - JB);  // clamped to the last rows, as above
   for (int64_t k = 0; k < kv; k += 32) {
     __m512bh wv[JB];
     for (int j = 0; j < JB; ++j) {
-      _mm_prefetch(reinterpret_cast<const char*>(w + (j0 + j + 8 * JB) * K + k), _MM_HINT_T1);
+      _mm_prefetch(reinterpret_cast<const char*>(w + (ahead + j) * K + k), _MM_HINT_T1);
       wv[j] = (__m512bh)_mm512_loadu_si512(w + (j0 + j) * K + k);
     }
     for (int m = 0; m < MB; ++m) {

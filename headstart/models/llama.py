@@ -3,7 +3,7 @@ Qwen3 (q/k norm), SmolLM2. Tied or untied embeddings, GQA.
 
 The forward runs over a flat batch of tokens and a paged KV cache (see headstart.nn.attention) and
 returns the hidden state of the last decoder layer BEFORE the final norm, plus, on request, the
-hidden states ENTERING chosen layers (DESIGN.md §4: aux layer j = HF `hidden_states[j]`, j = 0 is
+hidden states ENTERING chosen layers (docs/architecture.md: aux layer j = HF `hidden_states[j]`, j = 0 is
 the embedding output). `compute_logits(h, rows)` applies the final norm and lm_head, only at `rows`.
 """
 

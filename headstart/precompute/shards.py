@@ -1,4 +1,4 @@
-"""Hidden-state shards (DESIGN.md §4): format, writing (atomic), reading (checked), fp8 storage.
+"""Hidden-state shards (docs/architecture.md): format, writing (atomic), reading (checked), fp8 storage.
 
 A shard is one safetensors file of packed sequences:
     input_ids    int32 (N,)        loss_mask uint8 (N,)        seq_offsets int64 (S+1,)

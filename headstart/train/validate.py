@@ -31,8 +31,8 @@ def engine_acceptance(target: LlamaForCausalLM, head: DraftHead, prompts: list[l
                       max_tokens: int, tokenizer: Any = None, seed: int = 0) -> dict[str, Any]:
     """Greedy speculative decoding of `prompts` (token ids) -> the engine's acceptance summary."""
     from headstart.inference.engine import Engine
+    from headstart.inference.proposers import SpecConfig
     from headstart.inference.sampler import SamplingParams
-    from headstart.inference.spec import SpecConfig
     from headstart.nn.linear import cpu_kernels_restored
 
     if not prompts:

@@ -13,19 +13,39 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from headstart.inference.proposers import SpecConfig, SpecMetrics
 from headstart.inference.rejection import Verdict, verify_chain, verify_greedy, verify_tree
+from headstart.inference.runner import ModelRunner
 from headstart.inference.sampler import processed_probs, rows_logprobs
-from headstart.inference.scheduler import ScheduledBatch, Sequence, Status
-from headstart.inference.spec import SpecConfig
+from headstart.inference.scheduler import ScheduledBatch, Scheduler, Sequence, Status
 from headstart.inference.tree import TreeProposer
 from headstart.models.llama import LlamaForCausalLM, load_llama
 
 if TYPE_CHECKING:
-    from headstart.inference.engine import RequestOutput
+    from headstart.inference.engine import EngineStats, RequestOutput
 
 
 class SpeculativeSteps:
-    """Mixin for Engine: everything a speculative step does beyond a plain one."""
+    """Mixin for Engine: everything a speculative step does beyond a plain one.
+
+    Its contract with the engine is the attributes annotated below (Engine.__init__ sets each) and the
+    two methods at the end (Engine defines them); it reaches for nothing else."""
+
+    model: LlamaForCausalLM  # the target
+    device: torch.device
+    scheduler: Scheduler  # the only owner of the page allocator
+    runner: ModelRunner  # the target's runner
+    spec: SpecConfig | None
+    proposer: Any  # a proposer of headstart.inference.proposers (or the tree proposer)
+    spec_metrics: SpecMetrics
+    stats: EngineStats
+    max_model_len: int
+
+    def _check_stop(self, seq: Sequence, tok: int) -> None:
+        raise NotImplementedError  # Engine: finish the sequence on EOS, a stop string or its length
+
+    def _output(self, seq: Sequence, new: list[int]) -> RequestOutput:
+        raise NotImplementedError  # Engine: the RequestOutput for the tokens just emitted
 
     def _resolve_draft(self, spec: SpecConfig, dtype: str) -> Any:
         """The proposer's model: a head (chain / medusa) or a draft LM, loaded if given as a path."""

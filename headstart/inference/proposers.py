@@ -72,7 +72,7 @@ class SpecConfig:
 
 @dataclass
 class SpecMetrics:
-    """Acceptance metrics with the names of DESIGN.md §1 (accepted counts exclude the bonus), kept as
+    """Acceptance metrics with the names of docs/acceptance.md (accepted counts exclude the bonus), kept as
     running counts: adding a step and reading the summary cost O(k), not O(steps)."""
 
     positions: int | None = None  # longest acceptable run (tree: its depth); default: max drafted
