@@ -67,7 +67,9 @@ def test_train_writes_heads_metrics_and_validates_with_the_engine(tmp_path, chat
         assert (out / name).exists(), name
     m = json.loads((out / "metrics.json").read_text())
     assert m["step"] == 6 and m["tokens"] > 0 and len(m["top1_per_step"]) == 2
-    assert 1.0 <= m["tau"] <= 4.0 and len(m["accept_rate_per_pos"]) == 3 and m["val_loss"] > 0
+    hist = m["accept_histogram"]
+    assert len(hist) == 4 and sum(hist) == m["steps"] and len(m["accept_rate_per_pos"]) == 3 and m["val_loss"] > 0
+    assert m["tau"] == pytest.approx(1 + sum(a * c for a, c in enumerate(hist)) / m["steps"])
     curve = _curve(out)
     assert [int(r["step"]) for r in curve if r["kind"] == "val"] == [3, 6]
     assert [int(r["step"]) for r in curve if r["kind"] == "train"] == [1, 2, 3, 4, 5, 6]
