@@ -61,10 +61,11 @@ quickstart: setup
 	$(BIN)/headstart assets
 	@if [ -f $(QS)/precompute/run.json ]; then \
 		$(BIN)/headstart precompute $(QR) --resume; else $(BIN)/headstart precompute $(QR); fi
-	@if [ -f $(QS)/checkpoints/last.ckpt ]; then \
-		$(BIN)/headstart train $(QR) --resume; else $(BIN)/headstart train $(QR); fi
+	@if [ -f $(QS)/head-final/config.json ]; then echo "train: $(QS) finished earlier (head-final exists)" >&2; \
+	elif [ -f $(QS)/checkpoints/last.ckpt ]; then $(BIN)/headstart train $(QR) --resume; \
+	else $(BIN)/headstart train $(QR); fi
 	$(BIN)/headstart eval $(QR) --head $(QS)/head-best --head $(SHIPPED) \
-		--heldout 16 --k 1,3 --max-tokens 48 --batch-size 8 --out $(QS)/eval
+		--heldout 16 --k 1,3 --max-tokens 48 --batch-size 1 --out $(QS)/eval
 	$(BIN)/headstart export $(QS)/head-best --format native --out $(QS)/export/native --force
 	@$(BIN)/python -m headstart.quickstart_summary $(QS)
 
