@@ -113,7 +113,7 @@ def build_parser() -> argparse.ArgumentParser:
     q.add_argument("--medusa-heads", type=int, default=4)
     q.add_argument("--postnorm-features", action="store_true",
                    help="mtp / deepseek_mtp: read the target's state after its final norm (what vLLM and SGLang feed "
-                        "drafters; needed to export to them)")
+                        "drafters; their layouts refuse a head trained on the pre-norm state)")
     q.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], default="fp32")
     q.add_argument("--out", required=True, help="checkpoint directory to write (a new or empty directory)")
     q.add_argument("--force", action="store_true", help="replace --out if it is an existing head checkpoint")

@@ -144,8 +144,10 @@ def test_integrity_records_cannot_be_edited_away(chat_model_dir, tmp_path, capsy
     no_sha = {k: v for k, v in good.items() if k != "weights_sha256"}
     ids = good["aux_layer_ids"]
     edited = {**good, "aux_layer_ids": [ids[0] + 1 if ids[0] + 1 not in ids else ids[0] - 1] + ids[1:]}
+    other_type = {**good, "target": {**good["target"], "model_type": "qwen3"}}
+    null_dim = {**good, "intermediate_size": None}
     for bad, match in ((no_fp, "no target.fingerprint"), (no_sha, "no valid weights_sha256"),
-                       (edited, "aux_layer_ids is")):
+                       (edited, "aux_layer_ids is"), (other_type, "target is"), (null_dim, "intermediate_size is")):
         cfg.write_text(json.dumps(bad))
         err = _fails(capsys, _gen(chat_model_dir, "--spec", "chain", "--head", str(head)), match)
         assert str(head) in err
@@ -154,6 +156,18 @@ def test_integrity_records_cannot_be_edited_away(chat_model_dir, tmp_path, capsy
     assert not (tmp_path / "x").exists()
     cfg.write_text(json.dumps(good))
     assert main(_gen(chat_model_dir, "--spec", "chain", "--head", str(head))) == 0
+    # Weights without the record (or with one that is not an object), their sha256 updated to match.
+    from safetensors.torch import load_file, save_file
+
+    from headstart.fileio import sha256_file
+
+    weights = head / "model.safetensors"
+    state = load_file(str(weights))
+    for meta, match in ((None, "no headstart_head_config record"), ({"headstart_head_config": "[1, 2]"},
+                                                                    "not a JSON object")):
+        save_file(state, str(weights), metadata=meta)
+        cfg.write_text(json.dumps({**good, "weights_sha256": sha256_file(weights)}))
+        _fails(capsys, _gen(chat_model_dir, "--spec", "chain", "--head", str(head)), match)
 
 
 def test_import_checks_declared_sizes_and_index_paths(chat_model_dir, tmp_path, capsys):
@@ -165,10 +179,14 @@ def test_import_checks_declared_sizes_and_index_paths(chat_model_dir, tmp_path, 
     imp = ["import", str(exp), "--format", "sglang", "--target", str(chat_model_dir)]
     cfg = exp / "config.json"
     good = json.loads(cfg.read_text())
-    for key in ("hidden_size", "vocab_size"):  # what SGLang builds its draft model from
+    # What SGLang builds its draft model from (twice the heads at the same width keeps every shape).
+    for key in ("hidden_size", "vocab_size", "num_attention_heads", "num_key_value_heads", "intermediate_size"):
         cfg.write_text(json.dumps({**good, key: good[key] * 2}))
         _fails(capsys, imp + ["--out", str(tmp_path / f"i-{key}")], f"{key}={good[key] * 2}")
         assert not (tmp_path / f"i-{key}").exists()
+    for key, value in (("rms_norm_eps", 0.5), ("hidden_act", "gelu"), ("hidden_size", "64")):
+        cfg.write_text(json.dumps({**good, key: value}))
+        _fails(capsys, imp + ["--out", str(tmp_path / "i-x")], f"{key}={value}")
     cfg.write_text(json.dumps(good))
     # A safetensors index naming a file outside the checkpoint is refused before anything is read.
     outside = tmp_path / "elsewhere.safetensors"

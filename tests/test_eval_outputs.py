@@ -73,6 +73,8 @@ def test_an_earlier_report_directory_is_rewritten(setup, tmp_path):  # noqa: F81
     (["--k", "10000"], "--k must list integers in 1..32"),
     (["--temperature", "nan"], "--temperature must list finite values"),
     (["--temperature", "inf"], "--temperature must list finite values"),
+    (["--tree-tokens", "0"], "--tree-tokens must be in 1..256"),  # the flags reach the plan
+    (["--tree-topk", "99"], "--tree-topk in 1..32"),
 ])
 def test_arguments_are_checked_before_the_model_loads(eval_args, capsys, no_model, args, match):
     _fails(capsys, eval_args + args, match)

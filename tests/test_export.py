@@ -400,3 +400,37 @@ def test_more_import_refusals_and_native_force(tmp_path, targets, capsys):
     assert main(["export", str(tmp_path / "src" / "head"), "--format", "native", "--out", str(tmp_path / "nat"),
                  "--model", model, "--force"]) == 0  # an earlier native export is replaced
     assert (tmp_path / "trained" / "config.json").exists() and (tmp_path / "src" / "head" / "config.json").exists()
+
+
+def test_vllm_import_checks_the_layer_config_and_the_target_width(tmp_path, targets):
+    llama = targets["llama"]
+    export_head(_head(llama, "eagle3", 64, aux=(0, 1, 2)), llama, "vllm", tmp_path / "v")
+    cfg = tmp_path / "v" / "config.json"
+    good = json.loads(cfg.read_text())
+    layer = good["transformer_layer_config"]
+    for i, (bad, match) in enumerate((
+            ({**good, "target_hidden_size": 128}, "target_hidden_size=128 but the target has 64"),
+            ({**good, "transformer_layer_config": {**layer, "num_attention_heads": 8}},
+             "transformer_layer_config.num_attention_heads=8"),
+            ({**good, "transformer_layer_config": {**layer, "vocab_size": 7}},
+             "transformer_layer_config.vocab_size=7"))):
+        cfg.write_text(json.dumps(bad))
+        with pytest.raises(AssetError, match=match):
+            import_head(tmp_path / "v", "vllm", llama, tmp_path / f"n{i}")
+        assert not (tmp_path / f"n{i}").exists()
+
+
+def test_every_export_records_the_state_its_head_reads(tmp_path, targets):
+    from headstart.export.formats import feature_convention
+
+    llama = targets["llama"]
+    want = {("mtp", False): "last_hidden_pre_norm", ("mtp", True): "last_hidden_post_norm",
+            ("deepseek_mtp", False): "last_hidden_pre_norm", ("eagle1", False): "last_hidden_post_norm",
+            ("medusa", False): "last_hidden_post_norm", ("eagle3", False): "hidden states entering target layers",
+            ("draft_lm", False): "none"}
+    for (kind, post), start in want.items():
+        head = _head(llama, kind, None, postnorm=post)
+        assert feature_convention(head).startswith(start), (kind, post)
+    export_head(_head(llama, "medusa", None), llama, "medusa", tmp_path / "m")
+    meta = json.loads((tmp_path / "m" / "config.json").read_text())["headstart"]
+    assert meta["feature_convention"].startswith("last_hidden_post_norm")

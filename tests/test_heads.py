@@ -267,3 +267,10 @@ def test_every_head_type_builds_from_a_recipe_section(target):
         section = HeadSection(type=kind, aux_layer_ids=[0, 1, 2] if kind == "eagle3" else None)
         head = build_head(head_config_from_recipe(section), target)
         assert head.config.head_type == kind
+    for kind in ("mtp", "deepseek_mtp"):  # the recipe's feature convention reaches the head
+        section = HeadSection(type=kind, postnorm_features=True)
+        head = build_head(head_config_from_recipe(section), target)
+        assert head.config.postnorm_features is True
+        x = torch.randn(3, target.config.hidden_size)
+        with torch.no_grad():
+            assert torch.equal(head.target_features(x), target.model.norm(x))

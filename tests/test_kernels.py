@@ -203,6 +203,19 @@ def test_validation_leaves_the_training_target_on_torch_kernels(kernels, tiny_di
     assert all(not m._rows and m._gemv is None for m in target.modules() if isinstance(m, Linear))
 
 
+def test_a_non_invariant_engine_keeps_the_row_kernels_for_few_rows_only(kernels, tiny_dir):
+    """Without batch invariance the row kernels serve only calls of up to FAST_ROWS rows (where they
+    beat torch's GEMM); an invariant engine sends every row through them."""
+    from headstart.inference import Engine
+    from headstart.kernels import FAST_ROWS
+
+    loose = Engine(load_llama(tiny_dir, "fp32"), batch_invariant=False)
+    assert {m._rows for m in loose.model.modules() if isinstance(m, Linear)} == {FAST_ROWS}
+    assert loose.backend.max_rows == FAST_ROWS
+    strict = Engine(load_llama(tiny_dir, "fp32"))
+    assert {m._rows for m in strict.model.modules() if isinstance(m, Linear)} == {1 << 62}
+
+
 @pytest.fixture(scope="module")
 def tiny_dir(tmp_path_factory):
     d = tmp_path_factory.mktemp("kernels-target")

@@ -301,7 +301,8 @@ def test_ttt_feeds_the_previous_step_back_with_its_gradient(target, kind):
         assert g is not None and g.abs().sum() > 0, f"step {j} does not see step {j - 1}"
 
 
-def test_module_loss_on_a_hand_built_three_token_example(target):
+@pytest.mark.parametrize("postnorm", [False, True])
+def test_module_loss_on_a_hand_built_three_token_example(target, postnorm):
     """One sequence t0 t1 t2 with t2 supervised: the only row is (h0, t1) -> t2, so the loss is
     KL(p || q) + w_f * smoothL1(y / r, h1 / r) / d, with p = softmax(W norm(h1)) of the target,
     q = softmax(W norm_head(y)), y the mtp head's output on fc(cat(n_e(E t1), n_h(h0))) and r = RMS(h1),
@@ -312,21 +313,23 @@ def test_module_loss_on_a_hand_built_three_token_example(target):
     from headstart.nn.attention import PackedCausalAttention, packed_metadata
     from headstart.train.module import HeadModule
 
-    head = build_head(HeadConfig(head_type="mtp"), target, init_from_target=False)
+    head = build_head(HeadConfig(head_type="mtp", postnorm_features=postnorm or None), target, init_from_target=False)
     module = HeadModule(recipe_from_dict({"train": {"ttt_steps": 1, "loss_weights": {"kl": 1.0, "feature": 0.25}}}),
                         target, head)
     ids = torch.tensor([5, 9, 17])
     b = target_forward(target, PackedBatch(ids, [3], None, None, torch.tensor([0, 0, 1], dtype=torch.uint8)), [])
     h0, h1 = b.hidden[0:1], b.hidden[1:2]
     with torch.no_grad():
+        # A postnorm head reads norm(h) and regresses onto norm(h1); the teacher is p either way.
+        f0, f1 = (target.model.norm(h0), target.model.norm(h1)) if postnorm else (h0, h1)
         loss, stats = module.losses(b)
-        x = head.fc(torch.cat([head.embed_norm(target.model.embed_tokens(ids[1:2])), head.hidden_norm(h0)], -1))
+        x = head.fc(torch.cat([head.embed_norm(target.model.embed_tokens(ids[1:2])), head.hidden_norm(f0)], -1))
         y = head.layers[0](x, packed_metadata([1]), None, PackedCausalAttention())
         w = target.lm_head.weight
         logp = torch.log_softmax(target.model.norm(h1) @ w.T, -1)
         logq = torch.log_softmax(head.norm(y) @ w.T, -1)
         kl = (logp.exp() * (logp - logq)).sum()
-        r = h1.pow(2).mean().sqrt()
-        feat = F.smooth_l1_loss(y / r, h1 / r, reduction="sum") / h1.shape[-1]
+        r = f1.pow(2).mean().sqrt()
+        feat = F.smooth_l1_loss(y / r, f1 / r, reduction="sum") / f1.shape[-1]
     assert stats["rows"] == [1]
     torch.testing.assert_close(loss, kl + 0.25 * feat, rtol=1e-5, atol=1e-6)

@@ -134,9 +134,8 @@ def _load_tensors(src: Path) -> dict[str, torch.Tensor]:
         if not isinstance(weight_map, dict):
             raise AssetError(f"{index}: no weight_map")
         names = sorted(set(map(str, weight_map.values())))
-        root = src.resolve()
-        for name in names:  # an index names files of this checkpoint, never a path elsewhere
-            if (src / name).resolve().parent != root:
+        for name in names:  # plain file names of this checkpoint (lexically: an HF snapshot's files are symlinks)
+            if not name or name in (".", "..") or any(c in name for c in "/\\\0"):
                 raise AssetError(f"{index}: weight_map names {name[:80]!r}, which is not a file directly inside {src}")
         files = [src / name for name in names]
     else:
@@ -239,18 +238,32 @@ def _check_target(config: dict[str, Any], target: LlamaForCausalLM, src: Path, a
 
 
 def _check_declared_sizes(config: dict[str, Any], cfg: HeadConfig, target: LlamaForCausalLM, src: Path) -> None:
-    """Sizes a checkpoint's config.json states must agree with the head it gives and the target:
-    a loader that reads them (a serving engine) would otherwise build another model than we did."""
+    """What a checkpoint's config.json states about the layer must agree with the head it gives and
+    the target: a serving engine builds its draft model from these fields (at the same hidden size,
+    twice the heads would keep every tensor shape and silently compute another attention)."""
     t = target.config
-    want = {"hidden_size": cfg.hidden_size, "target_hidden_size": t.hidden_size, "vocab_size": t.vocab_size}
+    want: dict[str, Any] = {"hidden_size": cfg.hidden_size, "intermediate_size": cfg.intermediate_size,
+                            "num_attention_heads": cfg.num_attention_heads,
+                            "num_key_value_heads": cfg.num_key_value_heads, "head_dim": cfg.head_dim,
+                            "target_hidden_size": t.hidden_size, "vocab_size": t.vocab_size,
+                            "rms_norm_eps": t.rms_norm_eps, "hidden_act": t.hidden_act}
     layer = config.get("transformer_layer_config")
     sources = [("", config)] + ([("transformer_layer_config.", layer)] if isinstance(layer, dict) else [])
     for prefix, section in sources:
         for key, expected in want.items():
             have = section.get(key)
-            if have is not None and have != expected:
-                raise AssetError(f"{src / 'config.json'}: {prefix}{key}={str(have)[:20]} but "
-                                 f"{'the target has' if key != 'hidden_size' else 'the head it holds has'} {expected}")
+            if have is None or expected is None:
+                continue
+            if isinstance(expected, str):
+                ok = have == expected
+            elif isinstance(expected, float):
+                ok = isinstance(have, int | float) and not isinstance(have, bool) and float(have) == expected
+            else:
+                ok = isinstance(have, int) and not isinstance(have, bool) and have == expected
+            if not ok:
+                whose = "the target has" if key in ("target_hidden_size", "vocab_size", "rms_norm_eps",
+                                                     "hidden_act") else "the head it holds has"
+                raise AssetError(f"{src / 'config.json'}: {prefix}{key}={str(have)[:20]!s} but {whose} {expected}")
 
 
 def _check_vocab_maps(state: dict[str, torch.Tensor], target: LlamaForCausalLM, src: Path) -> None:

@@ -24,6 +24,7 @@ from headstart.heads.base import (
     Shifted,
     _read_head_config,
     check_compatible,
+    check_head_files,
     is_head_checkpoint,
     load_head_state,
     read_head_config,
@@ -80,6 +81,7 @@ def load_head(path: str | Path, target: LlamaForCausalLM, *, allow_other_target:
     another target is refused with both values named; one made for a target of the same shape but
     other weights is refused unless `allow_other_target` (then a warning)."""
     cfg, sha = _read_head_config(path)
+    check_head_files(path, cfg, sha)  # before the config builds anything (an edited config.json is refused here)
     check_compatible(cfg, target, where=str(Path(path) / "config.json"))
     recorded, actual = cfg.target.get("fingerprint"), target.fingerprint()
     if recorded and recorded != actual:

@@ -476,6 +476,18 @@ def _read_head_config(path: str | Path) -> tuple[HeadConfig, str]:
     return cfg, sha
 
 
+def check_head_files(path: str | Path, cfg: HeadConfig, sha256: str) -> None:
+    """The weights file is the one config.json records (sha256), and config.json says what the
+    weights were saved with: both checked before anything is built from the config."""
+    f = Path(path) / "model.safetensors"
+    if not f.is_file():
+        raise AssetError(f"{f}: missing; the head checkpoint is incomplete")
+    if sha256_file(f) != sha256:
+        raise AssetError(f"{f}: its sha256 differs from the one recorded in config.json (altered, truncated or "
+                         "corrupted)")
+    _check_config_record(f, cfg)
+
+
 def _check_config_record(f: Path, cfg: HeadConfig) -> None:
     """config.json must say what the weights were saved with (model.safetensors' metadata)."""
     try:
@@ -489,7 +501,9 @@ def _check_config_record(f: Path, cfg: HeadConfig) -> None:
     try:
         saved = json.loads(text)
     except json.JSONDecodeError:
-        raise AssetError(f"{f}: its {CONFIG_RECORD} record is not JSON") from None
+        saved = None
+    if not isinstance(saved, dict):
+        raise AssetError(f"{f}: its {CONFIG_RECORD} record is not a JSON object")
     have = dataclasses.asdict(cfg)
     for key in sorted(set(saved) | set(have)):
         if saved.get(key) != have.get(key):
@@ -499,12 +513,7 @@ def _check_config_record(f: Path, cfg: HeadConfig) -> None:
 
 def load_head_state(head: DraftHead, path: str | Path, sha256: str) -> None:
     f = Path(path) / "model.safetensors"
-    if not f.is_file():
-        raise AssetError(f"{f}: missing; the head checkpoint is incomplete")
-    if sha256_file(f) != sha256:
-        raise AssetError(f"{f}: its sha256 differs from the one recorded in config.json (altered, truncated or "
-                         "corrupted)")
-    _check_config_record(f, head.config)
+    check_head_files(path, head.config, sha256)
     try:
         state = load_file(str(f))
     except Exception as e:  # safetensors raises its own error types for a damaged file

@@ -80,8 +80,11 @@ class CurveWriter:
             with open(self.path, newline="") as f:
                 rows = [r for r in csv.DictReader(f) if r.get("step", "").isdigit() and int(r["step"]) <= step
                         and r.get(self.FIELDS[-1]) is not None]
+            for r in rows:  # a curve written before the column was renamed
+                if "expected_accept_per_step" in r:
+                    r.setdefault("sampled_accept_per_step", r.pop("expected_accept_per_step"))
         buf = io.StringIO()
-        w = csv.DictWriter(buf, fieldnames=self.FIELDS)
+        w = csv.DictWriter(buf, fieldnames=self.FIELDS, extrasaction="ignore")
         w.writeheader()
         w.writerows(rows)
         atomic_write_text(self.path, buf.getvalue())
