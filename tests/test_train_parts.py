@@ -333,3 +333,16 @@ def test_module_loss_on_a_hand_built_three_token_example(target, postnorm):
         feat = F.smooth_l1_loss(y / r, f1 / r, reduction="sum") / f1.shape[-1]
     assert stats["rows"] == [1]
     torch.testing.assert_close(loss, kl + 0.25 * feat, rtol=1e-5, atol=1e-6)
+
+
+def test_a_resumed_curve_keeps_rows_written_under_the_old_column_name(tmp_path):
+    from headstart.train.run import CurveWriter
+
+    p = tmp_path / "metrics.csv"
+    p.write_text("kind,step,tokens,loss,lr,tok_s,val_loss,tau,alpha,top1_per_step,expected_accept_per_step,"
+                 "accept_rate_per_pos\nval,5,100,,,,2.0,1.5,0.2,[0.3],[0.25],[0.4]\ntrain,9,200,1.0,0.1,50,,,,,,\n")
+    CurveWriter(p).start(5)
+    import csv
+
+    rows = list(csv.DictReader(p.open()))
+    assert [r["step"] for r in rows] == ["5"] and rows[0]["sampled_accept_per_step"] == "[0.25]"
