@@ -59,13 +59,27 @@ def test_damaged_heads_are_named(chat_model_dir, head_dir, capsys):
     cfg = head_dir / "config.json"
     good = cfg.read_text()
     for text, match in (("[1, 2]", "expected a JSON object"), ("{not json", "not valid JSON"),
-                        (json.dumps({**json.loads(good), "num_layers": 10**9}), "num_layers=1000000000 is outside"),
+                        # an edited size disagrees with the config the weights were saved with
+                        (json.dumps({**json.loads(good), "num_layers": 10**9}), "num_layers is 1000000000 but the "
+                                                                                "weights were saved with 1"),
                         (json.dumps({**json.loads(good), "intermediate_size": 10**12}), "intermediate_size")):
         cfg.write_text(text)
         err = _fails(capsys, _gen(chat_model_dir, "--spec", "chain", "--head", str(head_dir)), match)
         assert str(cfg) in err
-    cfg.write_text(good)
+    # A crafted head whose weights record the same huge size: the bounds refuse it before allocating.
+    from safetensors.torch import load_file, save_file
+
+    from headstart.fileio import sha256_file
+
     weights = head_dir / "model.safetensors"
+    original = weights.read_bytes()
+    huge = {k: v for k, v in json.loads(good).items()
+            if k not in ("weights_sha256", "hidden_state_convention", "format")} | {"num_layers": 10**9}
+    save_file(load_file(str(weights)), str(weights), metadata={"headstart_head_config": json.dumps(huge)})
+    cfg.write_text(json.dumps({**json.loads(good), "num_layers": 10**9, "weights_sha256": sha256_file(weights)}))
+    _fails(capsys, _gen(chat_model_dir, "--spec", "chain", "--head", str(head_dir)), "num_layers=1000000000 is outside")
+    weights.write_bytes(original)
+    cfg.write_text(good)
     data = weights.read_bytes()
     weights.write_bytes(data[: len(data) // 2])
     _fails(capsys, _gen(chat_model_dir, "--spec", "chain", "--head", str(head_dir)), "sha256 differs")
