@@ -211,8 +211,9 @@ class VLLM(Layout):
             if family != "qwen3":
                 return (f"the speculators `mtp` type takes Qwen3-family targets only, this target is {family!r}; "
                         "for another family only --format native holds an mtp head today")
-            if _needs_postnorm(head, "vLLM"):
-                return _needs_postnorm(head, "vLLM")
+            why = _needs_postnorm(head, "vLLM")
+            if why:
+                return why
             flags = _norm_flags(cfg)
             if flags != _norm_flags(HeadConfig(head_type="mtp")) or cfg.num_layers != 1:
                 return f"the speculators `mtp` layer is one RMSNorm-restored layer; this head has {cfg.num_layers} " \

@@ -94,7 +94,7 @@ def load_head(path: str | Path, target: LlamaForCausalLM, *, allow_other_target:
         warnings.warn(msg + "; acceptance may be poor", stacklevel=2)
     weight = target.model.embed_tokens.weight
     head = FAMILIES[cfg.head_type](cfg, target).to(device=weight.device, dtype=weight.dtype)
-    load_head_state(head, path, sha)
+    load_head_state(head, path)
     return head
 
 

@@ -511,9 +511,9 @@ def _check_config_record(f: Path, cfg: HeadConfig) -> None:
                              f"saved with {str(saved.get(key))[:80]} (config.json edited after saving?)")
 
 
-def load_head_state(head: DraftHead, path: str | Path, sha256: str) -> None:
+def load_head_state(head: DraftHead, path: str | Path) -> None:
+    """The weights into `head` (its files were checked by `check_head_files` before it was built)."""
     f = Path(path) / "model.safetensors"
-    check_head_files(path, head.config, sha256)
     try:
         state = load_file(str(f))
     except Exception as e:  # safetensors raises its own error types for a damaged file
