@@ -231,7 +231,7 @@ def cmd_train(args: argparse.Namespace) -> int:
 def cmd_head_init(args: argparse.Namespace) -> int:
     from headstart.assets import resolve_model
     from headstart.heads import HeadConfig, build_head, save_head
-    from headstart.heads.base import check_head_output
+    from headstart.heads.checkpoint import check_head_output
     from headstart.models.llama import load_llama
 
     check_head_output(args.out, overwrite=args.force)  # before the target loads: a wrong --out costs nothing
@@ -357,7 +357,7 @@ def cmd_export(args: argparse.Namespace) -> int:
 def cmd_import(args: argparse.Namespace) -> int:
     from headstart.assets import resolve_model
     from headstart.export import import_head
-    from headstart.heads.base import check_head_output
+    from headstart.heads.checkpoint import check_head_output
     from headstart.models.llama import load_llama
 
     check_head_output(args.out, overwrite=args.force)

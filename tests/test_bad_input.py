@@ -133,12 +133,12 @@ def test_a_huge_bad_value_is_not_echoed_whole(tmp_path, chat_model_dir, capsys):
 def test_a_full_disk_while_saving_a_head_leaves_nothing(chat_model_dir, tmp_path, capsys, monkeypatch):
     from safetensors import SafetensorError
 
-    import headstart.heads.base as base
+    import headstart.heads.checkpoint as checkpoint
 
     def full(*a, **k):
         raise SafetensorError("Error while serializing: IoError(Os { code: 28, kind: StorageFull })")
 
-    monkeypatch.setattr(base, "save_file", full)
+    monkeypatch.setattr(checkpoint, "save_file", full)
     out = tmp_path / "h"
     _fails(capsys, ["head", "init", "--type", "mtp", "--model", str(chat_model_dir), "--out", str(out)],
            "StorageFull")

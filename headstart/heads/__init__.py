@@ -22,15 +22,17 @@ from headstart.heads.base import (
     HeadConfig,
     PackedBatch,
     Shifted,
-    _read_head_config,
     check_compatible,
+    shift_for_head,
+    zero_output_projections,
+)
+from headstart.heads.checkpoint import (
+    _read_head_config,
     check_head_files,
     is_head_checkpoint,
     load_head_state,
     read_head_config,
     save_head,
-    shift_for_head,
-    zero_output_projections,
 )
 from headstart.heads.deepseek_mtp import DeepSeekMTPHead
 from headstart.heads.draft_lm import DraftLM

@@ -8,6 +8,7 @@ accepted tokens and keep the proposer's cache in step with the target's.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -28,8 +29,8 @@ if TYPE_CHECKING:
 class SpeculativeSteps:
     """Mixin for Engine: everything a speculative step does beyond a plain one.
 
-    Its contract with the engine is the attributes annotated below (Engine.__init__ sets each) and the
-    two methods at the end (Engine defines them); it reaches for nothing else."""
+    Its contract with the engine is the attributes annotated below (Engine.__init__ sets each, and
+    defines the two methods); it reaches for nothing else."""
 
     model: LlamaForCausalLM  # the target
     device: torch.device
@@ -40,12 +41,8 @@ class SpeculativeSteps:
     spec_metrics: SpecMetrics
     stats: EngineStats
     max_model_len: int
-
-    def _check_stop(self, seq: Sequence, tok: int) -> None:
-        raise NotImplementedError  # Engine: finish the sequence on EOS, a stop string or its length
-
-    def _output(self, seq: Sequence, new: list[int]) -> RequestOutput:
-        raise NotImplementedError  # Engine: the RequestOutput for the tokens just emitted
+    _check_stop: Callable[[Sequence, int], None]  # Engine: finish a sequence on EOS, a stop string or its length
+    _output: Callable[[Sequence, list[int]], RequestOutput]  # Engine: the output for the tokens just emitted
 
     def _resolve_draft(self, spec: SpecConfig, dtype: str) -> Any:
         """The proposer's model: a head (chain / medusa) or a draft LM, loaded if given as a path."""

@@ -119,7 +119,7 @@ def checkpoint_step(path: Path, max_steps: int | None = None) -> int:
 def check_resume(out: Path, identity: dict[str, Any], resume: bool, rank: int = 0) -> Path | None:
     """The checkpoint to resume from, or None for a fresh run; refuses what would mix two runs.
     Rank 0 decides for a fresh run (the other ranks start after it has written train.json)."""
-    from headstart.heads.base import check_head_output
+    from headstart.heads.checkpoint import check_head_output
 
     info, last = out / "train.json", out / "checkpoints" / "last.ckpt"
     if not resume and rank != 0:
