@@ -262,15 +262,8 @@ def cmd_eval(args: argparse.Namespace) -> int:
 
     from headstart.assets import resolve_model
     from headstart.config import load_recipe
-    from headstart.evaluate import (
-        EvalPlan,
-        check_plan,
-        check_report_dir,
-        evaluate,
-        head_labels,
-        read_prompt_file,
-        write_reports,
-    )
+    from headstart.eval_report import check_report_dir, head_labels, write_reports
+    from headstart.evaluate import EvalPlan, check_plan, evaluate, read_prompt_file
     from headstart.fileio import read_json_object
     from headstart.hardware import resolve_dtype
     from headstart.models.llama import load_llama

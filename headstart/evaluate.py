@@ -22,10 +22,9 @@ from typing import Any
 
 import torch
 
-from headstart.errors import ConfigError, DataError, HeadstartError, OutputError
-from headstart.fileio import atomic_path, check_output_path
+from headstart.errors import ConfigError, DataError, HeadstartError
+from headstart.eval_report import FORMAT, WIDE_SPREAD, head_labels
 
-FORMAT = "headstart-eval/1"  # report.json's marker: a directory holding one may be written again
 ROLES = ("system", "user", "assistant")
 MAX_K = 32  # draft length / tree depth: acceptance past a few tokens is ~0, and each step reserves k KV slots
 
@@ -179,7 +178,6 @@ def _timed_setting(ar_engine: Any, engine: Any, prompts: list[list[int]], temp: 
             "ar_tokens_per_s": ar_tok / ar_sec}
 
 
-WIDE_SPREAD = 0.25  # (p75 - p25) / median of the per-group ratios past which a speedup is flagged
 
 
 def _quantile(sorted_values: list[float], q: float) -> float:
@@ -253,7 +251,7 @@ def evaluate(target: Any, tokenizer: Any, prompts: list[list[int]], categories: 
         "engine": {"page_size": 16, "max_batch_size": plan.batch_size, "backend": "auto",
                    # what the engine really ran: without the row-invariant kernels (HEADSTART_KERNELS=0, no
                    # compiler, CUDA) a token's bits depend on its batch, and lossless_check may differ
-                   "kernels": kernels, "batch_invariant": kernels == "rowwise",
+                   "kernels": kernels, "batch_invariant": kernels == "rowwise", "linear_isa": _linear_isa(kernels),
                    "tree_topk": plan.tree_topk, "tree_tokens": plan.tree_tokens,
                    "draft_threshold": plan.draft_threshold, "repeats": plan.repeats},
         "ar": {str(t): {k: v for k, v in r.items() if k != "outputs"} for t, r in ar.items()},
@@ -277,6 +275,16 @@ def _methods(head: Any, plan: EvalPlan) -> list[str]:
     if kind == "chain":
         return [m for m in plan.methods if m in ("chain", "tree", "adaptive")] or ["chain"]
     return [kind]
+
+
+def _linear_isa(kernels: str | None) -> str | None:
+    """The instructions the row kernels' bf16 linear ran on (amx-bf16, avx512-bf16, ...), if they ran."""
+    if kernels != "rowwise":
+        return None
+    from headstart.kernels import rowwise
+
+    mod = rowwise()
+    return mod.linear_isa() if mod is not None else None
 
 
 def _cpu_flag() -> bool:
@@ -328,152 +336,6 @@ def _summarise(st: _Setting, temp: float, timed: dict[str, Any], categories: lis
 
 
 # ------------------------------------------------------------------------------------ reports
-
-
-def head_labels(paths: list[str]) -> dict[str, str]:
-    """A short, distinct label per head: its directory name, with as many parent names as it takes
-    to tell two heads apart (runs/a/head-best and runs/b/head-best -> a/head-best, b/head-best)."""
-    parts = {p: Path(p).resolve().parts for p in paths}
-    labels = {}
-    for p in paths:
-        n = 1
-        while n < len(parts[p]) and any(q != p and parts[q][-n:] == parts[p][-n:] for q in paths):
-            n += 1
-        labels[p] = "/".join(parts[p][-n:])
-    return labels
-
-
-def _label(run: dict[str, Any]) -> str:
-    return run.get("label") or Path(run["head"]).name
-
-
-def is_report_dir(path: str | Path) -> bool:
-    """True for a directory an earlier `headstart eval` wrote (its report.json carries our marker;
-    reports written before the marker existed are known by their top-level keys)."""
-    f = Path(path) / "report.json"
-    try:
-        obj = json.loads(f.read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return False
-    return isinstance(obj, dict) and (obj.get("format") == FORMAT or
-                                      {"runs", "heads", "engine", "ar", "settings"} <= set(obj))
-
-
-def check_report_dir(out: str | Path) -> Path:
-    """Refuse a report directory before any work: only a new or empty directory, or an earlier
-    eval report, is written (report.json, report.md and the plots are replaced there)."""
-    path = check_output_path(out, replaces=is_report_dir, hint="it is not an earlier eval report; choose a new --out")
-    if path.exists() and not path.is_dir():
-        raise OutputError(f"{out}: is a file; --out names a report directory")
-    return path
-
-
-def write_reports(report: dict[str, Any], out: Path) -> list[Path]:
-    out = check_report_dir(out)
-    try:
-        out.mkdir(parents=True, exist_ok=True)
-    except OSError as e:
-        raise OutputError(f"{out}: cannot create the report directory ({e.strerror or e})") from None
-    written = []
-    with atomic_path(out / "report.json") as tmp:
-        tmp.write_text(json.dumps(report, indent=2))
-    written.append(out / "report.json")
-    with atomic_path(out / "report.md") as tmp:
-        tmp.write_text(markdown(report))
-    written.append(out / "report.md")
-    written += plots(report, out)
-    return written
-
-
-def markdown(report: dict[str, Any]) -> str:
-    s = report["settings"]
-    lines = [f"# headstart eval: {s.get('target', '?')} ({s.get('dtype', '?')}, {s.get('device', '?')})", "",
-             f"{report['prompts']} prompts, up to {report['max_tokens']} new tokens, batch {report['batch_size']}, "
-             f"seed {report['seed']}; torch {s['torch']}, {s['threads']} threads, CPU bf16 native: {s['cpu_bf16']}.",
-             "", "| T | AR tok/s |", "|---|---|"]
-    lines += [f"| {t} | {r['tokens_per_s']:.1f} |" for t, r in report["ar"].items()]
-    lines += ["", "Speedup: the median of per-batch-group ratios to plain decoding run alternately on the same "
-              "prompts (the middle half beside it; ⚠ when it is wider than 25 % of the median); `ngram (no "
-              "training)` is prompt lookup, the baseline.", "",
-              "| head | method | k | T | tau | alpha | accept rate per position | tok/s | AR tok/s | speedup "
-              "(p25..p75) | lossless |", "|---|---|---|---|---|---|---|---|---|---|---|"]
-    for r in report["runs"]:
-        rate = " ".join(f"{x:.2f}" for x in r["accept_rate_per_pos"])
-        alpha = f"{r['alpha']:.3f}" if r["alpha"] is not None else "-"
-        tau = f"{r['tau']:.3f}" if r["tau"] is not None else "-"
-        spread = f" ({r['speedup_p25']:.2f}..{r['speedup_p75']:.2f})" if "speedup_p25" in r else ""
-        flag = " ⚠" if r.get("speedup_spread", 0) > WIDE_SPREAD else ""
-        method = r["method"] + (f" ({r['draft_threshold']})" if r.get("draft_threshold") else "")
-        lines.append(f"| {_label(r)} | {method} | {r['k']} | {r['temperature']} | {tau} | "
-                     f"{alpha} | {rate} | {r['tokens_per_s']:.1f} | {r.get('ar_tokens_per_s', 0):.1f} | "
-                     f"{r['speedup']:.2f}x{spread}{flag} | {r.get('lossless_check', '-')} |")
-    cats = [r for r in report["runs"] if r["tau_by_category"]]
-    if cats:
-        lines += ["", "## tau by prompt category", "", "| head | method | k | T | " +
-                  " | ".join(sorted(cats[0]["tau_by_category"])) + " |", "|---" * (4 + len(cats[0]["tau_by_category"]))
-                  + "|"]
-        for r in cats:
-            lines.append(f"| {_label(r)} | {r['method']} | {r['k']} | {r['temperature']} | " +
-                         " | ".join(f"{r['tau_by_category'].get(c, float('nan')):.3f}"
-                                    for c in sorted(cats[0]["tau_by_category"])) + " |")
-    return "\n".join(lines) + "\n"
-
-
-def plots(report: dict[str, Any], out: Path) -> list[Path]:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    runs = report["runs"]
-    written = []
-    if not runs:
-        return written
-    fig, ax = plt.subplots(figsize=(6, 4))
-    for r in runs:
-        if r["k"] == max(x["k"] for x in runs if x["head"] == r["head"] and x["method"] == r["method"]):
-            ax.plot(range(1, len(r["accept_rate_per_pos"]) + 1), r["accept_rate_per_pos"], marker="o",
-                    label=f"{_label(r)} {r['method']} k={r['k']} T={r['temperature']}")
-    ax.set(xlabel="draft position", ylabel="P(accepted up to here)", title="acceptance per position", ylim=(0, 1))
-    ax.legend(fontsize=7)
-    written.append(_save(fig, out / "accept_per_position.png"))
-    fig, (a1, a2) = plt.subplots(1, 2, figsize=(10, 4))
-    groups: dict[tuple, list] = {}
-    for r in runs:
-        groups.setdefault((_label(r), r["method"], r["temperature"]), []).append(r)
-    for (name, method, temp), rs in groups.items():
-        rs = sorted(rs, key=lambda r: r["k"])
-        a1.plot([r["k"] for r in rs], [r["tau"] or float("nan") for r in rs], marker="o",
-                label=f"{name} {method} T={temp}")
-        a2.plot([r["k"] for r in rs], [r["speedup"] for r in rs], marker="o", label=f"{name} {method} T={temp}")
-    a1.set(xlabel="k", ylabel="tau", title="tau by k")
-    a2.set(xlabel="k", ylabel="speedup vs AR", title="speedup by k")
-    a2.axhline(1.0, color="grey", lw=0.8)
-    a1.legend(fontsize=7)
-    written.append(_save(fig, out / "tau_speedup_by_k.png"))
-    cats = [r for r in runs if r["tau_by_category"]]
-    if cats:
-        fig, ax = plt.subplots(figsize=(7, 4))
-        names = sorted({c for r in cats for c in r["tau_by_category"]})
-        width = 0.8 / len(cats)
-        for i, r in enumerate(cats):
-            ax.bar([j + i * width for j in range(len(names))], [r["tau_by_category"].get(c, 0) for c in names],
-                   width, label=f"{_label(r)} {r['method']} k={r['k']} T={r['temperature']}")
-        ax.set_xticks([j + 0.4 - width / 2 for j in range(len(names))], names, rotation=30, fontsize=8)
-        ax.set(ylabel="tau", title="tau by prompt category")
-        ax.legend(fontsize=6)
-        written.append(_save(fig, out / "tau_by_category.png"))
-    return written
-
-
-def _save(fig: Any, path: Path) -> Path:
-    import matplotlib.pyplot as plt
-
-    fig.tight_layout()
-    with atomic_path(path) as tmp:
-        fig.savefig(tmp, format="png", dpi=110)
-    plt.close(fig)
-    return path
 
 
 def check_plan(plan: EvalPlan, context: int | None = None) -> None:

@@ -9,7 +9,8 @@ import torch
 from tiny_models import make_hf_model
 
 from headstart.errors import DataError, HeadstartError
-from headstart.evaluate import EvalPlan, check_plan, evaluate, read_prompt_file, write_reports
+from headstart.eval_report import write_reports
+from headstart.evaluate import EvalPlan, check_plan, evaluate, read_prompt_file
 from headstart.heads import HeadConfig, build_head, save_head
 from headstart.models.llama import load_llama
 

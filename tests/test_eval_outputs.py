@@ -13,7 +13,8 @@ from test_train import _recipe
 
 from headstart.cli import main
 from headstart.errors import DataError
-from headstart.evaluate import EvalPlan, evaluate, head_labels, is_report_dir, read_prompt_file, write_reports
+from headstart.eval_report import head_labels, is_report_dir, write_reports
+from headstart.evaluate import EvalPlan, evaluate, read_prompt_file
 from headstart.heads import HeadConfig, build_head, save_head
 
 

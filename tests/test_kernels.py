@@ -58,6 +58,42 @@ def test_linear_rows_values_and_row_invariance(kernels, dtype, n_out, n_in):
         assert torch.equal(kernels.linear_rows(x[41:42], w, bias), y[41:42])
 
 
+def test_linear_rows_fp32_rows_over_bf16_weights(kernels):
+    """fp32 activations over a bf16 weight (each pair of weights widened exactly): right values, and
+    every row's bits its own."""
+    g = torch.Generator().manual_seed(5)
+    w = (torch.randn(50, 41, generator=g) * 0.05).to(torch.bfloat16)
+    x = torch.randn(23, 41, generator=g)
+    y = kernels.linear_rows(x, w, None)
+    ref = F.linear(x.double(), w.double())
+    assert y.dtype == torch.float32 and (y.double() - ref).abs().max() <= 1e-5 * ref.abs().max()
+    for i in range(23):
+        assert torch.equal(kernels.linear_rows(x[i:i + 1], w, None), y[i:i + 1]), i
+    assert torch.equal(kernels.linear_rows(x[:5], w, None), y[:5])
+
+
+def test_both_bf16_kernels_where_the_cpu_has_amx(kernels):
+    """On a CPU with AMX the bf16 linear runs on tiles; HEADSTART_AMX=0 keeps the AVX-512 kernel.
+    Both must be right and row-invariant (each process uses one of them throughout)."""
+    if kernels.linear_isa() != "amx-bf16":
+        pytest.skip(f"this CPU's bf16 linear is {kernels.linear_isa()}: no second kernel to check")
+    code = ("import torch, torch.nn.functional as F\n"
+            "from headstart.kernels import rowwise\n"
+            "k = rowwise(); assert k.linear_isa() == 'avx512-bf16', k.linear_isa()\n"
+            "g = torch.Generator().manual_seed(3)\n"
+            "w = (torch.randn(70, 100, generator=g) * 0.05).bfloat16()\n"
+            "x = torch.randn(9, 100, generator=g).bfloat16()\n"
+            "y = k.linear_rows(x, w, None); ref = F.linear(x.double(), w.double())\n"
+            "assert (y.double() - ref).abs().max() <= 2e-2 * ref.abs().max()\n"
+            "assert all(torch.equal(k.linear_rows(x[i:i + 1], w, None), y[i:i + 1]) for i in range(9))\n")
+    import subprocess
+    import sys
+
+    env = {**os.environ, "HEADSTART_AMX": "0"}
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+
+
 def _paged(dtype, g, pages=24, page=8, hkv=2, dh=32):
     kc = torch.randn(pages, page, hkv, dh, generator=g).to(dtype)
     vc = torch.randn(pages, page, hkv, dh, generator=g).to(dtype)
@@ -106,6 +142,14 @@ def test_kernels_refuse_bad_input(kernels):
         kernels.linear_rows(x, w, torch.zeros(3))
     with pytest.raises(RuntimeError, match="floating"):
         kernels.linear_rows(x.long(), w, None)
+    packed = kernels.pack_linear(w)
+    assert torch.equal(kernels.linear_packed(x, packed, 8, None), kernels.linear_rows(x, w, None))
+    with pytest.raises(RuntimeError, match="outputs"):
+        kernels.linear_packed(x, packed, 40, None)  # more outputs than the packed weight holds
+    with pytest.raises(RuntimeError, match="inputs"):
+        kernels.linear_packed(torch.randn(2, 17), packed, 8, None)
+    with pytest.raises(RuntimeError, match="pack_linear"):
+        kernels.linear_packed(x, w, 8, None)  # an unpacked weight
     g = torch.Generator().manual_seed(0)
     kc, vc = _paged(torch.float32, g, pages=4, page=4, hkv=1, dh=8)
     q = torch.randn(1, 2, 8)
@@ -188,6 +232,27 @@ def test_linear_module_uses_the_kernel_only_for_inference(kernels):
     assert lin.weight.grad is not None
     with torch.autocast("cpu", dtype=torch.bfloat16), torch.no_grad():
         assert lin(x.detach()).dtype == torch.bfloat16  # autocast keeps torch's path
+
+
+def test_the_packed_weight_follows_the_weight(kernels):
+    """The kernel reads a packed copy of the weight: an optimizer step in place, a loaded state dict or
+    a new Parameter between two inference calls must reach it (a stale copy gives the old outputs)."""
+    lin = Linear(40, 24)
+    lin.enable_cpu_kernels(max_rows=8)
+    x = torch.randn(3, 40)
+    before = lin(x)
+    opt = torch.optim.SGD(lin.parameters(), lr=0.5)
+    lin(torch.randn(2, 40, requires_grad=True)).pow(2).sum().backward()
+    opt.step()
+    with torch.inference_mode():
+        assert torch.equal(lin(x), kernels.linear_rows(x, lin.weight, lin.bias))
+        assert not torch.equal(lin(x), before)
+    lin.load_state_dict({"weight": torch.randn(24, 40), "bias": torch.zeros(24)})
+    with torch.no_grad():
+        assert torch.equal(lin(x), kernels.linear_rows(x, lin.weight, lin.bias))
+    lin.weight = torch.nn.Parameter(torch.randn(24, 40))
+    with torch.no_grad():
+        assert torch.equal(lin(x), kernels.linear_rows(x, lin.weight, lin.bias))
 
 
 def test_validation_leaves_the_training_target_on_torch_kernels(kernels, tiny_dir):

@@ -11,9 +11,12 @@
 //       row r attends keys [0, row_len[r]) of sequence row_seq[r], then the KV indices
 //       extra[r, :extra_len[r]] (tree ancestors), in that order.
 //
-// Accumulation is fp32. Reductions use VL independent lanes (element i goes to lane i mod VL),
-// summed lane by lane in a fixed order, then a scalar tail. The weights of a linear are streamed
-// once for up to four rows at a time, which is what makes a k + 1 row verify cost about one row.
+//   pack_linear(w) -> the weight in the kernel's layout; linear_packed(x, packed, N, bias) -> (M, N)
+//
+// Accumulation is fp32. A linear's output accumulates in its own vector lane in input order; the
+// weights are streamed from memory once for all rows, which is what makes a k + 1 row verify cost
+// about one row. Attention reductions use VL independent lanes (element i goes to lane i mod VL),
+// summed lane by lane in a fixed order, then a scalar tail.
 
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
@@ -23,7 +26,9 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <cstdlib>
 #include <limits>
+#include <string>
 #include <vector>
 
 #if defined(__AVX512F__)
@@ -81,133 +86,319 @@ static inline uint16_t to_bf16(float f) {  // round to nearest even, as torch's 
 }
 
 // ------------------------------------------------------------------------------------ linear
+//
+// The weight is packed once (pack_linear) so that a vector load reads one input's weights for VL
+// consecutive outputs: every output accumulates in its own lane, in input order, with no
+// horizontal reduction. Layouts, outputs in blocks of VL lanes, zero-padded past N and K:
+//   bf16 weights: (NB, KP, VL, 2): inputs 2p and 2p + 1 side by side in one 32-bit word per lane
+//                 (what the CPU's bf16 dot product and AMX read; widened with a shift and a mask
+//                 elsewhere); KP is padded to a multiple of 16 pairs (an AMX tile's depth);
+//   fp32 weights: (NB, K, VL).
+// A tile is up to four rows x JV blocks; the row groups reread the tile's weights from cache, so
+// the weights are streamed from memory once for any number of rows. A row's arithmetic is the same
+// in every tile shape and thread split: a k + 1 row verify gives each row the bits it gets alone.
 
-// Rows [m0, m0 + MB) x outputs [j0, j0 + JB): each (row, output) pair accumulates in its own lanes.
-template <int MB, int JB, typename W>
-static inline void tile(const float* x, const W* w, const float* bias, float* y, int64_t m0, int64_t j0,
-                        int64_t N, int64_t K) {
-  fvec acc[MB][JB];
-  for (int m = 0; m < MB; ++m)
-    for (int j = 0; j < JB; ++j) acc[m][j] = fvec{};
-  const int64_t kv = K - K % VL;
-  // The weight rows 8 tiles ahead are prefetched; past the last row the address is clamped to it
-  // (forming a pointer beyond the tensor is undefined behaviour, even for a prefetch).
-  const int64_t ahead = std::min<int64_t>(j0 + 8 * JB, N - JB);
-  for (int64_t k = 0; k < kv; k += VL) {
-    fvec wv[JB];
-    for (int j = 0; j < JB; ++j) {
-      __builtin_prefetch(w + (ahead + j) * K + k);
-      wv[j] = load(w + (j0 + j) * K + k);
-    }
-    for (int m = 0; m < MB; ++m) {
-      fvec xv = load(x + (m0 + m) * K + k);
-      for (int j = 0; j < JB; ++j) acc[m][j] = acc[m][j] + xv * wv[j];
-    }
-  }
-  for (int m = 0; m < MB; ++m) {
-    for (int j = 0; j < JB; ++j) {
-      float s = hsum(acc[m][j]);
-      for (int64_t k = kv; k < K; ++k) s += x[(m0 + m) * K + k] * scalar(w[(j0 + j) * K + k]);
-      if (bias) s += bias[j0 + j];
-      y[(m0 + m) * N + j0 + j] = s;
-    }
-  }
-}
-
-#if defined(__AVX512BF16__)
-// bf16 activations x bf16 weights with the CPU's bf16 dot product (pairs of products summed into
-// fp32 lanes): half the instructions of widening both operands, and no conversion of the weights.
-template <int MB, int JB>
-static inline void tile(const uint16_t* x, const uint16_t* w, const float* bias, float* y, int64_t m0, int64_t j0,
-                        int64_t N, int64_t K) {
-  __m512 acc[MB][JB];
-  for (int m = 0; m < MB; ++m)
-    for (int j = 0; j < JB; ++j) acc[m][j] = _mm512_setzero_ps();
-  const int64_t kv = K - K % 32;
-  const int64_t ahead = std::min<int64_t>(j0 + 8 * JB, N - JB);  // clamped to the last rows, as above
-  for (int64_t k = 0; k < kv; k += 32) {
-    __m512bh wv[JB];
-    for (int j = 0; j < JB; ++j) {
-      _mm_prefetch(reinterpret_cast<const char*>(w + (ahead + j) * K + k), _MM_HINT_T1);
-      wv[j] = (__m512bh)_mm512_loadu_si512(w + (j0 + j) * K + k);
-    }
-    for (int m = 0; m < MB; ++m) {
-      __m512bh xv = (__m512bh)_mm512_loadu_si512(x + (m0 + m) * K + k);
-      for (int j = 0; j < JB; ++j) acc[m][j] = _mm512_dpbf16_ps(acc[m][j], xv, wv[j]);
-    }
-  }
-  for (int m = 0; m < MB; ++m) {
-    for (int j = 0; j < JB; ++j) {
-      float s = _mm512_reduce_add_ps(acc[m][j]);
-      for (int64_t k = kv; k < K; ++k) s += scalar(x[(m0 + m) * K + k]) * scalar(w[(j0 + j) * K + k]);
-      if (bias) s += bias[j0 + j];
-      y[(m0 + m) * N + j0 + j] = s;
-    }
-  }
-}
-
+#if defined(__AVX512F__)
+constexpr int JVMAX = 4;  // 4 rows x 4 blocks: 16 accumulators of 32 registers
+#else
+constexpr int JVMAX = 2;  // 4 rows x 2 blocks: 8 accumulators of 16 registers
 #endif
 
-// The rows in tiles of four (then three, two, one): a row's arithmetic is the same in every tile size.
-template <int JB, typename X, typename W>
-static void rows_tile(const X* x, const W* w, const float* bias, float* y, int64_t M, int64_t j0, int64_t N,
-                      int64_t K) {
+static inline int64_t pairs(int64_t K) { return (K + 31) / 32 * 16; }  // bf16 input pairs, padded
+
+struct LinearArgs {
+  const void* x;  // the rows, prepared for the path (see linear_packed)
+  const void* w;  // the packed weight
+  const float* bias;  // padded to NB * VL, or null
+  float* y;  // (M, N)
+  int64_t M, N, K, KP;  // KP: input pairs (bf16) or inputs (fp32) per row of the packed weight
+};
+
+static inline void store_lanes(const LinearArgs& a, int64_t m, int64_t b, fvec acc) {
+  if (a.bias) acc = acc + load(a.bias + b * VL);
+  float out[VL];
+  std::memcpy(out, &acc, sizeof(out));
+  const int64_t n0 = b * VL, n = std::min<int64_t>(VL, a.N - n0);
+  std::memcpy(a.y + m * a.N + n0, out, n * sizeof(float));
+}
+
+// bf16 weights, fp32 rows (padded to 2 * KP): each pair widened exactly, products added in order.
+struct WidenTile {
+  template <int MB, int JV>
+  static void run(const LinearArgs& a, int64_t m0, int64_t b0) {
+    const float* x = static_cast<const float*>(a.x);
+    const uint32_t* w = static_cast<const uint32_t*>(a.w) + b0 * a.KP * VL;
+    fvec acc[MB][JV];
+    for (int m = 0; m < MB; ++m)
+      for (int j = 0; j < JV; ++j) acc[m][j] = fvec{};
+    for (int64_t p = 0; p < a.KP; ++p) {
+      fvec lo[JV], hi[JV];
+      for (int j = 0; j < JV; ++j) {
+        uvec u;
+        std::memcpy(&u, w + (j * a.KP + p) * VL, sizeof(u));
+        const uvec ul = u << 16, uh = u & 0xFFFF0000u;
+        std::memcpy(&lo[j], &ul, sizeof(fvec));
+        std::memcpy(&hi[j], &uh, sizeof(fvec));
+      }
+      for (int m = 0; m < MB; ++m) {
+        const float x0 = x[(m0 + m) * 2 * a.KP + 2 * p], x1 = x[(m0 + m) * 2 * a.KP + 2 * p + 1];
+        for (int j = 0; j < JV; ++j) acc[m][j] = (acc[m][j] + x0 * lo[j]) + x1 * hi[j];
+      }
+    }
+    for (int m = 0; m < MB; ++m)
+      for (int j = 0; j < JV; ++j) store_lanes(a, m0 + m, b0 + j, acc[m][j]);
+  }
+};
+
+// fp32 weights and rows.
+struct FloatTile {
+  template <int MB, int JV>
+  static void run(const LinearArgs& a, int64_t m0, int64_t b0) {
+    const float* x = static_cast<const float*>(a.x);
+    const float* w = static_cast<const float*>(a.w) + b0 * a.KP * VL;
+    fvec acc[MB][JV];
+    for (int m = 0; m < MB; ++m)
+      for (int j = 0; j < JV; ++j) acc[m][j] = fvec{};
+    for (int64_t k = 0; k < a.KP; ++k) {
+      fvec wv[JV];
+      for (int j = 0; j < JV; ++j) wv[j] = load(w + (j * a.KP + k) * VL);
+      for (int m = 0; m < MB; ++m) {
+        const float xk = x[(m0 + m) * a.KP + k];
+        for (int j = 0; j < JV; ++j) acc[m][j] = acc[m][j] + xk * wv[j];
+      }
+    }
+    for (int m = 0; m < MB; ++m)
+      for (int j = 0; j < JV; ++j) store_lanes(a, m0 + m, b0 + j, acc[m][j]);
+  }
+};
+
+#if defined(__AVX512BF16__)
+// bf16 weights and rows: the CPU's bf16 dot product adds each pair's two products into the lane.
+struct DotTile {
+  template <int MB, int JV>
+  static void run(const LinearArgs& a, int64_t m0, int64_t b0) {
+    const uint32_t* x = static_cast<const uint32_t*>(a.x);  // (M, KP) pairs
+    const uint16_t* w = static_cast<const uint16_t*>(a.w) + b0 * a.KP * VL * 2;
+    __m512 acc[MB][JV];
+    for (int m = 0; m < MB; ++m)
+      for (int j = 0; j < JV; ++j) acc[m][j] = _mm512_setzero_ps();
+    for (int64_t p = 0; p < a.KP; ++p) {
+      __m512bh wv[JV];
+      for (int j = 0; j < JV; ++j) wv[j] = (__m512bh)_mm512_loadu_si512(w + (j * a.KP + p) * VL * 2);
+      for (int m = 0; m < MB; ++m) {
+        const __m512bh xv = (__m512bh)_mm512_set1_epi32(static_cast<int>(x[(m0 + m) * a.KP + p]));
+        for (int j = 0; j < JV; ++j) acc[m][j] = _mm512_dpbf16_ps(acc[m][j], xv, wv[j]);
+      }
+    }
+    for (int m = 0; m < MB; ++m)
+      for (int j = 0; j < JV; ++j) {
+        fvec v;
+        std::memcpy(&v, &acc[m][j], sizeof(v));
+        store_lanes(a, m0 + m, b0 + j, v);
+      }
+  }
+};
+#endif
+
+template <class Tile, int JV>
+static void row_groups(const LinearArgs& a, int64_t b0) {
   int64_t m = 0;
-  for (; m + 4 <= M; m += 4) tile<4, JB>(x, w, bias, y, m, j0, N, K);
-  switch (M - m) {
-    case 3: tile<3, JB>(x, w, bias, y, m, j0, N, K); break;
-    case 2: tile<2, JB>(x, w, bias, y, m, j0, N, K); break;
-    case 1: tile<1, JB>(x, w, bias, y, m, j0, N, K); break;
+  for (; m + 4 <= a.M; m += 4) Tile::template run<4, JV>(a, m, b0);
+  switch (a.M - m) {
+    case 3: Tile::template run<3, JV>(a, m, b0); break;
+    case 2: Tile::template run<2, JV>(a, m, b0); break;
+    case 1: Tile::template run<1, JV>(a, m, b0); break;
     default: break;
   }
 }
 
-template <typename X, typename W>
-static void linear_impl(const X* x, const W* w, const float* bias, float* y, int64_t M, int64_t N, int64_t K) {
-  constexpr int JB = 4;
-  const int64_t blocks = (N + JB - 1) / JB;
-  at::parallel_for(0, blocks, 16, [&](int64_t b0, int64_t b1) {
-    for (int64_t b = b0; b < b1; ++b) {
-      const int64_t j0 = b * JB;
-      if (j0 + JB <= N) {
-        rows_tile<JB>(x, w, bias, y, M, j0, N, K);
-      } else {
-        for (int64_t j = j0; j < N; ++j) rows_tile<1>(x, w, bias, y, M, j, N, K);
+template <class Tile>
+static void linear_blocks(const LinearArgs& a) {
+  const int64_t NB = (a.N + VL - 1) / VL;
+  // ~64 KB of weights per task at least: small layers stay on one thread rather than pay a fork.
+  const int64_t grain = std::max<int64_t>(1, 65536 / std::max<int64_t>(1, a.KP * VL * 4));
+  at::parallel_for(0, NB, grain, [&](int64_t c0, int64_t c1) {
+    for (int64_t b = c0; b < c1; b += JVMAX) {
+      switch (std::min<int64_t>(JVMAX, c1 - b)) {
+        case 4: if constexpr (JVMAX >= 4) row_groups<Tile, 4>(a, b); break;
+        case 3: if constexpr (JVMAX >= 3) row_groups<Tile, 3>(a, b); break;
+        case 2: row_groups<Tile, 2>(a, b); break;
+        default: row_groups<Tile, 1>(a, b); break;
       }
     }
   });
 }
 
-torch::Tensor linear_rows(torch::Tensor x, torch::Tensor w, c10::optional<torch::Tensor> bias) {
-  TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && x.size(1) == w.size(1), "linear_rows: shapes (M, K) x (N, K)");
-  TORCH_CHECK(w.scalar_type() == at::kBFloat16 || w.scalar_type() == at::kFloat, "linear_rows: bf16 or fp32 weights");
-  TORCH_CHECK(x.is_floating_point(), "linear_rows: floating-point inputs");
-  TORCH_CHECK(x.device().is_cpu() && w.device().is_cpu(), "linear_rows: CPU tensors");
-  const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
-  if (bias.has_value() && bias->defined())
-    TORCH_CHECK(bias->device().is_cpu() && bias->dim() == 1 && bias->size(0) == N && bias->is_floating_point(),
-                "linear_rows: bias must be a CPU float vector of ", N, " values");
+#if defined(__AVX512BF16__) && defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#define HEADSTART_AMX 1
+#include <sys/syscall.h>
+#include <unistd.h>
+
+// Intel AMX (bf16 tiles): one instruction multiplies up to 16 rows x 32 inputs by 32 inputs x 16
+// outputs into fp32 accumulators. Each accumulator row is its own row's dot products (rows never
+// mix), and a row's inputs are consumed in the same 32-input steps whatever the number of rows,
+// so a row's bits do not depend on the rows beside it. Linux grants the tile state on request.
+static bool amx_ready() {  // HEADSTART_AMX=0 keeps the AVX-512 kernel (a process never mixes the two)
+  static const bool ok = [] {
+    const char* env = std::getenv("HEADSTART_AMX");
+    if (env && std::string(env) == "0") return false;
+    return syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XTILEDATA */) == 0;
+  }();
+  return ok;
+}
+
+struct TileConfig {
+  uint8_t palette, start_row, reserved[14];
+  uint16_t colsb[16];
+  uint8_t rows[16];
+};
+
+// Tiles 0-3: the accumulators of four blocks of 16 outputs; 4: the rows' inputs; 5-7: weights.
+static void amx_configure(int64_t rows) {
+  TileConfig c{};
+  c.palette = 1;
+  for (int t = 0; t < 5; ++t) {
+    c.rows[t] = static_cast<uint8_t>(rows);
+    c.colsb[t] = 64;
+  }
+  for (int t = 5; t < 8; ++t) {
+    c.rows[t] = 16;
+    c.colsb[t] = 64;
+  }
+  _tile_loadconfig(&c);
+}
+
+template <int JV>
+static void amx_tile(const LinearArgs& a, int64_t m0, int64_t rows, int64_t b0, float* buf) {
+  const uint16_t* x = static_cast<const uint16_t*>(a.x) + m0 * 2 * a.KP;
+  const uint16_t* w = static_cast<const uint16_t*>(a.w) + b0 * a.KP * 32;
+  const int64_t stride = 4 * a.KP;  // bytes per row of inputs
+  _tile_zero(0);
+  if constexpr (JV > 1) _tile_zero(1);
+  if constexpr (JV > 2) _tile_zero(2);
+  if constexpr (JV > 3) _tile_zero(3);
+  for (int64_t p = 0; p < a.KP; p += 16) {
+    _tile_loadd(4, x + 2 * p, stride);
+    _tile_loadd(5, w + p * 32, 64);
+    _tile_dpbf16ps(0, 4, 5);
+    if constexpr (JV > 1) {
+      _tile_loadd(6, w + (a.KP + p) * 32, 64);
+      _tile_dpbf16ps(1, 4, 6);
+    }
+    if constexpr (JV > 2) {
+      _tile_loadd(7, w + (2 * a.KP + p) * 32, 64);
+      _tile_dpbf16ps(2, 4, 7);
+    }
+    if constexpr (JV > 3) {
+      _tile_loadd(5, w + (3 * a.KP + p) * 32, 64);
+      _tile_dpbf16ps(3, 4, 5);
+    }
+  }
+  _tile_stored(0, buf, 64);
+  if constexpr (JV > 1) _tile_stored(1, buf + 256, 64);
+  if constexpr (JV > 2) _tile_stored(2, buf + 512, 64);
+  if constexpr (JV > 3) _tile_stored(3, buf + 768, 64);
+  for (int64_t m = 0; m < rows; ++m)
+    for (int j = 0; j < JV; ++j) store_lanes(a, m0 + m, b0 + j, load(buf + j * 256 + m * 16));
+}
+
+static void linear_amx(const LinearArgs& a) {
+  const int64_t NB = (a.N + VL - 1) / VL;
+  const int64_t grain = std::max<int64_t>(1, 65536 / std::max<int64_t>(1, a.KP * VL * 4));
+  at::parallel_for(0, NB, grain, [&](int64_t c0, int64_t c1) {
+    alignas(64) float buf[4 * 256];
+    int64_t configured = 0;
+    for (int64_t b = c0; b < c1; b += 4) {
+      for (int64_t m0 = 0; m0 < a.M; m0 += 16) {
+        const int64_t rows = std::min<int64_t>(16, a.M - m0);
+        if (rows != configured) {
+          amx_configure(rows);
+          configured = rows;
+        }
+        switch (std::min<int64_t>(4, c1 - b)) {
+          case 4: amx_tile<4>(a, m0, rows, b, buf); break;
+          case 3: amx_tile<3>(a, m0, rows, b, buf); break;
+          case 2: amx_tile<2>(a, m0, rows, b, buf); break;
+          default: amx_tile<1>(a, m0, rows, b, buf); break;
+        }
+      }
+    }
+    if (configured) _tile_release();
+  });
+}
+#endif
+
+torch::Tensor pack_linear(torch::Tensor w) {
+  TORCH_CHECK(w.dim() == 2 && w.device().is_cpu(), "pack_linear: a CPU weight (N, K)");
+  TORCH_CHECK(w.scalar_type() == at::kBFloat16 || w.scalar_type() == at::kFloat, "pack_linear: bf16 or fp32 weights");
+  const int64_t N = w.size(0), K = w.size(1), NB = (N + VL - 1) / VL;
+  TORCH_CHECK(N > 0 && K > 0, "pack_linear: an empty weight");
   auto wc = w.contiguous();
+  if (wc.scalar_type() == at::kBFloat16) {
+    const int64_t KP = pairs(K);
+    auto out = torch::zeros({NB, KP, VL, 2}, wc.options());
+    const uint16_t* src = reinterpret_cast<const uint16_t*>(wc.data_ptr<at::BFloat16>());
+    uint16_t* dst = reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>());
+    at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
+      for (int64_t n = n0; n < n1; ++n)
+        for (int64_t k = 0; k < K; ++k) dst[(((n / VL) * KP + k / 2) * VL + n % VL) * 2 + k % 2] = src[n * K + k];
+    });
+    return out;
+  }
+  auto out = torch::zeros({NB, K, VL}, wc.options());
+  const float* src = wc.data_ptr<float>();
+  float* dst = out.data_ptr<float>();
+  at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
+    for (int64_t n = n0; n < n1; ++n)
+      for (int64_t k = 0; k < K; ++k) dst[((n / VL) * K + k) * VL + n % VL] = src[n * K + k];
+  });
+  return out;
+}
+
+torch::Tensor linear_packed(torch::Tensor x, torch::Tensor packed, int64_t N, c10::optional<torch::Tensor> bias) {
+  TORCH_CHECK(x.dim() == 2 && x.is_floating_point() && x.device().is_cpu(), "linear_packed: CPU float rows (M, K)");
+  TORCH_CHECK(packed.device().is_cpu() && packed.is_contiguous(), "linear_packed: a weight from pack_linear");
+  const bool wbf = packed.scalar_type() == at::kBFloat16;
+  TORCH_CHECK((wbf && packed.dim() == 4 && packed.size(3) == 2 && packed.size(2) == VL) ||
+                  (packed.scalar_type() == at::kFloat && packed.dim() == 3 && packed.size(2) == VL),
+              "linear_packed: a weight from pack_linear on this CPU");
+  const int64_t M = x.size(0), K = x.size(1), NB = packed.size(0), KP = packed.size(1);
+  TORCH_CHECK(N > 0 && (N + VL - 1) / VL == NB, "linear_packed: ", N, " outputs do not fit the packed weight");
+  TORCH_CHECK(wbf ? pairs(K) == KP : K == KP, "linear_packed: rows of ", K, " inputs for a packed weight of ",
+              wbf ? 2 * KP : KP);
   torch::Tensor bf;
-  if (bias.has_value() && bias->defined()) bf = bias->to(at::kFloat).contiguous();
+  if (bias.has_value() && bias->defined()) {
+    TORCH_CHECK(bias->device().is_cpu() && bias->dim() == 1 && bias->size(0) == N && bias->is_floating_point(),
+                "linear_packed: bias must be a CPU float vector of ", N, " values");
+    bf = torch::zeros({NB * VL}, x.options().dtype(at::kFloat));
+    bf.narrow(0, 0, N).copy_(*bias);
+  }
   auto y = torch::empty({M, N}, x.options().dtype(at::kFloat));
-  const float* bp = bf.defined() ? bf.data_ptr<float>() : nullptr;
+  LinearArgs a{nullptr, packed.data_ptr(), bf.defined() ? bf.data_ptr<float>() : nullptr, y.data_ptr<float>(),
+               M, N, K, KP};
+  torch::Tensor xs;  // the rows as the path reads them
+  if (M > 0) {
 #if defined(__AVX512BF16__)
-  const bool dp = wc.scalar_type() == at::kBFloat16 && x.scalar_type() == at::kBFloat16;
-#else
-  const bool dp = false;
+    if (wbf && x.scalar_type() == at::kBFloat16) {
+      xs = 2 * KP != K ? torch::constant_pad_nd(x, {0, 2 * KP - K}).contiguous() : x.contiguous();
+      a.x = xs.data_ptr();
+#if defined(HEADSTART_AMX)
+      if (amx_ready()) {
+        linear_amx(a);
+      } else
 #endif
-  auto xf = dp ? x.contiguous() : x.to(at::kFloat).contiguous();
-  if (dp) {
-#if defined(__AVX512BF16__)
-    linear_impl(reinterpret_cast<const uint16_t*>(xf.data_ptr<at::BFloat16>()),
-                reinterpret_cast<const uint16_t*>(wc.data_ptr<at::BFloat16>()), bp, y.data_ptr<float>(), M, N, K);
+        linear_blocks<DotTile>(a);
+    } else
 #endif
-  } else if (wc.scalar_type() == at::kBFloat16) {
-    linear_impl(xf.data_ptr<float>(), reinterpret_cast<const uint16_t*>(wc.data_ptr<at::BFloat16>()), bp,
-                y.data_ptr<float>(), M, N, K);
-  } else {
-    linear_impl(xf.data_ptr<float>(), wc.data_ptr<float>(), bp, y.data_ptr<float>(), M, N, K);
+    if (wbf) {
+      xs = torch::constant_pad_nd(x.to(at::kFloat), {0, 2 * KP - K}).contiguous();
+      a.x = xs.data_ptr();
+      linear_blocks<WidenTile>(a);
+    } else {
+      xs = x.to(at::kFloat).contiguous();
+      a.x = xs.data_ptr();
+      linear_blocks<FloatTile>(a);
+    }
   }
   if (x.scalar_type() == at::kFloat) return y;
   if (x.scalar_type() == at::kBFloat16) {
@@ -218,6 +409,18 @@ torch::Tensor linear_rows(torch::Tensor x, torch::Tensor w, c10::optional<torch:
     return out;
   }
   return y.to(x.scalar_type());
+}
+
+// The same, packing the weight on every call (tests, one-off calls): a module packs once.
+torch::Tensor linear_rows(torch::Tensor x, torch::Tensor w, c10::optional<torch::Tensor> bias) {
+  TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && x.size(1) == w.size(1), "linear_rows: shapes (M, K) x (N, K)");
+  TORCH_CHECK(w.scalar_type() == at::kBFloat16 || w.scalar_type() == at::kFloat, "linear_rows: bf16 or fp32 weights");
+  TORCH_CHECK(x.is_floating_point(), "linear_rows: floating-point inputs");
+  TORCH_CHECK(x.device().is_cpu() && w.device().is_cpu(), "linear_rows: CPU tensors");
+  if (bias.has_value() && bias->defined())
+    TORCH_CHECK(bias->device().is_cpu() && bias->dim() == 1 && bias->size(0) == w.size(0) && bias->is_floating_point(),
+                "linear_rows: bias must be a CPU float vector of ", w.size(0), " values");
+  return linear_packed(x, pack_linear(w), w.size(0), bias);
 }
 
 // --------------------------------------------------------------------------------- attention
@@ -431,7 +634,24 @@ torch::Tensor paged_attention_rows(torch::Tensor q, torch::Tensor k_cache, torch
   return outf;
 }
 
+// Which instructions serve a bf16 linear in this process (reports name it beside their figures).
+std::string linear_isa() {
+#if defined(HEADSTART_AMX)
+  if (amx_ready()) return "amx-bf16";
+#endif
+#if defined(__AVX512BF16__)
+  return "avx512-bf16";
+#elif defined(__AVX512F__)
+  return "avx512";
+#else
+  return "avx2";
+#endif
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("linear_rows", &linear_rows, "row-invariant small-M linear (bf16 / fp32 weights)");
+  m.def("linear_isa", &linear_isa, "the instructions a bf16 x bf16 linear_packed uses in this process");
+  m.def("pack_linear", &pack_linear, "pack a bf16 / fp32 weight (N, K) for linear_packed");
+  m.def("linear_packed", &linear_packed, "row-invariant small-M linear over a packed weight");
+  m.def("linear_rows", &linear_rows, "row-invariant small-M linear (bf16 / fp32 weights), packing on the call");
   m.def("paged_attention_rows", &paged_attention_rows, "row-invariant paged attention, one key set per row");
 }

@@ -3,8 +3,9 @@
 `enable_cpu_kernels()` picks, for a CPU weight:
 - the row-invariant kernel (headstart.kernels, bf16 / fp32 weights) for inputs of up to
   `MAX_ROWS` rows: every output row is computed the same way whether it is alone or one of many,
-  which is what makes greedy speculative output equal greedy AR output; it streams the weights once
-  for up to four rows, so a 4-row verify costs about one row (see benchmarks/kernels.py);
+  which is what makes greedy speculative output equal greedy AR output; it reads a copy of the
+  weight packed once for it (outputs across vector lanes), streamed once for all rows, so a 4-row
+  verify costs little more than one row (benchmarks/kernels.py);
 - where that kernel cannot be built, a one-row (GEMV) copy of the weight: bf16 weights as fp16 (the
   copy is exact; fp16 has 3 more mantissa bits; values under 6e-5 become fp16 subnormals with an
   absolute error below 3e-8), fp32 weights pre-transposed; faster for batch-1 decode, but rows then
@@ -32,6 +33,8 @@ class Linear(nn.Linear):
         self._gemv: torch.Tensor | None = None
         self._gemv_kind = ""
         self._rows = 0  # inputs of up to this many rows take the row-invariant kernel (0: never)
+        self._packed: torch.Tensor | None = None  # the weight in that kernel's layout
+        self._packed_of: tuple[int, int] = (-1, -1)  # (data_ptr, _version) of the weight it was packed from
 
     def enable_cpu_kernels(self, rowwise_kernels: bool = True, max_rows: int | None = MAX_ROWS) -> str:
         """Use the fastest CPU inference kernel available for this weight; returns which ("rows",
@@ -43,6 +46,7 @@ class Linear(nn.Linear):
             return ""
         if rowwise_kernels and kernel_dtype_ok(w.dtype) and rowwise() is not None:
             self._rows, self._gemv, self._gemv_kind = 1 << 62 if max_rows is None else max_rows, None, ""
+            self._pack()
             return "rows"
         if w.dtype == torch.bfloat16 and float(w.abs().max()) < _FP16_MAX:
             self._gemv, self._gemv_kind = w.to(torch.float16).contiguous(), "fp16"
@@ -53,7 +57,17 @@ class Linear(nn.Linear):
         return "gemv"
 
     def disable_cpu_kernels(self) -> None:
-        self._gemv, self._gemv_kind, self._rows = None, "", 0
+        self._gemv, self._gemv_kind, self._rows, self._packed = None, "", 0, None
+
+    def _pack(self) -> torch.Tensor:
+        """The weight in the row kernel's layout, packed again whenever the weight was replaced or
+        changed in place since (an optimizer step between two validations)."""
+        w = self.weight
+        # An inference tensor keeps no version counter (and is loaded once, not trained): its storage is its identity.
+        of = (w.data_ptr(), -1 if w.is_inference() else w._version)
+        if self._packed is None or self._packed_of != of:
+            self._packed, self._packed_of = rowwise().pack_linear(w.detach()), of
+        return self._packed
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if (not self._rows and self._gemv is None) or x.dim() != 2 or not x.is_cpu or not self.weight.is_cpu or (
@@ -62,7 +76,7 @@ class Linear(nn.Linear):
             return F.linear(x, self.weight, self.bias)
         if self._rows:
             if x.shape[0] <= self._rows and x.dtype == self.weight.dtype:
-                return rowwise().linear_rows(x, self.weight, self.bias)
+                return rowwise().linear_packed(x, self._pack(), self.out_features, self.bias)
             return F.linear(x, self.weight, self.bias)
         if x.shape[0] != 1:
             return F.linear(x, self.weight, self.bias)
@@ -82,9 +96,9 @@ def enable_cpu_kernels(module: nn.Module, rowwise_kernels: bool = True, max_rows
 def cpu_kernels_restored(module: nn.Module) -> Iterator[None]:
     """Run a block (e.g. an Engine over a model that training keeps using) and put every Linear's
     kernel choice back as it was afterwards."""
-    saved = [(m, m._rows, m._gemv, m._gemv_kind) for m in module.modules() if isinstance(m, Linear)]
+    saved = [(m, m._rows, m._gemv, m._gemv_kind, m._packed) for m in module.modules() if isinstance(m, Linear)]
     try:
         yield
     finally:
-        for m, rows, gemv, kind in saved:
-            m._rows, m._gemv, m._gemv_kind = rows, gemv, kind
+        for m, rows, gemv, kind, packed in saved:
+            m._rows, m._gemv, m._gemv_kind, m._packed = rows, gemv, kind, packed

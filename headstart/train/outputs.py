@@ -67,7 +67,7 @@ def is_run_record(path: Path) -> bool:
 
 def _ours(p: Path, recipe: Recipe) -> bool:
     """An entry of a record-less output_dir that a headstart verb of this recipe wrote."""
-    from headstart.evaluate import is_report_dir
+    from headstart.eval_report import is_report_dir
     from headstart.precompute.regenerate import output_path
 
     if p.name.startswith(".train.lock-rank") or p.name.startswith(".lock-rank"):
