@@ -116,7 +116,7 @@ def main() -> None:
         fmt = (lambda v: f"{v:,}") if key.endswith("tokens") or key == "tokens_seen" else (lambda v: f"{v:.3f}")
         print(f"{label:24}{fmt(x):>18}{fmt(y):>14}{ratio:>8}")
     rate = lambda r: "/".join(f"{v:.2f}" for v in r["accept_rate_per_pos"] or [])  # noqa: E731
-    print(f"{'accept rate per pos':24}{rate(a):>18}{rate(b):>14}")
+    print(f"{'accept rate per pos':24}{rate(a):>18} {rate(b):>13}")
     print("(held-out loss is each arm's own held-out split: ShareGPT answers vs the target's own; not comparable)")
     atomic_write_text(OUT / "results.json", json.dumps({"args": vars(args), **results}, indent=2))
 
