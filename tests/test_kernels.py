@@ -19,7 +19,7 @@ from headstart.inference.proposers import SpecConfig
 from headstart.kernels import mask_key_sets, rowwise
 from headstart.models.llama import load_llama
 from headstart.nn.attention import AttentionMetadata
-from headstart.nn.linear import Linear
+from headstart.nn.linear import Linear, cpu_kernels_restored
 
 DTYPES = [torch.bfloat16, torch.float32]
 
@@ -69,7 +69,26 @@ def test_linear_rows_fp32_rows_over_bf16_weights(kernels):
     assert y.dtype == torch.float32 and (y.double() - ref).abs().max() <= 1e-5 * ref.abs().max()
     for i in range(23):
         assert torch.equal(kernels.linear_rows(x[i:i + 1], w, None), y[i:i + 1]), i
-    assert torch.equal(kernels.linear_rows(x[:5], w, None), y[:5])
+    for m in range(1, 10):  # every row group size and remainder
+        assert torch.equal(kernels.linear_rows(x[:m], w, None), y[:m]), m
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_linear_bits_do_not_depend_on_the_thread_count(kernels, dtype):
+    """The outputs are split between threads in blocks; a row's bits must not follow the split."""
+    g = torch.Generator().manual_seed(11)
+    for n, k in [(213, 200), (1000, 576), (333, 1536)]:  # 1 to 4 threads: every size of a thread's last tile
+        w = (torch.randn(n, k, generator=g) * 0.05).to(dtype)
+        x = torch.randn(64, k, generator=g).to(dtype)  # many rows: bf16 rounding hides most order changes
+        threads = torch.get_num_threads()
+        try:
+            outs = []
+            for t in (1, 2, 3, 4):
+                torch.set_num_threads(t)
+                outs.append(kernels.linear_rows(x, w, None))
+        finally:
+            torch.set_num_threads(threads)
+        assert all(torch.equal(outs[0], o) for o in outs[1:]), (n, k)
 
 
 def test_both_bf16_kernels_where_the_cpu_has_amx(kernels):
@@ -85,7 +104,8 @@ def test_both_bf16_kernels_where_the_cpu_has_amx(kernels):
             "x = torch.randn(9, 100, generator=g).bfloat16()\n"
             "y = k.linear_rows(x, w, None); ref = F.linear(x.double(), w.double())\n"
             "assert (y.double() - ref).abs().max() <= 2e-2 * ref.abs().max()\n"
-            "assert all(torch.equal(k.linear_rows(x[i:i + 1], w, None), y[i:i + 1]) for i in range(9))\n")
+            "assert all(torch.equal(k.linear_rows(x[i:i + 1], w, None), y[i:i + 1]) for i in range(9))\n"
+            "assert all(torch.equal(k.linear_rows(x[:m], w, None), y[:m]) for m in range(1, 9))\n")
     import subprocess
     import sys
 
@@ -143,13 +163,21 @@ def test_kernels_refuse_bad_input(kernels):
     with pytest.raises(RuntimeError, match="floating"):
         kernels.linear_rows(x.long(), w, None)
     packed = kernels.pack_linear(w)
-    assert torch.equal(kernels.linear_packed(x, packed, 8, None), kernels.linear_rows(x, w, None))
+    assert torch.equal(kernels.linear_packed(x, packed, 8, 16, None), kernels.linear_rows(x, w, None))
     with pytest.raises(RuntimeError, match="outputs"):
-        kernels.linear_packed(x, packed, 40, None)  # more outputs than the packed weight holds
+        kernels.linear_packed(x, packed, 40, 16, None)  # more outputs than the packed weight holds
     with pytest.raises(RuntimeError, match="inputs"):
-        kernels.linear_packed(torch.randn(2, 17), packed, 8, None)
+        kernels.linear_packed(torch.randn(2, 17), packed, 8, 16, None)
     with pytest.raises(RuntimeError, match="pack_linear"):
-        kernels.linear_packed(x, w, 8, None)  # an unpacked weight
+        kernels.linear_packed(x, w, 8, 16, None)  # an unpacked weight
+    wb = torch.randn(8, 40).bfloat16()  # bf16 pads K to 32-input steps: 39 and 41 inputs fit the padding
+    for width in (39, 41):
+        with pytest.raises(RuntimeError, match="inputs"):
+            kernels.linear_packed(torch.randn(2, width).bfloat16(), kernels.pack_linear(wb), 8, 40, None)
+    lin = Linear(40, 8).bfloat16()
+    lin.enable_cpu_kernels(max_rows=8)
+    with torch.no_grad(), pytest.raises(RuntimeError):
+        lin(torch.randn(3, 41).bfloat16())  # a width bug is not hidden by the padding
     g = torch.Generator().manual_seed(0)
     kc, vc = _paged(torch.float32, g, pages=4, page=4, hkv=1, dh=8)
     q = torch.randn(1, 2, 8)
@@ -253,6 +281,34 @@ def test_the_packed_weight_follows_the_weight(kernels):
     lin.weight = torch.nn.Parameter(torch.randn(24, 40))
     with torch.no_grad():
         assert torch.equal(lin(x), kernels.linear_rows(x, lin.weight, lin.bias))
+    lin.weight.data.mul_(2)  # no version bump: a new engine's enable_cpu_kernels must still read it
+    lin.enable_cpu_kernels(max_rows=8)
+    with torch.no_grad():
+        assert torch.equal(lin(x), kernels.linear_rows(x, lin.weight, lin.bias))
+        lin.weight.add_(1)
+        with cpu_kernels_restored(lin):  # a block (validation) must not bring back a pack of the old weight
+            lin.enable_cpu_kernels(max_rows=8)
+        assert torch.equal(lin(x), kernels.linear_rows(x, lin.weight, lin.bias))
+
+
+def test_the_restricted_lm_head_follows_the_lm_head(kernels):
+    """A draft vocabulary's lm_head rows are gathered once and cached; an in-place change of the
+    target's lm_head (a loaded state dict) must rebuild them."""
+    from headstart.heads.vocab import restricted_lm_head
+
+    class Owner:
+        pass
+
+    lm_head = Linear(16, 50, bias=False)
+    lm_head.enable_cpu_kernels()
+    d2t = torch.tensor([3, 0, 5, 10])  # draft ids 0..3 -> target ids 3, 1, 7, 13
+    owner, x = Owner(), torch.randn(2, 16)
+    with torch.no_grad():
+        first = restricted_lm_head(owner, lm_head, d2t)(x)
+        lm_head.load_state_dict({"weight": torch.randn(50, 16)})
+        again = restricted_lm_head(owner, lm_head, d2t)(x)
+        assert torch.equal(again, kernels.linear_rows(x, lm_head.weight[torch.tensor([3, 1, 7, 13])], None))
+        assert not torch.equal(first, again)
 
 
 def test_validation_leaves_the_training_target_on_torch_kernels(kernels, tiny_dir):

@@ -61,7 +61,8 @@ def restricted_lm_head(owner: object, lm_head: object, d2t: torch.Tensor) -> obj
     from headstart.nn.linear import Linear
 
     w = lm_head.weight
-    key = (w.data_ptr(), w.dtype, w.device, d2t.data_ptr(), d2t._version, getattr(lm_head, "_rows", 0),
+    version = -1 if w.is_inference() else w._version  # in-place changes (load_state_dict, an optimizer) rebuild it
+    key = (w.data_ptr(), version, w.dtype, w.device, d2t.data_ptr(), d2t._version, getattr(lm_head, "_rows", 0),
            getattr(lm_head, "_gemv_kind", ""))
     cached = getattr(owner, "_restricted_lm_head", None)
     if cached is not None and cached[0] == key:

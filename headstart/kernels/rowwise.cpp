@@ -11,7 +11,7 @@
 //       row r attends keys [0, row_len[r]) of sequence row_seq[r], then the KV indices
 //       extra[r, :extra_len[r]] (tree ancestors), in that order.
 //
-//   pack_linear(w) -> the weight in the kernel's layout; linear_packed(x, packed, N, bias) -> (M, N)
+//   pack_linear(w) -> the weight in the kernel's layout; linear_packed(x, packed, N, K, bias) -> (M, N)
 //
 // Accumulation is fp32. A linear's output accumulates in its own vector lane in input order; the
 // weights are streamed from memory once for all rows, which is what makes a k + 1 row verify cost
@@ -355,7 +355,8 @@ torch::Tensor pack_linear(torch::Tensor w) {
   return out;
 }
 
-torch::Tensor linear_packed(torch::Tensor x, torch::Tensor packed, int64_t N, c10::optional<torch::Tensor> bias) {
+torch::Tensor linear_packed(torch::Tensor x, torch::Tensor packed, int64_t N, int64_t K_in,
+                            c10::optional<torch::Tensor> bias) {
   TORCH_CHECK(x.dim() == 2 && x.is_floating_point() && x.device().is_cpu(), "linear_packed: CPU float rows (M, K)");
   TORCH_CHECK(packed.device().is_cpu() && packed.is_contiguous(), "linear_packed: a weight from pack_linear");
   const bool wbf = packed.scalar_type() == at::kBFloat16;
@@ -364,8 +365,8 @@ torch::Tensor linear_packed(torch::Tensor x, torch::Tensor packed, int64_t N, c1
               "linear_packed: a weight from pack_linear on this CPU");
   const int64_t M = x.size(0), K = x.size(1), NB = packed.size(0), KP = packed.size(1);
   TORCH_CHECK(N > 0 && (N + VL - 1) / VL == NB, "linear_packed: ", N, " outputs do not fit the packed weight");
-  TORCH_CHECK(wbf ? pairs(K) == KP : K == KP, "linear_packed: rows of ", K, " inputs for a packed weight of ",
-              wbf ? 2 * KP : KP);
+  TORCH_CHECK(K == K_in && (wbf ? pairs(K) == KP : K == KP), "linear_packed: rows of ", K,
+              " inputs for a packed weight of ", K_in);
   torch::Tensor bf;
   if (bias.has_value() && bias->defined()) {
     TORCH_CHECK(bias->device().is_cpu() && bias->dim() == 1 && bias->size(0) == N && bias->is_floating_point(),
@@ -420,7 +421,7 @@ torch::Tensor linear_rows(torch::Tensor x, torch::Tensor w, c10::optional<torch:
   if (bias.has_value() && bias->defined())
     TORCH_CHECK(bias->device().is_cpu() && bias->dim() == 1 && bias->size(0) == w.size(0) && bias->is_floating_point(),
                 "linear_rows: bias must be a CPU float vector of ", w.size(0), " values");
-  return linear_packed(x, pack_linear(w), w.size(0), bias);
+  return linear_packed(x, pack_linear(w), w.size(0), w.size(1), bias);
 }
 
 // --------------------------------------------------------------------------------- attention

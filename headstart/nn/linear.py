@@ -46,7 +46,7 @@ class Linear(nn.Linear):
             return ""
         if rowwise_kernels and kernel_dtype_ok(w.dtype) and rowwise() is not None:
             self._rows, self._gemv, self._gemv_kind = 1 << 62 if max_rows is None else max_rows, None, ""
-            self._pack()
+            self._pack(force=True)  # a weight changed without a version bump (fused AdamW, .data) is read anew
             return "rows"
         if w.dtype == torch.bfloat16 and float(w.abs().max()) < _FP16_MAX:
             self._gemv, self._gemv_kind = w.to(torch.float16).contiguous(), "fp16"
@@ -59,13 +59,15 @@ class Linear(nn.Linear):
     def disable_cpu_kernels(self) -> None:
         self._gemv, self._gemv_kind, self._rows, self._packed = None, "", 0, None
 
-    def _pack(self) -> torch.Tensor:
+    def _pack(self, force: bool = False) -> torch.Tensor:
         """The weight in the row kernel's layout, packed again whenever the weight was replaced or
-        changed in place since (an optimizer step between two validations)."""
+        changed in place since (an optimizer step between two validations), as far as its version
+        counter tells: writes through `.data`, fused optimizers and in-place changes of inference
+        tensors do not bump it, which is why `enable_cpu_kernels` always packs anew."""
         w = self.weight
         # An inference tensor keeps no version counter (and is loaded once, not trained): its storage is its identity.
         of = (w.data_ptr(), -1 if w.is_inference() else w._version)
-        if self._packed is None or self._packed_of != of:
+        if force or self._packed is None or self._packed_of != of:
             self._packed, self._packed_of = rowwise().pack_linear(w.detach()), of
         return self._packed
 
@@ -76,7 +78,7 @@ class Linear(nn.Linear):
             return F.linear(x, self.weight, self.bias)
         if self._rows:
             if x.shape[0] <= self._rows and x.dtype == self.weight.dtype:
-                return rowwise().linear_packed(x, self._pack(), self.out_features, self.bias)
+                return rowwise().linear_packed(x, self._pack(), self.out_features, self.in_features, self.bias)
             return F.linear(x, self.weight, self.bias)
         if x.shape[0] != 1:
             return F.linear(x, self.weight, self.bias)
@@ -96,9 +98,10 @@ def enable_cpu_kernels(module: nn.Module, rowwise_kernels: bool = True, max_rows
 def cpu_kernels_restored(module: nn.Module) -> Iterator[None]:
     """Run a block (e.g. an Engine over a model that training keeps using) and put every Linear's
     kernel choice back as it was afterwards."""
-    saved = [(m, m._rows, m._gemv, m._gemv_kind, m._packed) for m in module.modules() if isinstance(m, Linear)]
+    saved = [(m, m._rows, m._gemv, m._gemv_kind, m._packed, m._packed_of) for m in module.modules()
+             if isinstance(m, Linear)]
     try:
         yield
     finally:
-        for m, rows, gemv, kind, packed in saved:
-            m._rows, m._gemv, m._gemv_kind, m._packed = rows, gemv, kind, packed
+        for m, rows, gemv, kind, packed, packed_of in saved:
+            m._rows, m._gemv, m._gemv_kind, m._packed, m._packed_of = rows, gemv, kind, packed, packed_of
