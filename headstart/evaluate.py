@@ -178,8 +178,6 @@ def _timed_setting(ar_engine: Any, engine: Any, prompts: list[list[int]], temp: 
             "ar_tokens_per_s": ar_tok / ar_sec}
 
 
-
-
 def _quantile(sorted_values: list[float], q: float) -> float:
     """Linear-interpolated quantile of an ascending list."""
     pos = q * (len(sorted_values) - 1)
@@ -333,9 +331,6 @@ def _summarise(st: _Setting, temp: float, timed: dict[str, Any], categories: lis
         same = sum(o.token_ids == ref for o, ref in zip(outs, ar["outputs"]))
         row["lossless_check"] = "identical" if same == len(outs) else f"differs in {len(outs) - same} of {len(outs)}"
     return row
-
-
-# ------------------------------------------------------------------------------------ reports
 
 
 def check_plan(plan: EvalPlan, context: int | None = None) -> None:

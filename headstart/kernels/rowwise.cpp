@@ -122,15 +122,24 @@ static inline void store_lanes(const LinearArgs& a, int64_t m, int64_t b, fvec a
   std::memcpy(a.y + m * a.N + n0, out, n * sizeof(float));
 }
 
+template <int MB, int JV, typename V>  // V: fvec, or __m512 (the same 16 floats)
+static inline void store_tile(const LinearArgs& a, int64_t m0, int64_t b0, const V (&acc)[MB][JV]) {
+  static_assert(sizeof(V) == sizeof(fvec), "an accumulator is one vector of VL floats");
+  for (int m = 0; m < MB; ++m)
+    for (int j = 0; j < JV; ++j) {
+      fvec v;
+      std::memcpy(&v, &acc[m][j], sizeof(v));
+      store_lanes(a, m0 + m, b0 + j, v);
+    }
+}
+
 // bf16 weights, fp32 rows (padded to 2 * KP): each pair widened exactly, products added in order.
 struct WidenTile {
   template <int MB, int JV>
   static void run(const LinearArgs& a, int64_t m0, int64_t b0) {
     const float* x = static_cast<const float*>(a.x);
     const uint32_t* w = static_cast<const uint32_t*>(a.w) + b0 * a.KP * VL;
-    fvec acc[MB][JV];
-    for (int m = 0; m < MB; ++m)
-      for (int j = 0; j < JV; ++j) acc[m][j] = fvec{};
+    fvec acc[MB][JV] = {};
     for (int64_t p = 0; p < a.KP; ++p) {
       fvec lo[JV], hi[JV];
       for (int j = 0; j < JV; ++j) {
@@ -145,8 +154,7 @@ struct WidenTile {
         for (int j = 0; j < JV; ++j) acc[m][j] = (acc[m][j] + x0 * lo[j]) + x1 * hi[j];
       }
     }
-    for (int m = 0; m < MB; ++m)
-      for (int j = 0; j < JV; ++j) store_lanes(a, m0 + m, b0 + j, acc[m][j]);
+    store_tile(a, m0, b0, acc);
   }
 };
 
@@ -156,9 +164,7 @@ struct FloatTile {
   static void run(const LinearArgs& a, int64_t m0, int64_t b0) {
     const float* x = static_cast<const float*>(a.x);
     const float* w = static_cast<const float*>(a.w) + b0 * a.KP * VL;
-    fvec acc[MB][JV];
-    for (int m = 0; m < MB; ++m)
-      for (int j = 0; j < JV; ++j) acc[m][j] = fvec{};
+    fvec acc[MB][JV] = {};
     for (int64_t k = 0; k < a.KP; ++k) {
       fvec wv[JV];
       for (int j = 0; j < JV; ++j) wv[j] = load(w + (j * a.KP + k) * VL);
@@ -167,8 +173,7 @@ struct FloatTile {
         for (int j = 0; j < JV; ++j) acc[m][j] = acc[m][j] + xk * wv[j];
       }
     }
-    for (int m = 0; m < MB; ++m)
-      for (int j = 0; j < JV; ++j) store_lanes(a, m0 + m, b0 + j, acc[m][j]);
+    store_tile(a, m0, b0, acc);
   }
 };
 
@@ -190,12 +195,7 @@ struct DotTile {
         for (int j = 0; j < JV; ++j) acc[m][j] = _mm512_dpbf16_ps(acc[m][j], xv, wv[j]);
       }
     }
-    for (int m = 0; m < MB; ++m)
-      for (int j = 0; j < JV; ++j) {
-        fvec v;
-        std::memcpy(&v, &acc[m][j], sizeof(v));
-        store_lanes(a, m0 + m, b0 + j, v);
-      }
+    store_tile(a, m0, b0, acc);
   }
 };
 #endif
@@ -357,7 +357,8 @@ torch::Tensor pack_linear(torch::Tensor w) {
 
 torch::Tensor linear_packed(torch::Tensor x, torch::Tensor packed, int64_t N, int64_t K_in,
                             c10::optional<torch::Tensor> bias) {
-  TORCH_CHECK(x.dim() == 2 && x.is_floating_point() && x.device().is_cpu(), "linear_packed: CPU float rows (M, K)");
+  TORCH_CHECK(x.dim() == 2 && x.is_floating_point() && x.device().is_cpu(),
+              "linear_packed: CPU floating-point rows (M, K)");
   TORCH_CHECK(packed.device().is_cpu() && packed.is_contiguous(), "linear_packed: a weight from pack_linear");
   const bool wbf = packed.scalar_type() == at::kBFloat16;
   TORCH_CHECK((wbf && packed.dim() == 4 && packed.size(3) == 2 && packed.size(2) == VL) ||
@@ -414,13 +415,7 @@ torch::Tensor linear_packed(torch::Tensor x, torch::Tensor packed, int64_t N, in
 
 // The same, packing the weight on every call (tests, one-off calls): a module packs once.
 torch::Tensor linear_rows(torch::Tensor x, torch::Tensor w, c10::optional<torch::Tensor> bias) {
-  TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && x.size(1) == w.size(1), "linear_rows: shapes (M, K) x (N, K)");
-  TORCH_CHECK(w.scalar_type() == at::kBFloat16 || w.scalar_type() == at::kFloat, "linear_rows: bf16 or fp32 weights");
-  TORCH_CHECK(x.is_floating_point(), "linear_rows: floating-point inputs");
-  TORCH_CHECK(x.device().is_cpu() && w.device().is_cpu(), "linear_rows: CPU tensors");
-  if (bias.has_value() && bias->defined())
-    TORCH_CHECK(bias->device().is_cpu() && bias->dim() == 1 && bias->size(0) == w.size(0) && bias->is_floating_point(),
-                "linear_rows: bias must be a CPU float vector of ", w.size(0), " values");
+  TORCH_CHECK(x.dim() == 2 && w.dim() == 2, "linear_rows: shapes (M, K) x (N, K)");
   return linear_packed(x, pack_linear(w), w.size(0), w.size(1), bias);
 }
 
