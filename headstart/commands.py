@@ -231,13 +231,14 @@ def cmd_train(args: argparse.Namespace) -> int:
 def cmd_head_init(args: argparse.Namespace) -> int:
     from headstart.assets import resolve_model
     from headstart.heads import HeadConfig, build_head, save_head
+    from headstart.heads.base import POSTNORM_FAMILIES
     from headstart.heads.checkpoint import check_head_output
     from headstart.models.llama import load_llama
 
     check_head_output(args.out, overwrite=args.force)  # before the target loads: a wrong --out costs nothing
     try:
-        if args.postnorm_features and args.type not in ("mtp", "eagle1", "deepseek_mtp"):
-            raise ValueError(f"--postnorm-features applies to mtp, eagle1 and deepseek_mtp heads, not {args.type}")
+        if args.postnorm_features and args.type not in POSTNORM_FAMILIES:  # named by the flag, not the field
+            raise ValueError(f"--postnorm-features applies to {', '.join(POSTNORM_FAMILIES)} heads, not {args.type}")
         cfg = HeadConfig(head_type=args.type, num_layers=args.num_layers, medusa_num_heads=args.medusa_heads,
                          postnorm_features=True if args.postnorm_features else None)
     except ValueError as e:

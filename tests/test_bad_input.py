@@ -53,6 +53,11 @@ def test_head_init_values(chat_model_dir, tmp_path, capsys):
     _fails(capsys, base + ["--type", "eagle3", "--postnorm-features"], "--postnorm-features applies to")
     assert main(base + ["--type", "mtp", "--postnorm-features"]) == 0
     assert json.loads((tmp_path / "h" / "config.json").read_text())["postnorm_features"] is True
+    from headstart.heads import HeadConfig
+
+    for kind in ("eagle3", "medusa", "draft_lm"):  # the config itself refuses it, whoever builds one
+        with pytest.raises(ValueError, match="postnorm_features applies"):
+            HeadConfig(head_type=kind, postnorm_features=True)
 
 
 def test_damaged_heads_are_named(chat_model_dir, head_dir, capsys):

@@ -37,6 +37,8 @@ HIDDEN_STATE_CONVENTION = {
 }
 
 # mtp and eagle1 are one code path; these flags are their only difference (README: head families).
+# Families whose input is the target's last state, which they may read after its final norm.
+POSTNORM_FAMILIES = ("mtp", "eagle1", "deepseek_mtp")
 EAGLE_FLAGS = {
     "mtp": {"embed_norm": True, "hidden_norm": True, "layer_input_norm": True, "final_norm": True,
             "postnorm_features": False, "fc_bias": False},
@@ -80,6 +82,8 @@ class HeadConfig:
         if self.medusa_num_heads < 1 or self.medusa_num_layers < 1:
             raise ValueError(f"medusa_num_heads and medusa_num_layers must be >= 1, got {self.medusa_num_heads} "
                              f"and {self.medusa_num_layers}")
+        if self.postnorm_features and self.head_type not in POSTNORM_FAMILIES:
+            raise ValueError(f"postnorm_features applies to {', '.join(POSTNORM_FAMILIES)} heads, not {self.head_type}")
         for name, value in EAGLE_FLAGS.get(self.head_type, {}).items():
             if getattr(self, name) is None:
                 setattr(self, name, value)
