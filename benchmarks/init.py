@@ -12,6 +12,12 @@ Variants (all keep the target's final norm before the lm_head where the family h
                 layer starts as the identity, so the head starts by repeating the target's state
   default_fc    the copied layer, the fusion at torch's default (random) init
   random        every weight at torch's default init, norms at 1
+eagle3, medusa and draft_lm (no fusion of the last state) have their own (OWN_START):
+  default       build_head's init
+  fc_high       eagle3: fc the identity on the deepest aux state, attention output zeroed
+  norm0         the norm before the lm_head at zero: the head starts uniform (KL = log V - H(p))
+  tempered      that norm (Medusa: its draft lm_head rows) at 1/4: the default's prediction, softened
+  copy_zero_out draft_lm: its copied layers with their output projections zeroed
 """
 
 from __future__ import annotations
@@ -21,15 +27,39 @@ import contextlib
 import math
 import time
 
+# Families whose variants differ from the chain families' (own fusion of aux states, no fusion, or
+# no decoder layer); their "default" is build_head's init.
+OWN_START = {"eagle3": "default,fc_high,norm0,tempered,random", "medusa": "default,tempered",
+             "draft_lm": "default,norm0,tempered,copy_zero_out,random"}
+
 
 def _variant(name: str, kind: str, target, draft_vocab: int | None, maps):  # noqa: ANN001
     import torch
 
     from headstart.heads import HeadConfig, build_head
-    from headstart.heads.base import init_from_last_layers, init_fusion_as_identity
+    from headstart.heads.base import init_from_last_layers, init_fusion_as_identity, zero_output_projections
 
-    cfg = HeadConfig(head_type=kind, draft_vocab_size=draft_vocab)
+    n = target.config.num_hidden_layers
+    cfg = HeadConfig(head_type=kind, draft_vocab_size=draft_vocab,
+                     aux_layer_ids=[2, n // 2, n - 3] if kind == "eagle3" else None)
     torch.manual_seed(0)
+    if kind in OWN_START:
+        head = build_head(cfg, target, init_from_target=name != "random")
+        if draft_vocab:
+            head.set_vocab_maps(*maps)
+        with torch.no_grad():
+            if name in ("norm0", "tempered"):  # the norm before the lm_head (Medusa: the lm_head rows)
+                w = head.lm_head.weight if kind == "medusa" else head.norm.weight
+                w.mul_(0.0 if name == "norm0" else 0.25)
+            if name == "fc_high":  # eagle3: f = the deepest aux state, the attention's output zeroed
+                d = target.config.hidden_size
+                head.fc.weight.zero_()
+                head.fc.weight[:, -d:] = torch.eye(d, dtype=head.fc.weight.dtype)
+                for layer in head.layers:
+                    layer.self_attn.o_proj.weight.zero_()
+            if name == "copy_zero_out":
+                zero_output_projections(head.layers)
+        return head.float()
     if name == "random":
         head = build_head(cfg, target, init_from_target=False)
     elif name in ("scaled", "unscaled", "copy_zero_out"):
@@ -51,15 +81,16 @@ def _variant(name: str, kind: str, target, draft_vocab: int | None, maps):  # no
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--head", default="mtp", choices=["mtp", "eagle1", "deepseek_mtp"])
+    ap.add_argument("--head", default="mtp", choices=["mtp", "eagle1", "deepseek_mtp", *OWN_START])
     ap.add_argument("--steps", type=int, default=12)
     ap.add_argument("--batch-tokens", type=int, default=2048)
     ap.add_argument("--lr", type=float, default=2e-3)
     ap.add_argument("--draft-vocab", type=int, default=8192)
     ap.add_argument("--prompts", type=int, default=8)
     ap.add_argument("--max-tokens", type=int, default=32)
-    ap.add_argument("--variants", default="scaled,unscaled,copy_zero_out,default_fc,random")
+    ap.add_argument("--variants", default=None, help="default: every variant of the family")
     args = ap.parse_args()
+    args.variants = args.variants or OWN_START.get(args.head, "scaled,unscaled,copy_zero_out,default_fc,random")
 
     import torch
 
@@ -82,14 +113,16 @@ def main() -> None:
     built = build_dataset(recipe.data, str(model_dir), progress=False)
     autocast = torch.autocast("cpu", dtype=torch.bfloat16) if dtype == "bf16" else contextlib.nullcontext()
     t0 = time.perf_counter()
+    n = target.config.num_hidden_layers
+    aux = [2, n // 2, n - 3] if args.head == "eagle3" else []
     batches = []
     for item in PackedStream(TokenSequences.from_dataset(built.train), args.batch_tokens, seed=0):
         with torch.no_grad(), autocast:
-            batches.append(target_forward(target, item["batch"], []))
+            batches.append(target_forward(target, item["batch"], aux))
         if len(batches) == args.steps:
             break
     held = TokenSequences.from_dataset(built.heldout)
-    val = [target_forward(target, held.load(b), []) for b in pack(list(range(len(held.ids))), held.lengths,
+    val = [target_forward(target, held.load(b), aux) for b in pack(list(range(len(held.ids))), held.lengths,
                                                                   args.batch_tokens)[:2]]
     prompts = heldout_prompts(held.ids, held.masks, args.prompts)
     counts = torch.zeros(target.config.vocab_size, dtype=torch.float64)

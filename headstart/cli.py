@@ -95,7 +95,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = verbs.add_parser("regenerate", help="rewrite a recipe's assistant turns with the target itself")
     _add_recipe_args(p)
-    p.add_argument("--resume", action="store_true", help="continue an interrupted run")
+    p.add_argument("--resume", action="store_true",
+                   help="continue an interrupted run, or add rows to a finished one after raising regenerate.limit")
     p.set_defaults(func=commands.cmd_regenerate)
 
     p = verbs.add_parser("train", help="fit the recipe's head (shards or online), validating with the engine")

@@ -128,3 +128,31 @@ def test_max_prompt_tokens_skips_long_prompts(tmp_path, model_dir):
                                     regenerate=dataclasses.replace(recipe.regenerate, max_prompt_tokens=cut))
         kept = run_regenerate(short, progress=False).read_text().splitlines()
         assert len(kept) == expect == sum(n <= cut for n in lengths)
+
+
+def test_a_finished_run_grows_with_a_larger_limit(tmp_path, model_dir):
+    """Raising regenerate.limit and passing --resume adds the next source rows to a finished output:
+    the same conversations, in the same order, as one run with the larger limit; a smaller or equal
+    limit, or no --resume, is refused and leaves the output as it was."""
+    import dataclasses
+
+    def with_limit(recipe, n):
+        return dataclasses.replace(recipe, regenerate=dataclasses.replace(recipe.regenerate, limit=n))
+
+    one = run_regenerate(with_limit(_recipe(tmp_path, model_dir, "one", temperature=0.8), 7), progress=False)
+    recipe = _recipe(tmp_path, model_dir, "grown", temperature=0.8)
+    out = run_regenerate(with_limit(recipe, 3), progress=False)
+    first = out.read_text()
+    for n, resume in ((7, False), (3, True), (2, True)):
+        with pytest.raises(DataError, match="already exists"):
+            run_regenerate(with_limit(recipe, n), resume=resume, progress=False)
+        assert out.read_text() == first
+    out = run_regenerate(with_limit(recipe, 7), resume=True, progress=False)
+    got = [json.loads(x) for x in out.read_text().split("\n")[:-1]]
+    want = [json.loads(x) for x in one.read_text().split("\n")[:-1]]
+    assert [r["id"] for r in got] == [r["id"] for r in want] == [f"c{i}" for i in range(7)]
+    assert [r["conversations"] for r in got] == [r["conversations"] for r in want]
+    assert out.read_text().startswith(first)
+    assert [r["regenerated"]["limit"] for r in got] == [3] * 3 + [7] * 4
+    run_file = out.with_name(out.name + ".run.json")
+    assert json.loads(run_file.read_text())["limit"] == 7

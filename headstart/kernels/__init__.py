@@ -1,10 +1,11 @@
-"""Row-invariant CPU kernels (rowwise.cpp), compiled for this CPU on first use.
+"""Row-invariant CPU kernels (rowwise.h; linear.cpp, attention.cpp, module.cpp), compiled for this
+CPU on first use.
 
 `rowwise()` returns the compiled module, or None where it cannot be built (no C++ compiler, a
 non-x86 CPU, `HEADSTART_KERNELS=0`); callers then keep torch's kernels, which are fast but give a
 row different bits depending on how many rows share its matmul (see headstart.nn.linear). The
 build (~30 s on 2 cores) is cached under `$HEADSTART_KERNEL_CACHE/<hash>` (default
-`$HEADSTART_CACHE/kernels`), keyed by the source, the torch version and the CPU's flags, so a machine
+`$HEADSTART_CACHE/kernels`), keyed by the sources, the torch version and the CPU's flags, so a machine
 with other vector units never reuses it.
 """
 
@@ -18,7 +19,8 @@ import warnings
 from pathlib import Path
 from typing import Any
 
-_SOURCE = Path(__file__).with_name("rowwise.cpp")
+_HEADER = Path(__file__).with_name("rowwise.h")
+_SOURCES = tuple(Path(__file__).with_name(n) for n in ("linear.cpp", "attention.cpp", "module.cpp"))
 _lock = threading.Lock()
 _module: Any = None
 _tried = False
@@ -43,7 +45,9 @@ CFLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fopenmp")
 def build_key() -> str:
     import torch
 
-    h = hashlib.sha256(_SOURCE.read_bytes())
+    h = hashlib.sha256()
+    for path in (_HEADER, *_SOURCES):
+        h.update(path.name.encode() + b"\0" + path.read_bytes())
     h.update(" ".join(CFLAGS).encode())
     h.update(torch.__version__.encode())
     h.update(_cpu_flags().encode())
@@ -131,7 +135,7 @@ def _cached_build(root: Path, key: str) -> Any:
 def _compile(name: str, build: Path) -> Any:
     from torch.utils.cpp_extension import load
 
-    return load(name=name, sources=[str(_SOURCE)], build_directory=str(build),
+    return load(name=name, sources=[str(p) for p in _SOURCES], build_directory=str(build),
                 extra_cflags=list(CFLAGS),
                 extra_ldflags=["-fopenmp"], verbose=False)
 

@@ -6,6 +6,8 @@ run through the engine together (continuous batching), turn by turn. Finished co
 appended to `<output>.partial` (flushed per chunk); `--resume` keeps its complete lines and skips
 those ids; the file is renamed to `<output>` when everything is done. Sampling seeds derive from
 the recipe seed and the conversation id, so a resumed run writes what an uninterrupted one would.
+A finished run grows with a larger `regenerate.limit` and `--resume`: the next source rows are
+added to it.
 """
 
 from __future__ import annotations
@@ -47,6 +49,22 @@ def _done_ids(partial: Path) -> set[str]:
     return ids
 
 
+def limit_of(recipe: Recipe) -> int | None:
+    return recipe.regenerate.limit if recipe.regenerate.limit is not None else recipe.data.limit
+
+
+def _larger(new: int | None, old: Any) -> bool:
+    """Whether source limit `new` reads every row `old` did and more (None: every row)."""
+    return isinstance(old, int) and (new is None or new > old)
+
+
+def _grows(run_file: Path, limit: int | None) -> bool:
+    """Whether a finished run's record says it read fewer source rows than `limit` asks for. The rows
+    are read in source order, so the larger run's first rows are the finished run's: extending it
+    writes what one run with the larger limit would (each row keeps the limit it was made under)."""
+    return run_file.exists() and _larger(limit, read_json_object(run_file, "run record").get("limit"))
+
+
 def run_regenerate(recipe: Recipe, resume: bool = False, progress: bool = True) -> Path:
     from tqdm import tqdm
 
@@ -63,7 +81,10 @@ def run_regenerate(recipe: Recipe, resume: bool = False, progress: bool = True) 
         raise DataError(f"regenerate: the source {source} is the output; set regenerate.source to the conversations "
                         "to rewrite")
     if out.exists():
-        raise DataError(f"{out} already exists; remove it or set regenerate.output")
+        if not (resume and _grows(run_file, limit_of(recipe))):
+            raise DataError(f"{out} already exists; remove it, set regenerate.output, or raise regenerate.limit "
+                            "and pass --resume to add the next source rows to it")
+        os.replace(out, partial)  # a finished run extended to a larger limit: its rows are kept and skipped
     try:  # an unwritable destination is found before the engine loads, not after hours of decoding
         out.parent.mkdir(parents=True, exist_ok=True)
         with open(partial, "a", encoding="utf-8"):
@@ -76,7 +97,7 @@ def run_regenerate(recipe: Recipe, resume: bool = False, progress: bool = True) 
     # the prompts (a long prefill costs 1.4-2x less than with the row-invariant ones).
     engine = Engine(recipe.target.model, dtype=resolve_dtype(recipe.target.dtype), max_batch_size=cfg.batch_size,
                     seed=recipe.seed, batch_invariant=False)
-    limit = cfg.limit if cfg.limit is not None else recipe.data.limit
+    limit = limit_of(recipe)
     provenance = {"model": recipe.target.model, "target_fingerprint": engine.model.fingerprint(),
                   "temperature": cfg.temperature, "top_p": cfg.top_p, "max_tokens": cfg.max_tokens,
                   "seed": recipe.seed, "source": source, "limit": limit, "max_turns": cfg.max_turns,
@@ -85,9 +106,11 @@ def run_regenerate(recipe: Recipe, resume: bool = False, progress: bool = True) 
         if not resume:
             raise DataError(f"{partial} holds an unfinished run; pass --resume to continue it")
         prev = read_json_object(run_file, "run record") if run_file.exists() else {}
-        diff = [k for k, v in provenance.items() if prev.get(k) != v]
+        diff = [k for k, v in provenance.items() if prev.get(k) != v and not (k == "limit" and _larger(v, prev.get(k)))]
         if diff:
             raise DataError(f"{partial} was made with a different {', '.join(diff)}; refusing to resume")
+        if prev.get("limit") != limit:
+            atomic_write_text(run_file, json.dumps(provenance, indent=2))
     else:
         atomic_write_text(run_file, json.dumps(provenance, indent=2))
     done = _done_ids(partial)
