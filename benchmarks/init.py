@@ -18,6 +18,7 @@ eagle3, medusa and draft_lm (no fusion of the last state) have their own (OWN_ST
   norm0         the norm before the lm_head at zero: the head starts uniform (KL = log V - H(p))
   tempered      that norm (Medusa: its draft lm_head rows) at 1/4: the default's prediction, softened
   copy_zero_out draft_lm: its copied layers with their output projections zeroed
+  a+b           both (fc_high+tempered)
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ import time
 
 # Families whose variants differ from the chain families' (own fusion of aux states, no fusion, or
 # no decoder layer); their "default" is build_head's init.
-OWN_START = {"eagle3": "default,fc_high,norm0,tempered,random", "medusa": "default,tempered",
+OWN_START = {"eagle3": "default,fc_high,norm0,tempered,fc_high+tempered,random", "medusa": "default,tempered",
              "draft_lm": "default,norm0,tempered,copy_zero_out,random"}
 
 
@@ -47,17 +48,18 @@ def _variant(name: str, kind: str, target, draft_vocab: int | None, maps):  # no
         head = build_head(cfg, target, init_from_target=name != "random")
         if draft_vocab:
             head.set_vocab_maps(*maps)
+        parts = set(name.split("+"))  # variants compose: fc_high+tempered
         with torch.no_grad():
-            if name in ("norm0", "tempered"):  # the norm before the lm_head (Medusa: the lm_head rows)
+            if parts & {"norm0", "tempered"}:  # the norm before the lm_head (Medusa: the lm_head rows)
                 w = head.lm_head.weight if kind == "medusa" else head.norm.weight
-                w.mul_(0.0 if name == "norm0" else 0.25)
-            if name == "fc_high":  # eagle3: f = the deepest aux state, the attention's output zeroed
+                w.mul_(0.0 if "norm0" in parts else 0.25)
+            if "fc_high" in parts:  # eagle3: f = the deepest aux state, the attention's output zeroed
                 d = target.config.hidden_size
                 head.fc.weight.zero_()
                 head.fc.weight[:, -d:] = torch.eye(d, dtype=head.fc.weight.dtype)
                 for layer in head.layers:
                     layer.self_attn.o_proj.weight.zero_()
-            if name == "copy_zero_out":
+            if "copy_zero_out" in parts:
                 zero_output_projections(head.layers)
         return head.float()
     if name == "random":
@@ -91,6 +93,8 @@ def main() -> None:
     ap.add_argument("--variants", default=None, help="default: every variant of the family")
     args = ap.parse_args()
     args.variants = args.variants or OWN_START.get(args.head, "scaled,unscaled,copy_zero_out,default_fc,random")
+    if args.head == "draft_lm":
+        args.draft_vocab = 0  # a draft model keeps the target's vocabulary
 
     import torch
 
@@ -138,7 +142,8 @@ def main() -> None:
     for name in args.variants.split(","):
         head = _variant(name, args.head, target, args.draft_vocab or None, maps)
         module = HeadModule(recipe, target, head)
-        start = module.heldout_metrics(val)
+        with autocast:  # as the trainer's validation runs them
+            start = module.heldout_metrics(val)
         opt = torch.optim.AdamW(head.trainable_parameters(), lr=args.lr, betas=(0.9, 0.95))
         t = time.perf_counter()
         for b in batches:
@@ -149,7 +154,8 @@ def main() -> None:
             opt.step()
             opt.zero_grad(set_to_none=True)
         per_step = (time.perf_counter() - t) / max(len(batches), 1)
-        end = module.heldout_metrics(val)
+        with autocast:
+            end = module.heldout_metrics(val)
         acc = engine_acceptance(target, head, prompts, k=3, max_tokens=args.max_tokens)
         print(f"{name:<15}{start['val_loss']:>8.2f}{start['top1_per_step'][0]:>8.3f}{end['val_loss']:>8.2f}"
               f"{end['top1_per_step'][0]:>10.3f}{acc['tau']:>9.3f}{per_step:>8.1f}", flush=True)
