@@ -147,6 +147,10 @@ def test_a_finished_run_grows_with_a_larger_limit(tmp_path, model_dir):
         with pytest.raises(DataError, match="already exists"):
             run_regenerate(with_limit(recipe, n), resume=resume, progress=False)
         assert out.read_text() == first
+    hotter = _recipe(tmp_path, model_dir, "grown", temperature=0.5)  # same output, other provenance
+    with pytest.raises(DataError, match="different temperature"):
+        run_regenerate(with_limit(hotter, 7), resume=True, progress=False)
+    assert out.read_text() == first and not out.with_name(out.name + ".partial").read_text()
     out = run_regenerate(with_limit(recipe, 7), resume=True, progress=False)
     got = [json.loads(x) for x in out.read_text().split("\n")[:-1]]
     want = [json.loads(x) for x in one.read_text().split("\n")[:-1]]

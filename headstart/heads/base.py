@@ -337,6 +337,12 @@ class SharedVocabHead(DraftHead):
         return lin(x.to(lin.weight.dtype)).float()
 
 
+# Where a head starts as a copy of the target's prediction at the wrong place (one position early:
+# eagle3, Medusa; or a truncated target: draft_lm), its logits start at this share of their size:
+# at full size the copy is confidently wrong, costing more KL than a uniform guess (benchmarks/init.md).
+TEMPER = 0.25
+
+
 def init_from_last_layers(layers: nn.ModuleList, target: LlamaForCausalLM) -> None:
     """Head decoder layers start as copies of the target's last layers (where shapes match)."""
     n = len(target.model.layers)

@@ -10,16 +10,12 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from headstart.heads.base import DraftHead, HeadConfig, PackedBatch, Shifted, copy_layer
+from headstart.heads.base import TEMPER, DraftHead, HeadConfig, PackedBatch, Shifted, copy_layer
 from headstart.models.llama import LlamaForCausalLM
 from headstart.nn.attention import AttentionBackend, AttentionMetadata, KVPages
 from headstart.nn.decoder import DecoderLayer
 from headstart.nn.linear import Linear
 from headstart.nn.norm import RMSNorm
-
-
-# The final norm's start as a share of the target's (see DraftLM.init_from_target).
-TEMPER = 0.25
 
 
 class DraftLM(DraftHead):

@@ -14,18 +14,13 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from headstart.heads.base import DraftHead, HeadConfig, copy_layer
+from headstart.heads.base import TEMPER, DraftHead, HeadConfig, copy_layer
 from headstart.heads.vocab import draft_to_target
 from headstart.models.llama import LlamaForCausalLM
 from headstart.nn.attention import AttentionBackend, AttentionMetadata, KVPages
 from headstart.nn.decoder import DecoderLayer
 from headstart.nn.linear import Linear
 from headstart.nn.norm import RMSNorm
-
-
-# The final norm's start, as a share of the target's: the copied prediction is one position early
-# (it predicts t_{i+1} where the head must predict t_{i+2}), so at full size it is confidently wrong.
-TEMPER = 0.25
 
 
 class Eagle3Head(DraftHead):

@@ -12,14 +12,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from headstart.heads.base import DraftHead, HeadConfig, PackedBatch, Shifted
+from headstart.heads.base import TEMPER, DraftHead, HeadConfig, PackedBatch, Shifted
 from headstart.heads.vocab import draft_to_target
 from headstart.models.llama import LlamaForCausalLM
 from headstart.nn.linear import Linear
-
-
-# The draft lm_head's start as a share of the target's rows (see MedusaHead.init_from_target).
-TEMPER = 0.25
 
 
 class ResBlock(nn.Module):

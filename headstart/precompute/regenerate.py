@@ -84,7 +84,9 @@ def run_regenerate(recipe: Recipe, resume: bool = False, progress: bool = True) 
         if not (resume and _grows(run_file, limit_of(recipe))):
             raise DataError(f"{out} already exists; remove it, set regenerate.output, or raise regenerate.limit "
                             "and pass --resume to add the next source rows to it")
-        os.replace(out, partial)  # a finished run extended to a larger limit: its rows are kept and skipped
+        extend = True  # renamed to the partial file once its provenance matches (below)
+    else:
+        extend = False
     try:  # an unwritable destination is found before the engine loads, not after hours of decoding
         out.parent.mkdir(parents=True, exist_ok=True)
         with open(partial, "a", encoding="utf-8"):
@@ -109,6 +111,8 @@ def run_regenerate(recipe: Recipe, resume: bool = False, progress: bool = True) 
         diff = [k for k, v in provenance.items() if prev.get(k) != v and not (k == "limit" and _larger(v, prev.get(k)))]
         if diff:
             raise DataError(f"{partial} was made with a different {', '.join(diff)}; refusing to resume")
+        if extend:  # a finished run extended to a larger limit: its rows are kept and skipped
+            os.replace(out, partial)
         if prev.get("limit") != limit:
             atomic_write_text(run_file, json.dumps(provenance, indent=2))
     else:
