@@ -1,4 +1,4 @@
-"""Training throughput and peak memory of the mtp head on SmolLM2-135M: today's step (full
+"""Training throughput and peak memory of the mtp head (eagle3 beside it) on SmolLM2-135M: today's step (full
 vocabulary, one step) against the new ones (a draft vocabulary, TTT), from shards (target states
 precomputed; the step is the head's work only) and online (the target runs inside the step), plus
 the plain loss that materialises full logits. Same batches, one run; each variant in its own process
@@ -18,13 +18,15 @@ import subprocess
 import sys
 import time
 
-VARIANTS = {  # name: (draft vocab, ttt steps, source, loss)
-    "full_ttt1": (None, 1, "shards", "ours"),
-    "plain_full_ttt1": (None, 1, "shards", "plain"),
-    "vd8192_ttt1": (8192, 1, "shards", "ours"),
-    "vd8192_ttt3": (8192, 3, "shards", "ours"),
-    "online_full_ttt1": (None, 1, "online", "ours"),
-    "online_vd8192_ttt1": (8192, 1, "online", "ours"),
+VARIANTS = {  # name: (draft vocab, ttt steps, source, loss, head family)
+    "full_ttt1": (None, 1, "shards", "ours", "mtp"),
+    "plain_full_ttt1": (None, 1, "shards", "plain", "mtp"),
+    "vd8192_ttt1": (8192, 1, "shards", "ours", "mtp"),
+    "vd8192_ttt3": (8192, 3, "shards", "ours", "mtp"),
+    "online_full_ttt1": (None, 1, "online", "ours", "mtp"),
+    "online_vd8192_ttt1": (8192, 1, "online", "ours", "mtp"),
+    # EAGLE-3 (three fused aux layers, its own 8,192-row lm_head) from shards that hold the aux states
+    "eagle3_vd8192_ttt1": (8192, 1, "shards", "ours", "eagle3"),
 }
 BASELINE = "full_ttt1"
 
@@ -51,14 +53,15 @@ def run_variant(variant: str, batch_tokens: int, steps: int) -> dict:
     from headstart.train.module import HeadModule, target_forward
     from headstart.train.ttt import unroll
 
-    vocab_size, ttt, source, loss_kind = VARIANTS[variant]
+    vocab_size, ttt, source, loss_kind, family = VARIANTS[variant]
     recipe = recipe_from_dict({
         "data": {"source": "sharegpt", "max_length": 1024, "limit": 400},
         "train": {"source": source, "batch_tokens": batch_tokens, "ttt_steps": ttt,
                   "loss_weights": {"kl": 1.0, "feature": 0.1}}})
     dtype = resolve_dtype("auto")
     target = load_llama(resolve_model("smollm2-135m"), dtype)
-    head = build_head(HeadConfig(head_type="mtp", draft_vocab_size=vocab_size), target).float()
+    head = build_head(HeadConfig(head_type=family, draft_vocab_size=vocab_size), target).float()
+    aux_layers = list(head.config.aux_layer_ids or [])
     built = build_dataset(recipe.data, str(resolve_model("smollm2-135m")), progress=False)
     if vocab_size:
         counts = torch.zeros(target.config.vocab_size, dtype=torch.float64)
@@ -75,8 +78,9 @@ def run_variant(variant: str, batch_tokens: int, steps: int) -> dict:
         b = item["batch"]
         if source == "shards":  # what a shard holds: the target's states, stored in bf16
             with torch.no_grad(), autocast:
-                full = target_forward(target, b, [])
-            b = PackedBatch(full.input_ids, full.seq_lens, full.hidden.to(torch.bfloat16), None, full.loss_mask)
+                full = target_forward(target, b, aux_layers)
+            aux = full.aux_hidden.to(torch.bfloat16) if aux_layers else None
+            b = PackedBatch(full.input_ids, full.seq_lens, full.hidden.to(torch.bfloat16), aux, full.loss_mask)
         batches.append(b)
         if len(batches) == steps + 1:
             break
@@ -136,7 +140,7 @@ def main() -> None:
         results[v] = json.loads(out.stdout.strip().splitlines()[-1])
         r = results[v]
         if v == names[0]:
-            print(f"mtp head training step, SmolLM2-135M target, {args.batch_tokens}-token batches, {r['dtype']}, "
+            print(f"head training step, SmolLM2-135M target, {args.batch_tokens}-token batches, {r['dtype']}, "
                   f"{r['device']}, {r['torch_threads']} threads, {args.steps} timed steps; ratios vs {BASELINE} "
                   "(today's step: full vocabulary, no TTT, chunked loss)")
             print(f"{'variant':<22}{'tokens/s':>10}{'ratio':>8}{'peak RSS MB':>13}{'ratio':>8}")

@@ -17,6 +17,12 @@ def _add_recipe_args(p: argparse.ArgumentParser) -> None:
     )
 
 
+def _add_tp_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--tp", type=int, default=None, metavar="N",
+                   help="shard the target over N tensor-parallel ranks (sets engine.tensor_parallel; launch N "
+                        "processes: torchrun --nproc-per-node N -m headstart.cli ...)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="headstart",
@@ -89,6 +95,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("what", nargs="+", metavar="RECIPE | verify DIR | inspect DIR")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
     p.add_argument("--resume", action="store_true", help="continue an interrupted run in the same output dir")
+    _add_tp_arg(p)
     p.add_argument("--no-checksums", action="store_true", help="verify: sizes and shapes only (faster)")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=commands.cmd_precompute)
@@ -122,6 +129,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = verbs.add_parser("eval", help="acceptance and speed of heads vs plain decoding, with the engine")
     _add_recipe_args(p)
+    _add_tp_arg(p)
     p.add_argument("--head", action="append", required=True, help="a head checkpoint directory (repeatable)")
     src = p.add_mutually_exclusive_group()
     src.add_argument("--prompts", help="JSONL with \"prompt\" or \"messages\" (+ optional \"category\") per row")
@@ -172,6 +180,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if getattr(args, "tp", None) is not None:
+        args.overrides.append(f"engine.tensor_parallel={args.tp}")
     try:
         return args.func(args)
     except HeadstartError as e:

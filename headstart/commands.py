@@ -285,9 +285,10 @@ def cmd_eval(args: argparse.Namespace) -> int:
     model_dir = resolve_model(recipe.target.model)
     context = read_json_object(model_dir / "config.json", "model config").get("max_position_embeddings")
     check_plan(plan, context if isinstance(context, int) else None)
-    device = _device(args.device)
+    tp = _tensor_parallel(recipe, "eval")
+    device = _device(args.device, tp)
     dtype = resolve_dtype(recipe.target.dtype, device)
-    target = load_llama(model_dir, dtype=dtype, device=device)
+    target = load_llama(model_dir, dtype=dtype, device=device, tp=tp)
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
@@ -308,10 +309,16 @@ def cmd_eval(args: argparse.Namespace) -> int:
                                   [list(x) for x in built.heldout["loss_mask"]], args.heldout)
         categories = [None] * len(prompts)
         source = f"{recipe.data.source} held-out, first {len(prompts)} first user turns"
-    print(f"eval: {len(prompts)} prompts ({source}); target {recipe.target.model} in {dtype}", file=sys.stderr)
+    lead = tp.rank == 0  # every rank runs the same eval in step; rank 0 reports it
+    if lead:
+        print(f"eval: {len(prompts)} prompts ({source}); target {recipe.target.model} in {dtype}"
+              + (f", tensor-parallel over {tp.size} ranks" if tp.enabled else ""), file=sys.stderr)
     info = {"target": recipe.target.model, "dtype": dtype, "device": device, "prompt_source": source,
-            "target_fingerprint": target.fingerprint(), "recipe": str(args.recipe), "headstart": __version__}
-    report = evaluate(target, tokenizer, prompts, categories, plan, progress=not args.no_progress, info=info)
+            "target_fingerprint": target.fingerprint(), "recipe": str(args.recipe), "headstart": __version__,
+            "tensor_parallel": tp.size}
+    report = evaluate(target, tokenizer, prompts, categories, plan, progress=lead and not args.no_progress, info=info)
+    if not lead:
+        return 0
     files = write_reports(report, out)
     labels = head_labels(plan.heads)
     for r in report["runs"]:
@@ -367,11 +374,33 @@ def _reasons(skipped: dict[str, int]) -> str:
     return ", ".join(f"{r} {n}" for r, n in sorted(skipped.items(), key=lambda kv: -kv[1]))
 
 
-def _device(name: str | None) -> str:
-    """--device: cpu or cuda[:N], checked (default: cuda if available)."""
+def _tensor_parallel(recipe: Any, verb: str) -> Any:
+    """This process's place in the target's tensor-parallel group (engine.tensor_parallel ranks,
+    launched with torchrun); `verb` runs one model copy, so the launch must be exactly one group."""
+    from headstart.nn.parallel import init_tensor_parallel
+
+    try:
+        tp, _, copies = init_tensor_parallel(recipe.engine.tensor_parallel)
+    except ValueError as e:
+        raise HeadstartError(f"engine.tensor_parallel: {e}") from None
+    if copies > 1:
+        raise HeadstartError(f"{verb} runs one copy of the target: launch exactly engine.tensor_parallel = "
+                             f"{tp.size} processes (torchrun --nproc-per-node {tp.size}), not {copies * tp.size}")
+    return tp
+
+
+def _device(name: str | None, tp: Any = None) -> str:
+    """--device: cpu or cuda[:N], checked (default: cuda if available; a tensor-parallel rank takes
+    the GPU its launcher's LOCAL_RANK names)."""
+    import os
+
     import torch
 
     if name is None:
+        if tp is not None and tp.enabled and torch.cuda.is_available():
+            local = int(os.environ.get("LOCAL_RANK", "0"))
+            torch.cuda.set_device(local)
+            return f"cuda:{local}"
         return "cuda" if torch.cuda.is_available() else "cpu"
     try:
         dev = torch.device(name)

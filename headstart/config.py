@@ -95,6 +95,19 @@ class HeadSection:
 
 
 @dataclass(kw_only=True)
+class EngineSection:
+    """How the engine runs the target (precompute, online training's target forward, validation, eval)."""
+
+    # Ranks a target is sharded over (Megatron-style, headstart.nn.parallel); launch that many processes
+    # per model copy with torchrun, e.g. `torchrun --nproc-per-node 8 -m headstart.cli eval RECIPE`.
+    # 1: the whole target on each device.
+    tensor_parallel: int = 1
+
+    def __post_init__(self) -> None:
+        _require(self.tensor_parallel >= 1, "engine.tensor_parallel", "must be >= 1")
+
+
+@dataclass(kw_only=True)
 class PrecomputeConfig:
     """Target hidden states on disk (headstart precompute)."""
 
@@ -228,6 +241,7 @@ class Recipe:
     target: TargetConfig = field(default_factory=TargetConfig)
     data: DataConfig = field(default_factory=DataConfig)
     head: HeadSection = field(default_factory=HeadSection)
+    engine: EngineSection = field(default_factory=EngineSection)
     precompute: PrecomputeConfig = field(default_factory=PrecomputeConfig)
     regenerate: RegenerateConfig = field(default_factory=RegenerateConfig)
     train: TrainConfig = field(default_factory=TrainConfig)

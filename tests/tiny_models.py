@@ -9,12 +9,13 @@ import torch
 FAMILIES = ["llama", "llama3-rope", "mistral", "qwen2", "qwen3", "llama-tied"]
 
 
-def hf_config(family: str, vocab_size: int = 320):
+def hf_config(family: str, vocab_size: int = 320, **overrides):
     from transformers import LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
 
     common = dict(vocab_size=vocab_size, hidden_size=64, intermediate_size=112, num_hidden_layers=2,
                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512, rms_norm_eps=1e-5,
                   eos_token_id=1, bos_token_id=0)
+    common.update(overrides)
     if family == "llama":
         return LlamaConfig(**common, tie_word_embeddings=False)
     if family == "llama-tied":
@@ -32,12 +33,13 @@ def hf_config(family: str, vocab_size: int = 320):
     raise ValueError(family)
 
 
-def make_hf_model(family: str, path: Path, seed: int = 0, vocab_size: int = 320):
-    """Build, randomise (scaled so logits are well separated) and save; returns the HF model."""
+def make_hf_model(family: str, path: Path, seed: int = 0, vocab_size: int = 320, **overrides):
+    """Build, randomise (scaled so logits are well separated) and save; returns the HF model.
+    `overrides`: config fields that differ from the family's tiny defaults (e.g. num_key_value_heads)."""
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(seed)
-    cfg = hf_config(family, vocab_size)
+    cfg = hf_config(family, vocab_size, **overrides)
     model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
     with torch.no_grad():
         for name, p in model.named_parameters():

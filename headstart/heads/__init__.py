@@ -72,6 +72,10 @@ def build_head(config: HeadConfig, target: LlamaForCausalLM, init_from_target: b
     weight = target.model.embed_tokens.weight
     head = FAMILIES[cfg.head_type](cfg, target).to(device=weight.device, dtype=weight.dtype)
     if init_from_target:
+        if getattr(target, "tp", None) is not None and target.tp.enabled:
+            raise ValueError("init_from_target copies the target's layers, and this target is one tensor-parallel "
+                             "shard: build the head on the whole target (tensor-parallel size 1), or load a "
+                             "trained head (load_head) to speculate under tensor parallelism")
         head.init_from_target(target)
         if init == "copy_zero_out" and hasattr(head, "layers"):
             zero_output_projections(head.layers)

@@ -69,7 +69,9 @@ def restricted_lm_head(owner: object, lm_head: object, d2t: torch.Tensor) -> obj
         return cached[1]
     lin = Linear(w.shape[1], d2t.numel(), bias=False).to(device=w.device, dtype=w.dtype)
     with torch.no_grad():
-        lin.weight.copy_(w.detach()[target_ids(d2t).to(w.device)])
+        ids = target_ids(d2t).to(w.device)
+        # A tensor-parallel lm_head holds a share of the rows: `rows` brings each from its rank.
+        lin.weight.copy_(lm_head.rows(ids) if hasattr(lm_head, "rows") else w.detach()[ids])
     lin.weight.requires_grad_(False)
     rows = getattr(lm_head, "_rows", 0)
     if rows or getattr(lm_head, "_gemv", None) is not None:

@@ -118,7 +118,7 @@ class Engine(SpeculativeSteps):
             self.kernels = "rowwise" if "rows" in got else "gemv" if "gemv" in got else "torch"
         cfg = self.model.config
         self.max_model_len = min(cfg.max_position_embeddings, cfg.sliding_window or cfg.max_position_embeddings)
-        kv_spec = KVCacheSpec(num_layers=cfg.num_hidden_layers, num_kv_heads=cfg.num_key_value_heads,
+        kv_spec = KVCacheSpec(num_layers=cfg.num_hidden_layers, num_kv_heads=self.model.num_local_kv_heads,
                               head_dim=cfg.head_dim, dtype=self.model.dtype)
         self.spec = spec
         if spec is not None and spec.lookahead >= self.max_model_len:

@@ -23,8 +23,9 @@ from headstart.errors import AssetError
 from headstart.models.loading import load_weights, safetensors_files
 from headstart.nn.attention import AttentionBackend, AttentionMetadata, KVPages
 from headstart.nn.decoder import DecoderLayer, DecoderLayerConfig
-from headstart.nn.linear import Linear, enable_cpu_kernels
+from headstart.nn.linear import enable_cpu_kernels
 from headstart.nn.norm import RMSNorm
+from headstart.nn.parallel import SINGLE, TensorParallel, VocabParallelEmbedding, VocabParallelLinear
 from headstart.nn.rope import RopeConfig, RotaryEmbedding
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
@@ -101,30 +102,46 @@ class LlamaConfig:
 
 
 class LlamaBackbone(nn.Module):
-    def __init__(self, cfg: LlamaConfig) -> None:
+    def __init__(self, cfg: LlamaConfig, tp: TensorParallel = SINGLE) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp)
         self.rotary = RotaryEmbedding(cfg.rope)
-        self.layers = nn.ModuleList(DecoderLayer(cfg.layer_config(), self.rotary) for _ in range(cfg.num_hidden_layers))
+        self.layers = nn.ModuleList(DecoderLayer(cfg.layer_config(), self.rotary, tp)
+                                    for _ in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
 
 class LlamaForCausalLM(nn.Module):
-    """A target model. Parameter names follow HF's, with q/k/v and gate/up fused."""
+    """A target model. Parameter names follow HF's, with q/k/v and gate/up fused.
 
-    def __init__(self, cfg: LlamaConfig) -> None:
+    With `tp` (headstart.nn.parallel) the model holds one rank's shard: its q/KV heads, its share of
+    the MLP and of the vocabulary; `config` stays the whole model's, and every forward returns whole
+    hidden states and logits on every rank."""
+
+    def __init__(self, cfg: LlamaConfig, tp: TensorParallel = SINGLE) -> None:
         super().__init__()
         self.config = cfg
+        self.tp = tp
         self.source_dir: Path | None = None  # set by load_llama; used for the weight fingerprint
         self._fingerprint: str | None = None
-        self.model = LlamaBackbone(cfg)
-        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.model = LlamaBackbone(cfg, tp)
+        self.lm_head = VocabParallelLinear(cfg.hidden_size, cfg.vocab_size, tp)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
     @property
     def num_layers(self) -> int:
         return self.config.num_hidden_layers
+
+    @property
+    def num_local_heads(self) -> int:
+        """q heads this rank computes (all of them without tensor parallelism)."""
+        return self.model.layers[0].self_attn.num_heads if self.model.layers else self.config.num_attention_heads
+
+    @property
+    def num_local_kv_heads(self) -> int:
+        """KV heads this rank caches (all of them without tensor parallelism)."""
+        return self.model.layers[0].self_attn.num_kv_heads if self.model.layers else self.config.num_key_value_heads
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:  # (N,) -> (N, D)
         return self.model.embed_tokens(input_ids)
@@ -135,7 +152,7 @@ class LlamaForCausalLM(nn.Module):
     ) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
         """input_ids (N,) -> h (N, D) pre-norm last hidden state, {j: (N, D) hidden state entering layer j}."""
         cfg = self.config
-        backend.plan(meta, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, self.dtype)
+        backend.plan(meta, self.num_local_heads, self.num_local_kv_heads, cfg.head_dim, self.dtype)
         h = self.embed(input_ids)
         aux: dict[int, torch.Tensor] = {}
         for j, layer in enumerate(self.model.layers):
@@ -157,6 +174,9 @@ class LlamaForCausalLM(nn.Module):
         a manifest or a checkpoint was made with."""
         if self._fingerprint is None:
             h = hashlib.sha256(json.dumps(dataclasses.asdict(self.config), sort_keys=True, default=str).encode())
+            if self.source_dir is None and self.tp.enabled:
+                raise ValueError("a tensor-parallel shard built in memory has no fingerprint of the whole model; "
+                                 "load it from its weight files (load_llama(..., tp=...))")
             if self.source_dir is not None:
                 for f in safetensors_files(self.source_dir):
                     h.update(f.name.encode())
@@ -179,8 +199,10 @@ class LlamaForCausalLM(nn.Module):
         return self.model.embed_tokens.weight.dtype
 
     def packed_names(self) -> dict[str, tuple[str, int, list[int]]]:
+        """HF fragment -> (our fused parameter, block, block sizes): this rank's sizes under tensor parallelism."""
         c = self.config
-        q, kv, inter = c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim, c.intermediate_size
+        q, kv = self.num_local_heads * c.head_dim, self.num_local_kv_heads * c.head_dim
+        inter = self.model.layers[0].mlp.intermediate if self.model.layers else c.intermediate_size
         return {
             "q_proj": ("qkv_proj", 0, [q, kv, kv]),
             "k_proj": ("qkv_proj", 1, [q, kv, kv]),
@@ -188,6 +210,34 @@ class LlamaForCausalLM(nn.Module):
             "gate_proj": ("gate_up_proj", 0, [inter, inter]),
             "up_proj": ("gate_up_proj", 1, [inter, inter]),
         }
+
+    def shard_of(self, name: str, block: int | None) -> tuple[int, int, int] | str | None:
+        """Which part of a checkpoint tensor this rank's parameter `name` (block `block` of a fused
+        one) holds: (dim, start, length), None for all of it, or "zero" (a row-parallel bias, added
+        once: rank 0 holds it, the others hold zeros)."""
+        tp, c = self.tp, self.config
+        if not tp.enabled:
+            return None
+        leaf = name.rsplit(".", 2)[-2:]  # e.g. ["qkv_proj", "weight"]
+        if leaf[0] == "qkv_proj":
+            if block == 0:
+                start, n = tp.split(c.num_attention_heads, "num_attention_heads")
+            else:
+                start, n = tp.kv_heads(c.num_attention_heads, c.num_key_value_heads)
+            return 0, start * c.head_dim, n * c.head_dim
+        if leaf == ["o_proj", "weight"]:
+            start, n = tp.split(c.num_attention_heads, "num_attention_heads")
+            return 1, start * c.head_dim, n * c.head_dim
+        if leaf[0] == "gate_up_proj":
+            return (0, *tp.split(c.intermediate_size, "intermediate_size"))
+        if leaf == ["down_proj", "weight"]:
+            return (1, *tp.split(c.intermediate_size, "intermediate_size"))
+        if leaf == ["down_proj", "bias"]:
+            return None if tp.rank == 0 else "zero"
+        if name in ("model.embed_tokens.weight", "lm_head.weight"):
+            start, end, _ = tp.vocab_range(c.vocab_size)
+            return 0, start, end - start
+        return None
 
 
 def read_hf_config(model_dir: str | Path) -> dict[str, Any]:
@@ -203,17 +253,21 @@ def read_hf_config(model_dir: str | Path) -> dict[str, Any]:
     return cfg
 
 
-def load_llama(model_dir: str | Path, dtype: str | torch.dtype = "fp32", device: str | torch.device = "cpu"
-               ) -> LlamaForCausalLM:
-    """Build from config.json and load safetensors weights; dtype is bf16/fp16/fp32 or a torch dtype."""
+def load_llama(model_dir: str | Path, dtype: str | torch.dtype = "fp32", device: str | torch.device = "cpu",
+               tp: TensorParallel = SINGLE) -> LlamaForCausalLM:
+    """Build from config.json and load safetensors weights; dtype is bf16/fp16/fp32 or a torch dtype.
+    With `tp`, the rank reads only its shard of each tensor from the files (never the whole model)."""
     model_dir = Path(model_dir)
     cfg = LlamaConfig.from_hf(read_hf_config(model_dir), where=str(model_dir / "config.json"))
     torch_dtype = DTYPES[dtype] if isinstance(dtype, str) else dtype
-    with torch.device("meta"):
-        model = LlamaForCausalLM(cfg)
+    try:
+        with torch.device("meta"):
+            model = LlamaForCausalLM(cfg, tp)
+    except ValueError as e:  # a shape the tensor-parallel size cannot split
+        raise AssetError(f"{model_dir / 'config.json'}: {e}") from None
     model = model.to_empty(device=device).to(torch_dtype)  # rotary tables are rebuilt in fp32 on the way
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
-    load_weights(model, model_dir, model.packed_names(), skip=("rotary_emb.inv_freq",))
+    load_weights(model, model_dir, model.packed_names(), skip=("rotary_emb.inv_freq",), shard=model.shard_of)
     model.source_dir = model_dir
     return model.eval().requires_grad_(False)

@@ -8,12 +8,15 @@ parameter must be filled exactly; a missing tensor or a wrong shape is an error 
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 
 from safetensors import safe_open
 from torch import nn
 
 from headstart.errors import AssetError
+
+Shard = Callable[[str, "int | None"], "tuple[int, int, int] | str | None"]
 
 
 def safetensors_files(model_dir: Path) -> list[Path]:
@@ -33,13 +36,17 @@ def safetensors_files(model_dir: Path) -> list[Path]:
 
 def load_weights(
     model: nn.Module, model_dir: Path, packed: dict[str, tuple[str, int, list[int]]],
-    skip: tuple[str, ...] = (), tied: dict[str, str] | None = None,
+    skip: tuple[str, ...] = (), tied: dict[str, str] | None = None, shard: Shard | None = None,
 ) -> None:
     """Copy tensors into `model`'s parameters.
 
     packed: HF fragment -> (our fragment, block index, block sizes along dim 0).
     skip: HF name substrings to ignore (e.g. rotary caches some checkpoints carry).
     tied: our param -> our param it shares storage with (filled from the other if absent).
+    shard: (our param, block or None) -> the part of the checkpoint tensor it holds, (dim, start,
+        length), or None for all of it, or "zero" (filled with zeros); only that part is read from
+        the file (a tensor-parallel rank never reads the whole model). A part shorter than the
+        parameter (the last rank's vocabulary rows) fills its head; the rest is zeroed.
     """
     params = dict(model.named_parameters())
     filled: dict[str, int] = {}  # our name -> number of blocks written
@@ -56,7 +63,6 @@ def load_weights(
                 name, block = _map_name(hf_name, packed)
                 if name not in params:
                     continue  # extra tensors (e.g. an MTP layer) are not ours to load
-                tensor = f.get_tensor(hf_name)
                 param = params[name]
                 if block is None:
                     target = param.data
@@ -64,6 +70,12 @@ def load_weights(
                     _, idx, sizes = block
                     start = sum(sizes[:idx])
                     target = param.data.narrow(0, start, sizes[idx])
+                part = shard(name, None if block is None else block[1]) if shard is not None else None
+                if part == "zero":
+                    target.zero_()
+                    filled[name] = filled.get(name, 0) + 1
+                    continue
+                tensor, target = _read(f, hf_name, part, target, path)
                 if tuple(target.shape) != tuple(tensor.shape):
                     raise AssetError(
                         f"{path.name}: tensor {hf_name!r} has shape {tuple(tensor.shape)}, "
@@ -78,6 +90,24 @@ def load_weights(
     if missing:
         shown = ", ".join(missing[:8]) + (f" ... ({len(missing)} in all)" if len(missing) > 8 else "")
         raise AssetError(f"{model_dir}: the weights lack tensors for: {shown}")
+
+
+def _read(f, hf_name: str, part: tuple[int, int, int] | None, target, path: Path):
+    """The checkpoint tensor (or its part) and where it goes in the parameter."""
+    if part is None:
+        return f.get_tensor(hf_name), target
+    dim, start, length = part
+    sl = f.get_slice(hf_name)
+    shape = sl.get_shape()
+    if dim >= len(shape) or start + length > shape[dim]:
+        raise AssetError(f"{path.name}: tensor {hf_name!r} has shape {tuple(shape)}, too small for rows "
+                         f"{start}..{start + length} of dim {dim}; is config.json the right one?")
+    index = tuple([slice(None)] * dim + [slice(start, start + length)])
+    tensor = sl[index]
+    if length < target.shape[dim]:  # vocabulary padding of the last rank
+        target.zero_()
+        target = target.narrow(dim, 0, length)
+    return tensor, target
 
 
 def _map_name(hf_name: str, packed: dict[str, tuple[str, int, list[int]]]):

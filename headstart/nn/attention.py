@@ -21,6 +21,7 @@ from torch import nn
 
 from headstart.nn.linear import Linear
 from headstart.nn.norm import RMSNorm
+from headstart.nn.parallel import SINGLE, TensorParallel
 from headstart.nn.rope import RotaryEmbedding
 
 KVPages = tuple[torch.Tensor, torch.Tensor]  # k, v: (num_pages, page_size, Hkv, Dh) each
@@ -70,10 +71,17 @@ class Attention(nn.Module):
     def __init__(
         self, *, hidden: int, num_heads: int, num_kv_heads: int, head_dim: int, rope: RotaryEmbedding,
         qkv_bias: bool = False, qk_norm: bool = False, norm_eps: float = 1e-6, in_features: int | None = None,
+        tp: TensorParallel = SINGLE,
     ) -> None:
         super().__init__()
         if num_heads % num_kv_heads:
             raise ValueError(f"num_attention_heads {num_heads} is not a multiple of num_key_value_heads {num_kv_heads}")
+        # Under tensor parallelism this rank's heads only (headstart.nn.parallel): qkv is column-
+        # parallel, o_proj row-parallel, and the partial outputs are summed over the group.
+        self.tp = tp
+        if tp.enabled:
+            local_kv = tp.kv_heads(num_heads, num_kv_heads)[1]
+            num_heads, num_kv_heads = tp.split(num_heads, "num_attention_heads")[1], local_kv
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.q_size, self.kv_size = num_heads * head_dim, num_kv_heads * head_dim
         self.scale = head_dim**-0.5
@@ -95,7 +103,7 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = self.rope(q, k, meta.positions, meta.step_cache)
         o = backend.forward(q, k, v, cache, meta, self.scale)  # (N, Hq, Dh)
-        return self.o_proj(o.reshape(n, self.q_size))
+        return self.tp.all_reduce(self.o_proj(o.reshape(n, self.q_size)))
 
 
 class PackedCausalAttention:

@@ -10,6 +10,7 @@ from torch import nn
 from headstart.nn.attention import Attention, AttentionBackend, AttentionMetadata, KVPages
 from headstart.nn.mlp import GatedMLP
 from headstart.nn.norm import RMSNorm
+from headstart.nn.parallel import SINGLE, TensorParallel
 from headstart.nn.rope import RotaryEmbedding
 
 
@@ -30,16 +31,18 @@ class DecoderLayerConfig:
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: DecoderLayerConfig, rope: RotaryEmbedding) -> None:
+    def __init__(self, cfg: DecoderLayerConfig, rope: RotaryEmbedding, tp: TensorParallel = SINGLE) -> None:
+        """tp: shard the layer over a tensor-parallel group (targets only; heads are replicated)."""
         super().__init__()
         in_features = cfg.attn_in_features or cfg.hidden
         self.input_layernorm = RMSNorm(in_features, cfg.norm_eps) if cfg.input_norm else None
         self.self_attn = Attention(
             hidden=cfg.hidden, num_heads=cfg.num_heads, num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim,
             rope=rope, qkv_bias=cfg.qkv_bias, qk_norm=cfg.qk_norm, norm_eps=cfg.norm_eps, in_features=in_features,
+            tp=tp,
         )
         self.post_attention_layernorm = RMSNorm(cfg.hidden, cfg.norm_eps)
-        self.mlp = GatedMLP(cfg.hidden, cfg.intermediate, cfg.act, cfg.mlp_bias)
+        self.mlp = GatedMLP(cfg.hidden, cfg.intermediate, cfg.act, cfg.mlp_bias, tp)
 
     def forward(self, x: torch.Tensor, meta: AttentionMetadata, cache: KVPages, backend: AttentionBackend,
                 residual: torch.Tensor | None = None) -> torch.Tensor:

@@ -7,15 +7,22 @@ import torch.nn.functional as F
 from torch import nn
 
 from headstart.nn.linear import Linear
+from headstart.nn.parallel import SINGLE, TensorParallel
 
 _ACTIVATIONS = {"silu": F.silu, "gelu": F.gelu, "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh")}
 
 
 class GatedMLP(nn.Module):
-    def __init__(self, hidden: int, intermediate: int, act: str = "silu", bias: bool = False) -> None:
+    def __init__(self, hidden: int, intermediate: int, act: str = "silu", bias: bool = False,
+                 tp: TensorParallel = SINGLE) -> None:
         super().__init__()
         if act not in _ACTIVATIONS:
             raise ValueError(f"unsupported hidden_act {act!r}; supported: {sorted(_ACTIVATIONS)}")
+        # Under tensor parallelism this rank's share of the intermediate dimension: gate/up column-
+        # parallel, down_proj row-parallel (its bias held by rank 0 alone), one sum over the group.
+        self.tp = tp
+        if tp.enabled:
+            intermediate = tp.split(intermediate, "intermediate_size")[1]
         self.intermediate = intermediate
         # One [2I, D] matmul instead of two [I, D]: on CPU decode every kernel launch counts.
         self.gate_up_proj = Linear(hidden, 2 * intermediate, bias=bias)
@@ -24,4 +31,4 @@ class GatedMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # (N, D) -> (N, D)
         gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)  # (N, I) each
-        return self.down_proj(self.act(gate) * up)
+        return self.tp.all_reduce(self.down_proj(self.act(gate) * up))

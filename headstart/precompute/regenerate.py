@@ -73,6 +73,9 @@ def run_regenerate(recipe: Recipe, resume: bool = False, progress: bool = True) 
     from headstart.inference import Engine, SamplingParams
 
     cfg = recipe.regenerate
+    if recipe.engine.tensor_parallel > 1:
+        raise DataError(f"engine.tensor_parallel {recipe.engine.tensor_parallel}: regenerate does not shard the "
+                        "target yet (precompute and eval do)")
     out = output_path(recipe)
     partial = out.with_name(out.name + ".partial")
     run_file = out.with_name(out.name + ".run.json")

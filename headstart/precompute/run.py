@@ -87,7 +87,7 @@ class EngineForward:
         page = 16
         pages = -(-max_tokens // page) + 64
         self.allocator = PageAllocator(pages, page)
-        self.cache = KVCache(KVCacheSpec(num_layers=cfg.num_hidden_layers, num_kv_heads=cfg.num_key_value_heads,
+        self.cache = KVCache(KVCacheSpec(num_layers=cfg.num_hidden_layers, num_kv_heads=model.num_local_kv_heads,
                                          head_dim=cfg.head_dim, dtype=model.dtype), pages, page, device)
         self.backend: AttentionBackend = make_backend(backend, device)
 
@@ -177,12 +177,15 @@ def _fingerprints(recipe: Recipe, dtype: str, target_fp: str, data_fp: str, temp
     }
 
 
-def _dist() -> tuple[int, int]:
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    rank = int(os.environ.get("RANK", "0"))
-    if world > 1 and not torch.distributed.is_initialized():
-        torch.distributed.init_process_group("gloo")
-    return rank, world
+def _dist(recipe: Recipe) -> tuple[Any, int, int]:
+    """(tensor-parallel place, data-parallel rank, data-parallel world): the launched ranks form groups
+    of engine.tensor_parallel that each shard one copy of the target; the groups split the shards."""
+    from headstart.nn.parallel import init_tensor_parallel
+
+    try:
+        return init_tensor_parallel(recipe.engine.tensor_parallel)
+    except ValueError as e:
+        raise DataError(f"engine.tensor_parallel: {e}") from None
 
 
 def run_precompute(recipe: Recipe, resume: bool = False, progress: bool = True) -> dict[str, Any]:
@@ -191,7 +194,10 @@ def run_precompute(recipe: Recipe, resume: bool = False, progress: bool = True) 
     from headstart.data.dataset import build_dataset
     from headstart.models.llama import load_llama
 
-    rank, world = _dist()
+    tp, rank, world = _dist(recipe)
+    if tp.enabled and recipe.precompute.backend == "hf":
+        raise DataError("precompute.backend hf places the target with transformers' device_map; it cannot be "
+                        "combined with engine.tensor_parallel (use backend engine)")
     out = output_dir(recipe)
     model_dir = resolve_model(recipe.target.model)
     device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0"))) if torch.cuda.is_available() else \
@@ -201,10 +207,11 @@ def run_precompute(recipe: Recipe, resume: bool = False, progress: bool = True) 
     from headstart.hardware import describe, resolve_dtype
 
     dtype = resolve_dtype(recipe.target.dtype, device)
+    progress = progress and tp.rank == 0  # one bar per model copy
     if progress and rank == 0:
         status(f"precompute: target dtype {dtype} ({recipe.target.dtype}; {describe(device)})")
-    model = load_llama(model_dir, dtype, device)
-    built = build_dataset(recipe.data, str(model_dir), progress=progress and rank == 0)
+    model = load_llama(model_dir, dtype, device, tp=tp)
+    built = build_dataset(recipe.data, str(model_dir), progress=progress and rank == 0 and tp.rank == 0)
     split = recipe.precompute.split
     ds = built.train if split == "train" else built.heldout if split == "heldout" else None
     if ds is None:
@@ -231,23 +238,34 @@ def run_precompute(recipe: Recipe, resume: bool = False, progress: bool = True) 
     if out.exists() and not out.is_dir():
         raise DataError(f"{out}: the precompute output directory is a file; choose another precompute.output_dir")
     # One writer per output directory (per rank): a second run would compute every shard again.
-    with exclusive_lock(out / f".lock-rank{rank}", what=f"precompute into {out}"):
-        return _run(recipe, out, header, resume, rank, world, ds, model, model_dir, device, aux, progress)
+    lock = f".lock-rank{rank}" + (f"-tp{tp.rank}" if tp.enabled else "")
+    with exclusive_lock(out / lock, what=f"precompute into {out}"):
+        return _run(recipe, out, header, resume, rank, world, ds, model, model_dir, device, aux, progress, tp)
 
 
 def _run(recipe: Recipe, out: Path, header: dict[str, Any], resume: bool, rank: int, world: int, ds: Any,
-         model: Any, model_dir: Path, device: torch.device, aux: list[int], progress: bool) -> dict[str, Any]:
+         model: Any, model_dir: Path, device: torch.device, aux: list[int], progress: bool,
+         tp: Any) -> dict[str, Any]:
+    """rank / world: this process's data-parallel place; the ranks of one tensor-parallel group run the
+    same shards together and the group's rank 0 writes them."""
     from tqdm import tqdm
 
     from headstart.models.llama import DTYPES
 
     dtype = header["target"]["dtype"]
-    _check_output_dir(out, header, resume, rank)
-    remove_stale_temporaries(out)  # shards of a killed process; live ranks' are kept
+    writer = tp.rank == 0
+    _check_output_dir(out, header, resume, rank if writer else -1)
+    if writer:
+        remove_stale_temporaries(out)  # shards of a killed process; live ranks' are kept
     lengths = list(ds["num_tokens"])
     shards = plan_shards(lengths, recipe.precompute.shard_tokens)
     mine = [i for i in range(len(shards)) if i % world == rank]
     todo = [i for i in mine if not (out / shard_name(i)).exists()]
+    if tp.enabled:  # every rank of the group must run the same forwards: the writer's list is the list
+        box = [todo]
+        torch.distributed.broadcast_object_list(box, src=torch.distributed.get_global_rank(tp.group, 0),
+                                                group=tp.group)
+        todo = box[0]
     forward = (HFForward(model_dir, DTYPES[dtype]) if recipe.precompute.backend == "hf" else
                EngineForward(model, device, max(recipe.precompute.batch_tokens, max(lengths))))
     tokens_todo = sum(sum(lengths[a:b]) for a, b in (shards[i] for i in todo))
@@ -265,6 +283,8 @@ def _run(recipe: Recipe, out: Path, header: dict[str, Any], resume: bool, rank: 
             if x is not None:
                 auxs.append(x.cpu())
             bar.update(sum(len(s) for s in seqs[ba:bb]))
+        if not writer:
+            continue
         ids = torch.tensor([t for s in seqs for t in s])
         mask = torch.tensor([m for r in rows["loss_mask"] for m in r], dtype=torch.uint8)
         rec = write_shard(out / shard_name(i), i, ids, mask, [len(s) for s in seqs], torch.cat(hs),
@@ -272,17 +292,17 @@ def _run(recipe: Recipe, out: Path, header: dict[str, Any], resume: bool, rank: 
         written_bytes += rec.bytes
         bar.set_postfix(shard=i, written=f"{written_bytes / 1e6:.1f}MB")
     bar.close()
-    if world > 1:
+    if torch.distributed.is_initialized():
         torch.distributed.barrier()
     manifest = None
-    if rank == 0:
+    if rank == 0 and writer:
         manifest = _write_manifest(out, header, len(shards))
         if progress:
             secs = time.perf_counter() - start
             status(f"precompute: {manifest['sequences']:,} sequences, {manifest['tokens']:,} tokens in "
                   f"{len(shards)} shards -> {out} ({secs:.1f}s this run, "
                   f"{manifest['bytes_per_token']:.1f} bytes/token, {manifest['storage']})")
-    if world > 1:
+    if torch.distributed.is_initialized():
         torch.distributed.barrier()
         torch.distributed.destroy_process_group()
     return manifest or json.loads((out / "manifest.json").read_text())
@@ -303,7 +323,7 @@ def _check_output_dir(out: Path, header: dict[str, Any], resume: bool, rank: int
             raise DataError(f"{out} already holds shards of this run; pass --resume to continue it")
     elif has_data:
         raise DataError(f"{out} holds shards of another run (no run.json); choose another precompute.output_dir")
-    if rank == 0:
+    if rank == 0:  # (-1: a tensor-parallel rank that writes nothing)
         write_json_atomic(run_file, header)
     if torch.distributed.is_initialized():
         torch.distributed.barrier()

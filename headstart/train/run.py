@@ -366,6 +366,10 @@ class TrainRun:
 def run_train(recipe: Recipe, *, resume: bool = False, progress: bool = True) -> dict[str, Any]:
     """Train the recipe's head; returns the last validation's metrics. The output_dir is checked
     before the target loads, and held by one run at a time (a second one refuses at once)."""
+    if recipe.engine.tensor_parallel > 1:
+        raise ConfigError(f"engine.tensor_parallel {recipe.engine.tensor_parallel}: train does not shard the target "
+                          "yet (precompute and eval do); precompute the shards with tensor parallelism and train "
+                          "from them with engine.tensor_parallel 1")
     out = check_output_dir(recipe, resume)
     rank = global_rank(recipe.trainer.devices)
     with exclusive_lock(lock_path(out, rank), what=f"train into {out}"):

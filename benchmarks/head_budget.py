@@ -1,0 +1,121 @@
+"""Head families and learning rates at equal CPU time: heads trained from the same shards, each arm
+given the steps its step cost buys in the same CPU time, then the engine's acceptance on the same
+held-out prompts (greedy, k = the recipe's).
+
+The shards are precomputed once with the eagle3 head's aux layers (they hold the last hidden state
+too, so mtp arms read the same rows). `--cost FAMILY=X` prices a step of that family in mtp steps
+(benchmarks/train.md measures it: `benchmarks/train.py --variants vd8192_ttt1,eagle3_vd8192_ttt1`).
+Steps, not wall-clock limits, set each arm's budget, so a loaded machine slows the arms without
+changing what they learn. Every arm uses the shipped recipe (recipes/smollm2-135m-mtp.yaml) apart from
+its family and learning rate: the same data, draft vocabulary size, TTT and schedule shape.
+
+    .venv/bin/python benchmarks/head_budget.py --source runs/smollm2-135m-mtp/regenerated.jsonl \\
+        --mtp-steps 394 --cost eagle3=1.3 --arms mtp:2e-3,eagle3:2e-3,mtp:1e-3,mtp:4e-3
+
+Everything lands under runs/head-budget/ and resumes: rerunning skips what is done.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import yaml
+
+from headstart.fileio import atomic_write_text
+
+ROOT = Path(__file__).resolve().parents[1]
+RECIPE = ROOT / "recipes" / "smollm2-135m-mtp.yaml"
+OUT = ROOT / "runs" / "head-budget"
+FAMILIES = ("mtp", "eagle3")
+
+
+def _recipe(base: dict, name: str, family: str, source: str) -> dict:
+    r = json.loads(json.dumps(base))
+    r.pop("regenerate", None)
+    r["name"] = f"head-budget-{name}"
+    r["output_dir"] = str(OUT / name)
+    r["data"]["source"] = source
+    r["head"]["type"] = family
+    if family == "eagle3":
+        r["head"]["aux_layer_ids"] = None  # layers 2, L//2, L-3
+    r["logging"]["wandb"] = False
+    return r
+
+
+def _headstart(*args: str) -> None:
+    cmd = [sys.executable, "-m", "headstart.cli", *args]
+    print("+ headstart", " ".join(args), flush=True)
+    subprocess.run(cmd, check=True, cwd=ROOT)
+
+
+def shards(base: dict, source: str) -> Path:
+    """Precompute (resumable) the eagle3 recipe's shards: last hidden state + three aux layers."""
+    r = _recipe(base, "shards", "eagle3", source)
+    path = OUT / "shards.yaml"
+    atomic_write_text(path, yaml.safe_dump(r, sort_keys=False))
+    out = OUT / "shards" / "precompute"
+    if not (out / "manifest.json").exists():
+        _headstart("precompute", str(path), *(["--resume"] if (out / "run.json").exists() else []))
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--source", required=True, help="the conversations to train on (the shipped recipe's data)")
+    ap.add_argument("--mtp-steps", type=int, default=394, help="steps of an mtp arm (others: mtp-steps / cost)")
+    ap.add_argument("--cost", action="append", default=[], metavar="FAMILY=X",
+                    help="a step of FAMILY in mtp steps (benchmarks/train.md), repeatable")
+    ap.add_argument("--arms", default="mtp:2e-3,eagle3:2e-3", help="family:lr pairs")
+    ap.add_argument("--prompts", type=int, default=16, help="held-out prompts for the engine's acceptance")
+    ap.add_argument("--max-tokens", type=int, default=64, help="new tokens per held-out prompt")
+    args = ap.parse_args()
+    cost = {"mtp": 1.0}
+    for c in args.cost:
+        fam, _, x = c.partition("=")
+        if fam not in FAMILIES or not x:
+            raise SystemExit(f"--cost {c!r}: expected FAMILY=X with FAMILY one of {', '.join(FAMILIES)}")
+        cost[fam] = float(x)
+    arms = []
+    for spec in args.arms.split(","):
+        fam, _, lr = spec.partition(":")
+        if fam not in FAMILIES or not lr:
+            raise SystemExit(f"arm {spec!r}: expected family:lr with family one of {', '.join(FAMILIES)}")
+        if fam not in cost:
+            raise SystemExit(f"arm {spec!r}: no --cost {fam}=X given (what one {fam} step costs in mtp steps)")
+        arms.append((fam, float(lr), round(args.mtp_steps / cost[fam])))
+    base = yaml.safe_load(RECIPE.read_text())
+    source = str(Path(args.source).resolve())
+    OUT.mkdir(parents=True, exist_ok=True)
+    shards_dir = shards(base, source)
+    results = {}
+    for fam, lr, steps in arms:
+        name = f"{fam}-lr{lr:g}-{steps}"
+        r = _recipe(base, name, fam, source)
+        r["train"].update(max_steps=steps, lr=lr, warmup_steps=min(30, steps // 10), val_every_steps=0,
+                          val_prompts=args.prompts, val_max_tokens=args.max_tokens,
+                          ckpt_every_steps=max(10, steps // 4), shards_dir=str(shards_dir))
+        path = OUT / f"{name}.yaml"
+        atomic_write_text(path, yaml.safe_dump(r, sort_keys=False))
+        arm = OUT / name
+        if not (arm / "head-final").exists():
+            _headstart("train", str(path), *(["--resume"] if (arm / "checkpoints" / "last.ckpt").exists() else []))
+        m = json.loads((arm / "metrics.json").read_text())
+        results[name] = {"family": fam, "lr": lr, "steps": steps, "tokens_seen": m.get("tokens"), "tau": m.get("tau"),
+                         "accept_rate_per_pos": m.get("accept_rate_per_pos"),
+                         "top1_per_step": m.get("top1_per_step"), "val_loss": m.get("val_loss")}
+    print(f"\nHeads at equal CPU time: a step costs {cost} mtp steps; {args.prompts} held-out prompts x "
+          f"{args.max_tokens} tokens, greedy k = {base['head']['k']}")
+    print(f"{'arm':26}{'steps':>7}{'tokens':>12}{'tau':>8}  {'accept rate per position':26}{'top-1 (step 1)':>15}")
+    for name, r in results.items():
+        rate = "/".join(f"{v:.2f}" for v in r["accept_rate_per_pos"] or [])
+        top1 = (r["top1_per_step"] or [float("nan")])[0]
+        print(f"{name:26}{r['steps']:>7}{r['tokens_seen'] or 0:>12,}{r['tau']:>8.3f}  {rate:26}{top1:>15.3f}")
+    atomic_write_text(OUT / "results.json", json.dumps({"args": vars(args), "cost": cost, **results}, indent=2))
+
+
+if __name__ == "__main__":
+    main()
