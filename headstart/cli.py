@@ -127,6 +127,17 @@ def build_parser() -> argparse.ArgumentParser:
     q.add_argument("--force", action="store_true", help="replace --out if it is an existing head checkpoint")
     q.set_defaults(func=commands.cmd_head_init)
 
+    p = verbs.add_parser("plan", help="what every rank of a recipe's jobs needs (memory by term, disk, throughput), "
+                                      "before it runs; refuses what cannot fit")
+    _add_recipe_args(p)
+    _add_tp_arg(p)
+    p.add_argument("--target-config", default=None, metavar="CONFIG_JSON",
+                   help="the target's config.json (default: the recipe's target.model directory's); shapes only")
+    p.add_argument("--device-memory-gb", type=float, default=80.0, help="memory per device (default: H100-80GB)")
+    p.add_argument("--device-name", default="H100-80GB")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=commands.cmd_plan)
+
     p = verbs.add_parser("eval", help="acceptance and speed of heads vs plain decoding, with the engine")
     _add_recipe_args(p)
     _add_tp_arg(p)

@@ -258,6 +258,28 @@ def _csv(text: str, kind: type, flag: str) -> list:
         raise HeadstartError(f"{flag}: expected comma-separated {kind.__name__} values, got {text!r}") from None
 
 
+def cmd_plan(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from headstart.config import load_recipe
+    from headstart.fileio import read_json_object
+    from headstart.plan import make_plan, render
+
+    recipe = load_recipe(args.recipe, args.overrides)
+    if args.target_config:
+        where = Path(args.target_config)
+    else:
+        from headstart.assets import resolve_model
+
+        where = Path(resolve_model(recipe.target.model)) / "config.json"
+    if not where.is_file():
+        raise HeadstartError(f"{where}: no such config.json (pass --target-config CONFIG_JSON)")
+    plan = make_plan(recipe, read_json_object(where, "model config"), device=args.device_name,
+                     capacity_gb=args.device_memory_gb, where=str(where))
+    print(json.dumps(plan.to_dict(), indent=2) if args.json else render(plan))
+    return 1 if plan.refusals() else 0
+
+
 def cmd_eval(args: argparse.Namespace) -> int:
     from pathlib import Path
 

@@ -93,6 +93,9 @@ def test_speculation_under_tensor_parallelism_stays_lossless(case):
     assert two["spec_metrics"]["steps"] > 0
     assert two["spec_metrics"]["tau"] == pytest.approx(one["spec_metrics"]["tau"])
     assert two["spec_metrics"]["accept_histogram"] == one["spec_metrics"]["accept_histogram"]
+    # sampled drafts and the full-q rule: the same seeded draws on both (logits agree to ~1e-6)
+    assert two["sampled"] == one["sampled"]
+    assert all(len(t) == 10 for t in two["sampled"])
 
 
 def test_shapes_the_tensor_parallel_size_cannot_split_are_refused(tmp_path):

@@ -52,6 +52,11 @@ def main() -> None:
         spec = eng.generate(prompts, params)
         record["spec"] = [o.token_ids for o in spec]
         record["spec_metrics"] = eng.spec_metrics.summary()
+        # Sampled drafts verified with the full-q rule (q placed on the whole vocabulary), seeded.
+        sampled = [SamplingParams(max_tokens=10, temperature=0.8, seed=3 + i, ignore_eos=True) for i in range(5)]
+        spec_cfg = SpecConfig(method="chain", k=3, head=head, draft_sampling=True)
+        eng = Engine(model, page_size=4, num_pages=64, max_batch_size=3, spec=spec_cfg)
+        record["sampled"] = [o.token_ids for o in eng.generate(prompts, sampled)]
     if tp.rank == 0:
         torch.save(record, args.out)
     if torch.distributed.is_initialized():

@@ -218,6 +218,11 @@ class TargetParts:
     def lm_head(self) -> nn.Module:
         return self.model.lm_head
 
+    @property
+    def vocab_size(self) -> int:
+        """The target's whole vocabulary (its lm_head may hold a tensor-parallel share of the rows)."""
+        return self.model.config.vocab_size
+
 
 class DraftHead(nn.Module, abc.ABC):
     """Base class. Subclasses implement `target_features`, `forward_hidden`, `compute_logits`."""

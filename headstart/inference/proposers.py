@@ -262,7 +262,7 @@ class HeadChainProposer(_ChainProposer):
         return self.runner.logits(self._feats)
 
     def _to_target_dist(self, q: torch.Tensor) -> torch.Tensor:
-        return spread_to_target(q, self.head.target.config.vocab_size, self.to_target)
+        return spread_to_target(q, self.head.target.vocab_size, self.to_target)
 
     def after_verify(self, seq: Sequence, n: int, accepted: int) -> None:
         """Rows n.. used the head's own states: drop them; absorb() re-runs them with the target's."""
@@ -352,7 +352,7 @@ class MedusaProposer(_Proposer):
             for b, c in enumerate(choice):
                 drafts[b].append(c)
                 if q[b] is not None:
-                    qs[b].append(spread_to_target(q[b], self.head.target.config.vocab_size, self.to_target))
+                    qs[b].append(spread_to_target(q[b], self.head.target.vocab_size, self.to_target))
         return Proposal(drafts, [torch.stack(q) if q else None for q in qs])
 
     def after_verify(self, seq: Sequence, n: int, accepted: int) -> None:

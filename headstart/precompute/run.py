@@ -205,7 +205,9 @@ def run_precompute(recipe: Recipe, resume: bool = False, progress: bool = True) 
     if device.type == "cuda":
         torch.cuda.set_device(device)  # otherwise every rank's kernels may land on GPU 0
     from headstart.hardware import describe, resolve_dtype
+    from headstart.plan import check_recipe_fits
 
+    check_recipe_fits(recipe, ("precompute",), device)  # before the target loads: refuse what cannot fit
     dtype = resolve_dtype(recipe.target.dtype, device)
     progress = progress and tp.rank == 0  # one bar per model copy
     if progress and rank == 0:

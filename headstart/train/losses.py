@@ -111,7 +111,7 @@ def distill(head: DraftHead, head_h: torch.Tensor, target_h: torch.Tensor, rows:
         return LossParts(zero, zero, 0)
     d2t = getattr(head, "d2t", None)
     draft_ids = None
-    if d2t is not None and d2t.numel() != head.target.config.vocab_size:
+    if d2t is not None and d2t.numel() != head.target.vocab_size:
         draft_ids = torch.arange(d2t.numel(), device=d2t.device) + d2t  # draft id i -> target id i + d2t[i]
     kl = zero
     correct, accept, mass = (torch.zeros((), device=head_h.device) for _ in range(3))

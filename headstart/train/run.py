@@ -370,6 +370,12 @@ def run_train(recipe: Recipe, *, resume: bool = False, progress: bool = True) ->
         raise ConfigError(f"engine.tensor_parallel {recipe.engine.tensor_parallel}: train does not shard the target "
                           "yet (precompute and eval do); precompute the shards with tensor parallelism and train "
                           "from them with engine.tensor_parallel 1")
+    from headstart.plan import check_recipe_fits
+
+    tr = recipe.trainer
+    cuda = tr.accelerator in ("gpu", "cuda") or (tr.accelerator == "auto" and torch.cuda.is_available())
+    if not cuda or torch.cuda.is_available():  # (a missing GPU is named by TrainRun)
+        check_recipe_fits(recipe, ("train", "validation"), torch.device("cuda" if cuda else "cpu"))  # before anything
     out = check_output_dir(recipe, resume)
     rank = global_rank(recipe.trainer.devices)
     with exclusive_lock(lock_path(out, rank), what=f"train into {out}"):

@@ -1,0 +1,279 @@
+"""`headstart plan RECIPE`: what each rank of a recipe's jobs needs, before any of them runs.
+
+For each phase the recipe runs (precompute when training from shards, training, engine validation,
+eval) it adds up per-rank device memory by term (the target's share of weights, the head with its
+gradients and AdamW state, activations incl. TTT attention scores and the chunked loss, KV pages)
+and compares the sum with the device; it also gives the host memory a rank needs while loading, the
+disk bytes per stored token, and throughput from stated assumptions. A phase that cannot fit is
+refused, naming its largest term; `train` and `precompute` run the same check before they load.
+
+The numbers come from the target's config.json and the recipe alone (no weights are read): weights
+and optimizer state are exact counts (the head is built on the meta device); activations are upper
+bounds from the shapes the code allocates (each formula is named in its term's note).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+from headstart.config import Recipe
+from headstart.errors import HeadstartError
+
+GB = 1e9
+# Headroom kept free on a device: the CUDA context, the caching allocator's fragmentation, NCCL buffers.
+USABLE = 0.90
+# Throughput assumptions (stated in every plan): H100 SXM dense bf16 peak (NVIDIA H100 datasheet:
+# 989 TFLOP/s without sparsity) and the share of it a step reaches.
+H100_BF16_FLOPS = 989e12
+MFU_TARGET_FORWARD = 0.40  # a large-batch bf16 forward of an 8B+ model (typical of inference prefill)
+MFU_HEAD_STEP = 0.25  # one-layer head: small matmuls, a vocabulary-sized loss, optimizer steps
+
+
+class PlanError(HeadstartError):
+    """A recipe that cannot fit; the message names the phase and the term."""
+
+
+@dataclass
+class Term:
+    name: str
+    bytes: float
+    note: str = ""
+
+
+@dataclass
+class Phase:
+    name: str  # precompute / train / validation / eval
+    ranks: int  # processes the phase runs on
+    terms: list[Term] = field(default_factory=list)
+    host_bytes: float = 0.0  # host memory per rank while loading
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def total(self) -> float:
+        return sum(t.bytes for t in self.terms)
+
+
+@dataclass
+class Plan:
+    recipe: str
+    device: str
+    capacity: float  # bytes per device
+    phases: list[Phase]
+    disk_bytes_per_token: float | None
+    assumptions: list[str]
+
+    def refusals(self) -> list[str]:
+        out = []
+        for ph in self.phases:
+            if ph.total > USABLE * self.capacity:
+                big = max(ph.terms, key=lambda t: t.bytes)
+                out.append(f"{ph.name}: needs {ph.total / GB:.1f} GB per rank, more than {USABLE:.0%} of the "
+                           f"{self.capacity / GB:.0f} GB {self.device}; the largest term is '{big.name}' "
+                           f"({big.bytes / GB:.1f} GB{': ' + big.note if big.note else ''})")
+        return out
+
+    def to_dict(self) -> dict[str, Any]:
+        d = dataclasses.asdict(self)
+        for ph, raw in zip(self.phases, d["phases"]):
+            raw["total"] = ph.total
+        d["refusals"] = self.refusals()
+        return d
+
+
+def _dtype_bytes(dtype: str) -> int:
+    return 4 if dtype == "fp32" else 2
+
+
+def target_shape(cfg: dict[str, Any], where: str) -> Any:
+    from headstart.models.llama import LlamaConfig
+
+    return LlamaConfig.from_hf(cfg, where=where)
+
+
+def target_params(c: Any, tp: int) -> tuple[float, float]:
+    """(parameters one tensor-parallel rank holds, parameters of the whole target)."""
+    kv_local = max(1, c.num_key_value_heads // tp)
+    layer_whole = (c.hidden_size * (c.num_attention_heads + 2 * c.num_key_value_heads) * c.head_dim
+                   + c.num_attention_heads * c.head_dim * c.hidden_size + 3 * c.hidden_size * c.intermediate_size
+                   + 2 * c.hidden_size)
+    layer_rank = (c.hidden_size * (c.num_attention_heads // tp + 2 * kv_local) * c.head_dim
+                  + c.num_attention_heads // tp * c.head_dim * c.hidden_size
+                  + 3 * c.hidden_size * c.intermediate_size // tp + 2 * c.hidden_size)
+    vocab = (1 if c.tie_word_embeddings else 2) * c.vocab_size * c.hidden_size
+    whole = c.num_hidden_layers * layer_whole + vocab + c.hidden_size
+    rank = c.num_hidden_layers * layer_rank + vocab / tp + c.hidden_size
+    return rank, whole
+
+
+def _head_counts(recipe: Recipe, c: Any) -> tuple[int, Any]:
+    """(trainable parameters, resolved head config): the head built on the meta device."""
+    import torch
+
+    from headstart.heads import build_head, head_config_from_recipe
+    from headstart.models.llama import LlamaForCausalLM
+
+    with torch.device("meta"):
+        target = LlamaForCausalLM(c)
+        target._fingerprint = "planning"  # no weights to hash: the head only records it
+        head = build_head(head_config_from_recipe(recipe.head), target, init_from_target=False)
+    return sum(p.numel() for p in head.trainable_parameters()), head.config
+
+
+def make_plan(recipe: Recipe, target_cfg: dict[str, Any], *, device: str = "H100-80GB",
+              capacity_gb: float = 80.0, where: str = "config.json", phases: tuple[str, ...] | None = None) -> Plan:
+    """The plan of the recipe's phases (default: precompute when training from shards, train,
+    validation, eval), or of `phases`."""
+    c = target_shape(target_cfg, where)
+    tp = recipe.engine.tensor_parallel
+    for n, what in ((c.num_attention_heads, "num_attention_heads"), (c.intermediate_size, "intermediate_size")):
+        if n % tp:
+            raise PlanError(f"engine.tensor_parallel {tp}: {what} ({n}) of {where} is not divisible by it")
+    tr, pc = recipe.train, recipe.precompute
+    act = _dtype_bytes(recipe.target.dtype if recipe.target.dtype != "auto" else "bf16")
+    ranks = recipe.trainer.devices * recipe.trainer.num_nodes
+    rank_params, whole_params = target_params(c, tp)
+    head_params, hc = _head_counts(recipe, c)
+    d, n_layers = c.hidden_size, c.num_hidden_layers
+    aux = len(hc.aux_layer_ids or [])
+    vd = hc.draft_vocab_size or c.vocab_size
+    kv_bytes_per_token = 2 * n_layers * max(1, c.num_key_value_heads // tp) * c.head_dim * act
+    largest_tensor = max(c.vocab_size * d / tp, 3 * d * c.intermediate_size / tp) * act
+    plan_phases: list[Phase] = []
+
+    def target_term(shard: int) -> Term:
+        held = rank_params if shard > 1 else whole_params
+        how = f"1/{shard} tensor-parallel shard" if shard > 1 else "the whole target on every rank"
+        return Term("target weights", held * act, f"{held / 1e9:.2f} B parameters ({how})")
+
+    def forward_terms(tokens: int) -> list[Term]:
+        # The widest transient of a no-grad layer: the fused gate/up output (2I/tp) beside qkv and
+        # the residual; captured states are kept for the batch.
+        wide = tokens * (2 * c.intermediate_size / tp + 4 * d) * act
+        return [Term("target activations", wide, f"{tokens:,} tokens x (2 I/tp + 4 d) x {act} B"),
+                Term("captured hidden states", tokens * d * (1 + aux) * act,
+                     f"{tokens:,} tokens x d x (1 + {aux} aux layers)")]
+
+    wanted = phases or (("precompute",) if tr.source == "shards" else ()) + ("train", "validation", "eval")
+    if "precompute" in wanted:
+        ph = Phase("precompute", ranks)
+        ph.terms = [target_term(tp), *forward_terms(pc.batch_tokens),
+                    Term("KV pages", (pc.batch_tokens + 64 * 16) * kv_bytes_per_token,
+                         f"one batch of {pc.batch_tokens:,} tokens + 64 pages")]
+        ph.host_bytes = largest_tensor
+        plan_phases.append(ph)
+    # Training: today the trainer loads the whole target on every rank (no tensor parallelism in train).
+    ph = Phase("train", ranks)
+    opt = Term("head weights + grads + AdamW", 16 * head_params,
+               f"{head_params / 1e6:.1f} M trainable parameters x 16 B (fp32 weight, grad, 2 moments)")
+    seq = min(recipe.data.max_length, tr.batch_tokens)
+    seqs = max(1, tr.batch_tokens // seq)  # sum of n^2 over packed sequences <= batch_tokens x longest
+    heads = hc.num_attention_heads
+    per_tok = (d * (22 + 2 * aux) + 6 * hc.intermediate_size) * 2  # one layer's saved bf16 activations
+    ph.terms = [target_term(1), opt,
+                Term("head activations", tr.batch_tokens * per_tok * tr.ttt_steps,
+                     f"{tr.batch_tokens:,} tokens x {tr.ttt_steps} TTT steps x (({22 + 2 * aux} d + 6 I) x 2 B)"),
+                Term("chunked loss", 3 * tr.loss_chunk_tokens * vd * 4,
+                     f"{tr.loss_chunk_tokens:,} rows x {vd:,} logits x fp32 x 3 (logits, softmax, grad)")]
+    if tr.ttt_steps > 1:
+        # headstart.train.ttt: each unrolled step keeps its fp32 softmax (H, n, n + j) per sequence for
+        # the backward pass; the step being computed holds two more (the masked scores, their concat).
+        ph.terms.append(Term("TTT attention scores", 4 * heads * seq * seq * ((tr.ttt_steps - 1) * seqs + 2),
+                             f"{heads} heads x {seq:,}^2 x fp32 x ({tr.ttt_steps - 1} unrolled steps x {seqs} "
+                             "sequences kept + 2 transient)"))
+    if hc.draft_vocab_size and hc.head_type in ("mtp", "eagle1", "deepseek_mtp"):
+        ph.terms.append(Term("restricted lm_head", vd * d * act, f"{vd:,} target rows gathered once"))
+    if tr.source == "online":
+        ph.terms.extend(forward_terms(tr.batch_tokens))
+    ph.host_bytes = largest_tensor
+    if recipe.trainer.strategy == "fsdp":
+        ph.notes.append("trainer.strategy fsdp wraps the head and the frozen target as one unit today (no wrap "
+                        "policy): counted here as unsharded")
+    plan_phases.append(ph)
+    val = Phase("validation", ranks)
+    longest = recipe.data.max_length + tr.val_max_tokens + 16
+    val.terms = [target_term(1), Term("KV pages", tr.val_prompts * longest * kv_bytes_per_token,
+                                      f"{tr.val_prompts} prompts x {longest:,} tokens (target's KV)")]
+    plan_phases.append(val)
+    ev = Phase("eval", tp)
+    ev.terms = [target_term(tp), Term("KV pages", 32 * longest * kv_bytes_per_token,
+                                      f"batch 32 x {longest:,} tokens (engine default batch)")]
+    ev.host_bytes = largest_tensor
+    plan_phases.append(ev)
+    phases_made = [p for p in plan_phases if p.name in wanted]
+    for p in phases_made:
+        if not p.host_bytes:
+            p.host_bytes = largest_tensor
+    disk = None
+    if tr.source == "shards":
+        per_row = 2 * d if pc.storage == "bf16" else d + 4
+        disk = per_row * (1 + aux) + 4 + 1 + 8 / 512  # ids int32, mask uint8, offsets
+    forward_tps = MFU_TARGET_FORWARD * H100_BF16_FLOPS / (2 * whole_params)
+    head_tps = MFU_HEAD_STEP * H100_BF16_FLOPS / (6 * (head_params + d * vd) * tr.ttt_steps)
+    assumptions = [
+        f"device {device}: {capacity_gb:g} GB, {USABLE:.0%} usable (CUDA context, allocator fragmentation)",
+        f"throughput: H100 dense bf16 peak {H100_BF16_FLOPS / 1e12:.0f} TFLOP/s (NVIDIA datasheet) at an assumed "
+        f"MFU of {MFU_TARGET_FORWARD:.0%} for target forwards and {MFU_HEAD_STEP:.0%} for head steps",
+        f"target forward (precompute, online): ~{forward_tps * tp:,.0f} tokens/s per tensor-parallel group of "
+        f"{tp} (2 x {whole_params / 1e9:.2f} B FLOP/token)",
+        f"head step: ~{head_tps:,.0f} tokens/s per GPU (6 x (head + d x V_d) FLOP/token x {tr.ttt_steps} TTT steps)",
+        "host memory while loading: each rank reads its tensors one at a time from the memory-mapped safetensors "
+        "files onto its device, so a rank's host peak is its largest tensor (page cache aside)",
+    ]
+    return Plan(recipe=recipe.name or "", device=device, capacity=capacity_gb * GB, phases=phases_made,
+                disk_bytes_per_token=disk, assumptions=assumptions)
+
+
+def render(plan: Plan) -> str:
+    lines = [f"plan: {plan.recipe} on {plan.device} ({plan.capacity / GB:.0f} GB per device)"]
+    for ph in plan.phases:
+        lines.append(f"\n{ph.name} ({ph.ranks} rank{'s' if ph.ranks != 1 else ''}): "
+                     f"{ph.total / GB:.2f} GB per rank, host {ph.host_bytes / GB:.2f} GB per rank while loading")
+        for t in ph.terms:
+            lines.append(f"  {t.name:<30}{t.bytes / GB:>9.2f} GB  {t.note}")
+        lines.extend(f"  note: {n}" for n in ph.notes)
+    if plan.disk_bytes_per_token is not None:
+        lines.append(f"\nshards: {plan.disk_bytes_per_token:,.0f} bytes per token "
+                     f"({plan.disk_bytes_per_token * 1e9 / 1e12:,.1f} TB per billion tokens)")
+    lines.append("\nassumptions:")
+    lines.extend(f"  - {a}" for a in plan.assumptions)
+    refusals = plan.refusals()
+    lines.append("\n" + ("does not fit:\n  " + "\n  ".join(refusals) if refusals else "fits: every phase"))
+    return "\n".join(lines)
+
+
+def device_capacity(device: Any) -> tuple[str, float]:
+    """(name, GB) of a torch device: a GPU's memory, or this machine's RAM for the CPU."""
+    import torch
+
+    if device.type == "cuda":
+        props = torch.cuda.get_device_properties(device)
+        return props.name, props.total_memory / GB
+    with open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith("MemTotal:"):
+                return "CPU RAM", int(line.split()[1]) * 1024 / GB
+    return "CPU RAM", math.inf
+
+
+def check_fits(recipe: Recipe, target_cfg: dict[str, Any], device: Any, phases: tuple[str, ...],
+               where: str) -> None:
+    """Refuse, before anything loads, a job whose phases cannot fit this device."""
+    name, gb = device_capacity(device)
+    plan = make_plan(recipe, target_cfg, device=name, capacity_gb=gb, where=where, phases=phases)
+    refusals = plan.refusals()
+    if refusals:
+        raise PlanError("; ".join(refusals) + f" (headstart plan {recipe.name or 'RECIPE'} shows every term)")
+
+
+def check_recipe_fits(recipe: Recipe, phases: tuple[str, ...], device: Any) -> None:
+    """check_fits with the recipe's own target config.json (train and precompute call it first)."""
+    from pathlib import Path
+
+    from headstart.assets import resolve_model
+    from headstart.fileio import read_json_object
+
+    where = Path(resolve_model(recipe.target.model)) / "config.json"
+    check_fits(recipe, read_json_object(where, "model config"), device, phases, str(where))

@@ -1,0 +1,107 @@
+"""`headstart plan`: exact weight and optimizer counts (against real modules), the 8xH100 recipes' verdicts
+for H100-80GB with the targets' config.json (recipes/targets/), and the refusals train / precompute make
+before loading anything."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from tiny_models import make_hf_model
+
+from headstart.cli import main
+from headstart.config import load_recipe, recipe_from_dict
+from headstart.heads import HeadConfig, build_head
+from headstart.models.llama import load_llama
+from headstart.nn.parallel import TensorParallel
+from headstart.plan import PlanError, check_fits, make_plan, target_params
+
+ROOT = Path(__file__).resolve().parents[1]
+RECIPES = {  # recipe: (target config, fits on H100-80GB)
+    "llama-3.2-1b-eagle3-8xh100.yaml": ("llama-3.2-1b.json", True),
+    "llama-3.1-8b-eagle3-8xh100.yaml": ("llama-3.1-8b.json", True),
+    "llama-3.3-70b-mtp-8xh100.yaml": ("llama-3.3-70b.json", False),
+}
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    d = tmp_path_factory.mktemp("plan-model")
+    make_hf_model("qwen2", d, seed=0, vocab_size=321)
+    return d
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_target_weights_are_the_parameters_a_rank_holds(tiny, tp):
+    model = load_llama(tiny, "fp32", tp=TensorParallel(0, tp))
+    held = sum(p.numel() for n, p in model.named_parameters() if not n.endswith("bias"))
+    rank, whole = target_params(model.config, tp)
+    # biases (qkv) are not counted; the last rank's vocabulary padding is (ceil(V / tp) rows per rank)
+    assert rank == pytest.approx(held, rel=0.002)
+    assert whole == sum(p.numel() for n, p in load_llama(tiny, "fp32").named_parameters() if not n.endswith("bias"))
+
+
+@pytest.mark.parametrize("family", ["mtp", "eagle1", "deepseek_mtp", "eagle3", "medusa", "draft_lm"])
+def test_the_head_and_optimizer_term_counts_the_real_head(tiny, family):
+    cfg = json.loads((tiny / "config.json").read_text())
+    recipe = recipe_from_dict({"target": {"model": str(tiny), "dtype": "fp32"},
+                               "head": {"type": family, "draft_vocab_size": 64 if family != "draft_lm" else None}})
+    plan = make_plan(recipe, cfg)
+    train = next(p for p in plan.phases if p.name == "train")
+    term = next(t for t in train.terms if t.name == "head weights + grads + AdamW")
+    head = build_head(HeadConfig(head_type=family, draft_vocab_size=64 if family != "draft_lm" else None),
+                      load_llama(tiny, "fp32"))
+    assert term.bytes == 16 * sum(p.numel() for p in head.trainable_parameters())
+
+
+@pytest.mark.parametrize("recipe", list(RECIPES))
+def test_every_8xh100_recipe_gets_its_verdict(recipe, capsys):
+    target, fits = RECIPES[recipe]
+    rc = main(["plan", str(ROOT / "recipes" / recipe), "--target-config", str(ROOT / "recipes" / "targets" / target)])
+    out = capsys.readouterr().out
+    assert rc == (0 if fits else 1)
+    assert ("fits: every phase" in out) == fits
+    for term in ("target weights", "head weights + grads + AdamW", "head activations", "chunked loss", "KV pages"):
+        assert term in out
+    assert "TTT attention scores" in out  # every 8xH100 recipe unrolls 7 steps
+    if not fits:  # 70B: the whole target on every training rank; eval shards it over 8
+        assert "train: needs" in out and "'target weights' (141.1 GB" in out
+        assert "eval:" not in out.split("does not fit:")[1]
+
+
+def test_the_ttt_scores_term_refuses_a_recipe_that_would_not_fit(tmp_path):
+    raw = {"target": {"model": "x"}, "data": {"max_length": 4096},
+           "train": {"batch_tokens": 16384, "ttt_steps": 7}, "head": {"type": "eagle3"}}
+    cfg = json.loads((ROOT / "recipes" / "targets" / "llama-3.2-1b.json").read_text())
+    plan = make_plan(recipe_from_dict(raw), cfg)
+    (refusal,) = plan.refusals()
+    assert refusal.startswith("train: needs") and "'TTT attention scores'" in refusal
+    raw["train"]["ttt_steps"] = 1
+    assert make_plan(recipe_from_dict(raw), cfg).refusals() == []
+
+
+def test_train_and_precompute_refuse_before_loading(tiny, tmp_path, capsys):
+    """On this CPU the device is the machine's RAM: a recipe whose TTT scores exceed it is refused by
+    name, before the target loads or any output is written."""
+    text = (f"output_dir: {tmp_path / 'run'}\ntarget:\n  model: {tiny}\n  dtype: fp32\n"
+            "data:\n  source: sharegpt\n  max_length: 400000\n"
+            "train:\n  source: online\n  batch_tokens: 400000\n  ttt_steps: 3\n")
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text(text)
+    with pytest.raises(PlanError, match="'TTT attention scores'"):
+        check_fits(load_recipe(recipe), json.loads((tiny / "config.json").read_text()), torch.device("cpu"),
+                   ("train",), "config.json")
+    assert main(["train", str(recipe)]) == 2
+    assert "'TTT attention scores'" in capsys.readouterr().err
+    recipe.write_text(text + "precompute:\n  batch_tokens: 20000000\n")
+    assert main(["precompute", str(recipe)]) == 2
+    assert "precompute: needs" in capsys.readouterr().err
+    assert not (tmp_path / "run").exists()  # nothing written: no output directory, no lock
+
+
+def test_a_size_the_target_cannot_split_is_refused(tiny):
+    recipe = recipe_from_dict({"engine": {"tensor_parallel": 3}})
+    with pytest.raises(PlanError, match="num_attention_heads \\(4\\) .* not divisible"):
+        make_plan(recipe, json.loads((tiny / "config.json").read_text()))
