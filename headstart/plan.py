@@ -169,7 +169,6 @@ def make_plan(recipe: Recipe, target_cfg: dict[str, Any], *, device: str = "H100
     opt = Term("head weights + grads + AdamW", 16 * head_params,
                f"{head_params / 1e6:.1f} M trainable parameters x 16 B (fp32 weight, grad, 2 moments)")
     seq = min(recipe.data.max_length, tr.batch_tokens)
-    seqs = max(1, tr.batch_tokens // seq)  # sum of n^2 over packed sequences <= batch_tokens x longest
     heads = hc.num_attention_heads
     per_tok = (d * (22 + 2 * aux) + 6 * hc.intermediate_size) * 2  # one layer's saved bf16 activations
     ph.terms = [target_term(1), opt,
@@ -178,11 +177,14 @@ def make_plan(recipe: Recipe, target_cfg: dict[str, Any], *, device: str = "H100
                 Term("chunked loss", 3 * tr.loss_chunk_tokens * vd * 4,
                      f"{tr.loss_chunk_tokens:,} rows x {vd:,} logits x fp32 x 3 (logits, softmax, grad)")]
     if tr.ttt_steps > 1:
-        # headstart.train.ttt: each unrolled step keeps its fp32 softmax (H, n, n + j) per sequence for
-        # the backward pass; the step being computed holds two more (the masked scores, their concat).
-        ph.terms.append(Term("TTT attention scores", 4 * heads * seq * seq * ((tr.ttt_steps - 1) * seqs + 2),
-                             f"{heads} heads x {seq:,}^2 x fp32 x ({tr.ttt_steps - 1} unrolled steps x {seqs} "
-                             "sequences kept + 2 transient)"))
+        from headstart.train.ttt import QUERY_BLOCK
+
+        # headstart.train.ttt runs unrolled steps j >= 1 in checkpointed query blocks: nothing of the
+        # scores is kept for the backward pass; the live block holds ~5 fp32 (H, block, n) tensors
+        # (scores, masked, softmax; their gradients while it is recomputed).
+        block = min(QUERY_BLOCK, seq)
+        ph.terms.append(Term("TTT attention scores", 5 * 4 * heads * block * seq,
+                             f"{heads} heads x {block:,} queries x {seq:,} keys x fp32 x 5 (one checkpointed block)"))
     if hc.draft_vocab_size and hc.head_type in ("mtp", "eagle1", "deepseek_mtp"):
         ph.terms.append(Term("restricted lm_head", vd * d * act, f"{vd:,} target rows gathered once"))
     if tr.source == "online":

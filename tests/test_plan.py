@@ -71,14 +71,16 @@ def test_every_8xh100_recipe_gets_its_verdict(recipe, capsys):
         assert "eval:" not in out.split("does not fit:")[1]
 
 
-def test_the_ttt_scores_term_refuses_a_recipe_that_would_not_fit(tmp_path):
+def test_a_recipe_that_would_not_fit_is_refused_by_its_largest_term():
     raw = {"target": {"model": "x"}, "data": {"max_length": 4096},
-           "train": {"batch_tokens": 16384, "ttt_steps": 7}, "head": {"type": "eagle3"}}
-    cfg = json.loads((ROOT / "recipes" / "targets" / "llama-3.2-1b.json").read_text())
+           "train": {"batch_tokens": 65536, "ttt_steps": 7}, "head": {"type": "eagle3"}}
+    cfg = json.loads((ROOT / "recipes" / "targets" / "llama-3.1-8b.json").read_text())
     plan = make_plan(recipe_from_dict(raw), cfg)
     (refusal,) = plan.refusals()
-    assert refusal.startswith("train: needs") and "'TTT attention scores'" in refusal
-    raw["train"]["ttt_steps"] = 1
+    assert refusal.startswith("train: needs") and "'head activations'" in refusal
+    ttt = next(t for t in plan.phases[1].terms if t.name == "TTT attention scores")
+    assert ttt.bytes == 5 * 4 * 32 * 256 * 4096  # one checkpointed query block, not (H, n, n) per step
+    raw["train"]["batch_tokens"] = 8192
     assert make_plan(recipe_from_dict(raw), cfg).refusals() == []
 
 
@@ -87,14 +89,14 @@ def test_train_and_precompute_refuse_before_loading(tiny, tmp_path, capsys):
     name, before the target loads or any output is written."""
     text = (f"output_dir: {tmp_path / 'run'}\ntarget:\n  model: {tiny}\n  dtype: fp32\n"
             "data:\n  source: sharegpt\n  max_length: 400000\n"
-            "train:\n  source: online\n  batch_tokens: 400000\n  ttt_steps: 3\n")
+            "train:\n  source: online\n  batch_tokens: 4000000\n  ttt_steps: 3\n")
     recipe = tmp_path / "r.yaml"
     recipe.write_text(text)
-    with pytest.raises(PlanError, match="'TTT attention scores'"):
+    with pytest.raises(PlanError, match="'head activations'"):
         check_fits(load_recipe(recipe), json.loads((tiny / "config.json").read_text()), torch.device("cpu"),
                    ("train",), "config.json")
     assert main(["train", str(recipe)]) == 2
-    assert "'TTT attention scores'" in capsys.readouterr().err
+    assert "'head activations'" in capsys.readouterr().err
     recipe.write_text(text + "precompute:\n  batch_tokens: 20000000\n")
     assert main(["precompute", str(recipe)]) == 2
     assert "precompute: needs" in capsys.readouterr().err

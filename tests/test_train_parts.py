@@ -194,6 +194,32 @@ def test_unrolled_step_j_is_the_engine_draft_step_j(target, kind):
     assert valid[2].tolist() == [p >= 2 for p in range(6)] + [p >= 2 for p in range(15)] + [p >= 2 for p in range(4)]
 
 
+@pytest.mark.parametrize("block", [1, 3, 5])
+def test_blocked_ttt_attention_equals_one_block_with_its_gradient(target, block, monkeypatch):
+    """The unrolled attention runs its queries in checkpointed blocks (no (H, n, n) scores kept): any
+    block size gives the one-block result, forward and backward."""
+    import headstart.train.ttt as ttt
+
+    head = build_head(HeadConfig(head_type="eagle3", aux_layer_ids=[0, 1, 2]), target)
+    b = _batch(target, lens=(11, 7, 14))
+
+    def run(size):
+        monkeypatch.setattr(ttt, "QUERY_BLOCK", size)
+        head.zero_grad(set_to_none=True)
+        outs, valid, _ = unroll(head, b, 4)
+        loss = sum((o[v] ** 2).mean() * (j + 1) for j, (o, v) in enumerate(zip(outs, valid)))
+        loss.backward()
+        return [o.detach() for o in outs], [p.grad.clone() for p in head.trainable_parameters() if p.grad is not None]
+
+    one_o, one_g = run(10**6)
+    got_o, got_g = run(block)
+    for x, y in zip(got_o, one_o):
+        torch.testing.assert_close(x, y, rtol=1e-5, atol=1e-6)
+    assert len(got_g) == len(one_g) >= 8  # fc, the layer's projections and norms (not the unused lm_head)
+    for x, y in zip(got_g, one_g):
+        torch.testing.assert_close(x, y, rtol=1e-4, atol=1e-6)
+
+
 def test_one_unrolled_step_is_train_forward(target):
     head = build_head(HeadConfig(head_type="mtp"), target)
     b = _batch(target)

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
 
 from headstart.heads.base import DraftHead, PackedBatch, Shifted, shift_for_head
 from headstart.nn.attention import AttentionMetadata, packed_metadata
@@ -40,27 +41,54 @@ class UnrolledAttention:
         outs, row = [], 0
         rep = q.shape[1] // k.shape[1]
         for n in meta.q_lens_cpu:
-            qs = q[row:row + n].float()  # (n, H, D)
-            k0, v0 = (_expand(t[row:row + n], rep).float() for t in cache[0])  # (n, H, D)
-            r = torch.arange(n, device=q.device)
-            s0 = torch.einsum("rhd,chd->hrc", qs, k0) * scale  # (H, n, n)
-            allowed = torch.arange(n, device=q.device)[None, :] <= (r - j).clamp(min=0)[:, None]  # (n, n)
-            s0 = s0.masked_fill(~allowed, float("-inf"))
-            diag_s, diag_v = [], []
-            for jp in range(1, j + 1):
-                src = r - j + jp  # (n,) the row of step jp this query sees
-                kj, vj = (_expand(t[row:row + n], rep).float()[src.clamp(min=0)] for t in cache[jp])  # (n, H, D)
-                sj = (qs * kj).sum(-1).transpose(0, 1) * scale  # (H, n)
-                diag_s.append(sj.masked_fill((src < 0)[None, :], float("-inf")))
-                diag_v.append(vj)
-            scores = torch.cat([s0, torch.stack(diag_s, dim=-1)], dim=-1)  # (H, n, n + j)
-            p = torch.softmax(scores, dim=-1)
-            o = torch.einsum("hrc,chd->rhd", p[..., :n], v0)  # (n, H, D)
-            for i, vj in enumerate(diag_v):
-                o = o + p[..., n + i].transpose(0, 1).unsqueeze(-1) * vj
-            outs.append(o.to(q.dtype))
+            sl = slice(row, row + n)
+            qs = q[sl]
+            keys = [(_expand(kc[sl], rep), _expand(vc[sl], rep)) for kc, vc in cache]
+            # Query blocks, each recomputed in the backward pass: no (H, n, n) score tensor is kept, and
+            # the live scores are (H, QUERY_BLOCK, <= n) whatever the sequence length.
+            blocks = []
+            for a in range(0, n, QUERY_BLOCK):
+                b = min(n, a + QUERY_BLOCK)
+                args = (qs[a:b], keys[0][0][:b], keys[0][1][:b], *(t[max(0, a - j):b] for kv in keys[1:] for t in kv))
+                if torch.is_grad_enabled() and any(t.requires_grad for t in args):
+                    blocks.append(checkpoint(_unrolled_block, a, j, scale, *args, use_reentrant=False))
+                else:
+                    blocks.append(_unrolled_block(a, j, scale, *args))
+            outs.append(torch.cat(blocks) if len(blocks) > 1 else blocks[0])
             row += n
         return torch.cat(outs)
+
+
+# Queries per block of the unrolled attention (steps j >= 1).
+QUERY_BLOCK = 256
+
+
+def _unrolled_block(a: int, j: int, scale: float, q: torch.Tensor, k0: torch.Tensor, v0: torch.Tensor,
+                    *diag: torch.Tensor) -> torch.Tensor:
+    """Unrolled step j for the queries at rows a..a+m-1 of one sequence: step-0 keys 0..p-j (k0, v0
+    hold rows 0..a+m-1) and, for each step j' = 1..j, the one key at row p-j+j' (`diag`: that step's
+    K and V at rows max(0, a-j)..a+m-1). Softmax over all of them in fp32; returns (m, H, D)."""
+    m = q.shape[0]
+    qs = q.float()
+    r = torch.arange(a, a + m, device=q.device)  # the queries' rows in the sequence
+    s0 = torch.einsum("rhd,chd->hrc", qs, k0.float()) * scale  # (H, m, a + m)
+    allowed = torch.arange(k0.shape[0], device=q.device)[None, :] <= (r - j).clamp(min=0)[:, None]
+    s0 = s0.masked_fill(~allowed, float("-inf"))
+    base = max(0, a - j)  # row of diag[...][0]
+    diag_s, diag_v = [], []
+    for jp in range(1, j + 1):
+        kj, vj = diag[2 * (jp - 1)], diag[2 * (jp - 1) + 1]
+        src = r - j + jp  # the row of step jp this query sees
+        idx = (src.clamp(min=0) - base)
+        kj, vj = kj.float()[idx], vj.float()[idx]  # (m, H, D)
+        sj = (qs * kj).sum(-1).transpose(0, 1) * scale  # (H, m)
+        diag_s.append(sj.masked_fill((src < 0)[None, :], float("-inf")))
+        diag_v.append(vj)
+    p = torch.softmax(torch.cat([s0, torch.stack(diag_s, dim=-1)], dim=-1), dim=-1)  # (H, m, a + m + j)
+    o = torch.einsum("hrc,chd->rhd", p[..., : k0.shape[0]], v0.float())  # (m, H, D)
+    for i, vj in enumerate(diag_v):
+        o = o + p[..., k0.shape[0] + i].transpose(0, 1).unsqueeze(-1) * vj
+    return o.to(q.dtype)
 
 
 def _expand(t: torch.Tensor, rep: int) -> torch.Tensor:
