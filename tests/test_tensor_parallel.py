@@ -162,3 +162,46 @@ def test_precompute_on_two_tensor_parallel_ranks_stores_what_one_rank_stores(tmp
             assert torch.equal(x[key], y[key])
         for key in ("hidden", "aux_hidden"):
             torch.testing.assert_close(y[key].float(), x[key].float(), atol=1e-2, rtol=1 / 128)
+
+
+def test_eval_on_two_tensor_parallel_ranks_reports_what_one_rank_reports(tmp_path, chat_model_dir):
+    """`torchrun --nproc-per-node 2 -m headstart.cli eval RECIPE --tp 2 ...`: rank 0 writes the report;
+    acceptance and the lossless check equal the 1-rank eval's. Two processes without --tp are refused
+    (eval runs one model copy)."""
+    import json
+
+    from conftest import write_jsonl
+
+    torch.manual_seed(0)
+    head = build_head(HeadConfig(head_type="mtp"), load_llama(chat_model_dir, "fp32"))
+    with torch.no_grad():
+        for p in head.trainable_parameters():
+            p.add_(0.02 * torch.randn_like(p))
+    save_head(head, tmp_path / "head")
+    prompts = write_jsonl(tmp_path / "p.jsonl", [{"prompt": f"tell me about {w} and {v}"}
+                                                 for w, v in (("cats", "dogs"), ("rain", "sun"), ("a", "b"))])
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text(f"output_dir: {tmp_path / 'out'}\ntarget:\n  model: {chat_model_dir}\n  dtype: fp32\n")
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    root = Path(__file__).resolve().parents[1]
+
+    def run(procs, *extra):
+        launch = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={procs}"] \
+            if procs > 1 else [sys.executable]
+        return subprocess.run([*launch, "-m", "headstart.cli", "eval", str(recipe), "--head", str(tmp_path / "head"),
+                               "--prompts", str(prompts), "--k", "1,3", "--max-tokens", "10", "--batch-size", "2",
+                               "--no-progress", *extra], env=env, cwd=root, capture_output=True, text=True,
+                              timeout=600)
+
+    for tp in (1, 2):
+        done = run(tp, "--tp", str(tp), "--out", str(tmp_path / f"rep{tp}"))
+        assert done.returncode == 0, done.stderr[-4000:]
+    reports = [json.loads((tmp_path / f"rep{tp}" / "report.json").read_text()) for tp in (1, 2)]
+    assert reports[1]["settings"]["tensor_parallel"] == 2
+    keep = ("head", "method", "k", "temperature", "tau", "accept_histogram", "lossless_check", "steps")
+    assert [{k: r.get(k) for k in keep} for r in reports[1]["runs"]] == \
+        [{k: r.get(k) for k in keep} for r in reports[0]["runs"]]
+    assert all(r["lossless_check"] == "identical" for r in reports[1]["runs"])
+    refused = run(2, "--out", str(tmp_path / "rep-refused"))
+    assert refused.returncode != 0 and "runs one copy of the target" in refused.stderr
+    assert not (tmp_path / "rep-refused").exists()
