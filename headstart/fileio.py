@@ -140,29 +140,55 @@ def exclusive_lock(path: Path, what: str) -> Iterator[None]:
             fcntl.flock(f, fcntl.LOCK_UN)
 
 
+HEARTBEAT_S = 10.0  # how often a file_lock holder shows it is alive
+MAX_WAIT_S = 24 * 3600.0  # the longest any file_lock wait lasts, however alive the holder
+
+
 @contextlib.contextmanager
-def file_lock(path: Path, timeout: float = 600.0, what: str = "the cache entry") -> Iterator[None]:
+def file_lock(path: Path, timeout: float = 600.0, what: str = "the cache entry",
+              heartbeat: float = HEARTBEAT_S) -> Iterator[None]:
     """An exclusive advisory lock, so two processes never build the same cache entry at once.
 
-    The kernel drops the lock when its holder dies, so a wait only outlasts a live holder; after
-    `timeout` seconds that is an error naming the lock rather than a hang."""
+    The kernel drops the lock when its holder dies. A live holder touches the lock file every
+    `heartbeat` seconds, so a waiter waits as long as the holder works (the first rank tokenising a
+    large dataset for eight others), up to MAX_WAIT_S; a holder silent for `timeout` seconds (hung,
+    or on another host of a shared file system that stopped) is an error naming the lock."""
+    import threading
     import time
 
     f = _open_lock_file(path)
     with f:
-        deadline = time.monotonic() + timeout
+        start = time.monotonic()
         while True:
             try:
                 fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
                 break
             except BlockingIOError:
-                if time.monotonic() >= deadline:
-                    raise OutputError(f"{what}: another process has held the lock {path} for over {timeout:.0f}s; "
-                                      "wait for it to finish, or stop it") from None
+                now = time.monotonic()
+                try:
+                    silent = time.time() - os.stat(path).st_mtime
+                except OSError:
+                    silent = 0.0
+                if min(silent, now - start) >= timeout or now - start >= MAX_WAIT_S:
+                    quiet = f" (no sign of life for {silent:.0f}s)" if silent >= timeout else ""
+                    raise OutputError(f"{what}: another process has held the lock {path} for over "
+                                      f"{now - start:.0f}s{quiet}; wait for it to finish, or stop it") from None
                 time.sleep(0.2)
+        stop = threading.Event()
+
+        def beat() -> None:
+            while not stop.wait(heartbeat):
+                with contextlib.suppress(OSError):
+                    os.utime(path)
+
+        os.utime(path)
+        thread = threading.Thread(target=beat, name="headstart-lock-heartbeat", daemon=True)
+        thread.start()
         try:
             yield
         finally:
+            stop.set()
+            thread.join(timeout=5)
             fcntl.flock(f, fcntl.LOCK_UN)
 
 

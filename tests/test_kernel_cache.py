@@ -105,6 +105,34 @@ def test_a_killed_builds_lock_is_removed_and_a_held_build_times_out(cache, monke
     assert any("held the lock" in str(w.message) for w in caught)
 
 
+def test_a_file_lock_waits_for_a_live_holder_and_not_for_a_silent_one(tmp_path):
+    """A holder that works longer than the timeout keeps its waiters (its heartbeat); one that stops
+    beating (hung) fails them after the timeout."""
+    import fcntl
+    import threading
+    import time
+
+    done = threading.Event()
+
+    def hold():
+        with file_lock(tmp_path / "a.lock", heartbeat=0.1):
+            done.wait(1.5)
+
+    t = threading.Thread(target=hold)
+    t.start()
+    time.sleep(0.3)
+    start = time.monotonic()
+    with file_lock(tmp_path / "a.lock", timeout=0.5):  # 1.2 s of waiting, 3x the timeout: still fine
+        waited = time.monotonic() - start
+    t.join()
+    assert waited > 0.5
+    with open(tmp_path / "b.lock", "w") as f:  # a holder without a heartbeat
+        fcntl.flock(f, fcntl.LOCK_EX)
+        with pytest.raises(OutputError, match=r"b.lock for over \ds \(no sign of life for \ds\)"):
+            with file_lock(tmp_path / "b.lock", timeout=0.5):
+                pass
+
+
 def test_file_lock_times_out_with_a_clear_error(tmp_path):
     with file_lock(tmp_path / "x.lock"):
         with pytest.raises(OutputError, match=r"x.lock for over 0s"):
