@@ -350,3 +350,32 @@ def test_weights_and_biases_logs_offline_without_an_api_key(tmp_path, chat_model
     assert "logs offline" in capsys.readouterr().err
     runs = list((tmp_path / "run" / "wandb").glob("offline-run-*"))
     assert len(runs) == 1 and any(runs[0].glob("*.wandb"))
+
+
+def test_two_nodes_of_one_rank_each_equal_one_process(tmp_path, chat_model_dir):
+    """A 2-node x 1-rank gloo job on this machine: two torchrun agents (node ranks 0 and 1) that meet
+    at one rendezvous address, as two hosts of a cluster would. The trained head equals one process
+    accumulating the same two micro-batches."""
+    import socket
+
+    train = {"max_steps": 3, "val_every_steps": 0, "val_prompts": 1}
+    one = _recipe(tmp_path, chat_model_dir, name="one", train={**train, "grad_accum": 2}, n=64)
+    p = _cli(["train", str(one), "--no-progress"])
+    assert p.wait() == 0, p.stderr.read().decode()[-2000:]
+    nodes = _recipe(tmp_path, chat_model_dir, name="nodes", train=train, n=64)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    agents = [subprocess.Popen(
+        [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc-per-node=1", f"--node-rank={r}",
+         "--master-addr=127.0.0.1", f"--master-port={port}", "-m", "headstart.cli", "train", str(nodes),
+         "--no-progress", "--set", "trainer.num_nodes=2", "--set", "trainer.accelerator=cpu"],
+        cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"}, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        for r in (0, 1)]
+    errs = [a.communicate(timeout=600)[1].decode() for a in agents]
+    assert [a.returncode for a in agents] == [0, 0], "\n".join(e[-2000:] for e in errs)
+    assert "head-final" in {p.name for p in (tmp_path / "nodes").iterdir()}
+    ha = load_head(tmp_path / "one" / "head-final", load_llama(chat_model_dir, "fp32"))
+    hb = load_head(tmp_path / "nodes" / "head-final", load_llama(chat_model_dir, "fp32"))
+    for (name, x), (_, y) in zip(ha.state_dict().items(), hb.state_dict().items()):
+        torch.testing.assert_close(x, y, rtol=1e-4, atol=1e-5, msg=name)
