@@ -10,7 +10,7 @@ changing what they learn. Every arm uses the shipped recipe (recipes/smollm2-135
 its family and learning rate: the same data, draft vocabulary size, TTT and schedule shape.
 
     .venv/bin/python benchmarks/head_budget.py --source runs/smollm2-135m-mtp/regenerated.jsonl \\
-        --mtp-steps 394 --cost eagle3=1.3 --arms mtp:2e-3,eagle3:2e-3,mtp:1e-3,mtp:4e-3
+        --mtp-steps 394 --cost eagle3=1.055 --ttt-cost 2=2.3 --arms mtp:2e-3,eagle3:2e-3,mtp:1e-3,mtp:4e-3,eagle3:2e-3:2
 
 Everything lands under runs/head-budget/ and resumes: rerunning skips what is done.
 """
@@ -69,7 +69,10 @@ def main() -> None:
     ap.add_argument("--mtp-steps", type=int, default=394, help="steps of an mtp arm (others: mtp-steps / cost)")
     ap.add_argument("--cost", action="append", default=[], metavar="FAMILY=X",
                     help="a step of FAMILY in mtp steps (benchmarks/train.md), repeatable")
-    ap.add_argument("--arms", default="mtp:2e-3,eagle3:2e-3", help="family:lr pairs")
+    ap.add_argument("--arms", default="mtp:2e-3,eagle3:2e-3",
+                    help="family:lr[:ttt] (ttt: the arm's train.ttt_steps; default the recipe's)")
+    ap.add_argument("--ttt-cost", action="append", default=[], metavar="TTT=X",
+                    help="a step with train.ttt_steps TTT in steps of the recipe's TTT (repeatable)")
     ap.add_argument("--prompts", type=int, default=16, help="held-out prompts for the engine's acceptance")
     ap.add_argument("--max-tokens", type=int, default=64, help="new tokens per held-out prompt")
     args = ap.parse_args()
@@ -79,23 +82,31 @@ def main() -> None:
         if fam not in FAMILIES or not x:
             raise SystemExit(f"--cost {c!r}: expected FAMILY=X with FAMILY one of {', '.join(FAMILIES)}")
         cost[fam] = float(x)
+    base = yaml.safe_load(RECIPE.read_text())
+    base_ttt = base["train"]["ttt_steps"]
+    ttt_cost = {base_ttt: 1.0}
+    for c in args.ttt_cost:
+        t, _, x = c.partition("=")
+        ttt_cost[int(t)] = float(x)
     arms = []
     for spec in args.arms.split(","):
-        fam, _, lr = spec.partition(":")
+        fam, lr, *rest = spec.split(":")
+        ttt = int(rest[0]) if rest else base_ttt
         if fam not in FAMILIES or not lr:
-            raise SystemExit(f"arm {spec!r}: expected family:lr with family one of {', '.join(FAMILIES)}")
+            raise SystemExit(f"arm {spec!r}: expected family:lr[:ttt] with family one of {', '.join(FAMILIES)}")
         if fam not in cost:
             raise SystemExit(f"arm {spec!r}: no --cost {fam}=X given (what one {fam} step costs in mtp steps)")
-        arms.append((fam, float(lr), round(args.mtp_steps / cost[fam])))
-    base = yaml.safe_load(RECIPE.read_text())
+        if ttt not in ttt_cost:
+            raise SystemExit(f"arm {spec!r}: no --ttt-cost {ttt}=X given (a TTT-{ttt} step in TTT-{base_ttt} steps)")
+        arms.append((fam, float(lr), ttt, round(args.mtp_steps / cost[fam] / ttt_cost[ttt])))
     source = str(Path(args.source).resolve())
     OUT.mkdir(parents=True, exist_ok=True)
     shards_dir = shards(base, source)
     results = {}
-    for fam, lr, steps in arms:
-        name = f"{fam}-lr{lr:g}-{steps}"
+    for fam, lr, ttt, steps in arms:
+        name = f"{fam}-lr{lr:g}-{steps}" + (f"-ttt{ttt}" if ttt != base_ttt else "")
         r = _recipe(base, name, fam, source)
-        r["train"].update(max_steps=steps, lr=lr, warmup_steps=min(30, steps // 10), val_every_steps=0,
+        r["train"].update(max_steps=steps, lr=lr, ttt_steps=ttt, warmup_steps=min(30, steps // 10), val_every_steps=0,
                           val_prompts=args.prompts, val_max_tokens=args.max_tokens,
                           ckpt_every_steps=max(10, steps // 4), shards_dir=str(shards_dir))
         path = OUT / f"{name}.yaml"
@@ -104,17 +115,19 @@ def main() -> None:
         if not (arm / "head-final").exists():
             _headstart("train", str(path), *(["--resume"] if (arm / "checkpoints" / "last.ckpt").exists() else []))
         m = json.loads((arm / "metrics.json").read_text())
-        results[name] = {"family": fam, "lr": lr, "steps": steps, "tokens_seen": m.get("tokens"), "tau": m.get("tau"),
+        results[name] = {"family": fam, "lr": lr, "ttt": ttt, "steps": steps, "tokens_seen": m.get("tokens"),
+                         "tau": m.get("tau"),
                          "accept_rate_per_pos": m.get("accept_rate_per_pos"),
                          "top1_per_step": m.get("top1_per_step"), "val_loss": m.get("val_loss")}
-    print(f"\nHeads at equal CPU time: a step costs {cost} mtp steps; {args.prompts} held-out prompts x "
-          f"{args.max_tokens} tokens, greedy k = {base['head']['k']}")
+    print(f"\nHeads at equal CPU time: a step costs {cost} mtp steps (TTT: {ttt_cost}); {args.prompts} held-out "
+          f"prompts x {args.max_tokens} tokens, greedy k = {base['head']['k']}")
     print(f"{'arm':26}{'steps':>7}{'tokens':>12}{'tau':>8}  {'accept rate per position':26}{'top-1 (step 1)':>15}")
     for name, r in results.items():
         rate = "/".join(f"{v:.2f}" for v in r["accept_rate_per_pos"] or [])
         top1 = (r["top1_per_step"] or [float("nan")])[0]
         print(f"{name:26}{r['steps']:>7}{r['tokens_seen'] or 0:>12,}{r['tau']:>8.3f}  {rate:26}{top1:>15.3f}")
-    atomic_write_text(OUT / "results.json", json.dumps({"args": vars(args), "cost": cost, **results}, indent=2))
+    atomic_write_text(OUT / "results.json", json.dumps({"args": vars(args), "cost": cost, "ttt_cost": ttt_cost,
+                                                        **results}, indent=2))
 
 
 if __name__ == "__main__":

@@ -27,6 +27,7 @@ VARIANTS = {  # name: (draft vocab, ttt steps, source, loss, head family)
     "online_vd8192_ttt1": (8192, 1, "online", "ours", "mtp"),
     # EAGLE-3 (three fused aux layers, its own 8,192-row lm_head) from shards that hold the aux states
     "eagle3_vd8192_ttt1": (8192, 1, "shards", "ours", "eagle3"),
+    "eagle3_vd8192_ttt2": (8192, 2, "shards", "ours", "eagle3"),
 }
 BASELINE = "full_ttt1"
 
