@@ -133,6 +133,32 @@ def test_a_file_lock_waits_for_a_live_holder_and_not_for_a_silent_one(tmp_path):
                 pass
 
 
+def test_a_file_lock_wait_ends_at_max_wait_however_alive_the_holder(tmp_path, monkeypatch):
+    import threading
+    import time
+
+    import headstart.fileio as fileio
+
+    monkeypatch.setattr(fileio, "MAX_WAIT_S", 0.6)
+    done, held = threading.Event(), threading.Event()
+
+    def hold():
+        with fileio.file_lock(tmp_path / "c.lock", heartbeat=0.05):
+            held.set()
+            done.wait(5)
+
+    t = threading.Thread(target=hold)
+    t.start()
+    held.wait(5)
+    start = time.monotonic()
+    with pytest.raises(OutputError, match=r"c.lock for over \ds; wait"):  # beating, so no "no sign of life"
+        with file_lock(tmp_path / "c.lock", timeout=60):
+            pass
+    assert time.monotonic() - start < 5
+    done.set()
+    t.join()
+
+
 def test_file_lock_times_out_with_a_clear_error(tmp_path):
     with file_lock(tmp_path / "x.lock"):
         with pytest.raises(OutputError, match=r"x.lock for over 0s"):

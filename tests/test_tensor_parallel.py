@@ -25,9 +25,9 @@ WORKER = Path(__file__).with_name("tp_worker.py")
 TOL = {"atol": 2e-5, "rtol": 2e-5}
 
 CASES = {  # name: (family, vocab, config overrides, head family, draft vocabulary)
-    # KV heads split 1 + 1, an mtp head over a 64-token draft vocabulary (restricted lm_head rows
-    # gathered from both ranks)
-    "llama-kv-split": ("llama", 320, {}, "mtp", 64),
+    # KV heads split 1 + 1, q/k/v/o and MLP biases (row-parallel ones held by rank 0), an mtp head over
+    # a 64-token draft vocabulary (restricted lm_head rows gathered from both ranks)
+    "llama-kv-split": ("llama-bias", 320, {}, "mtp", 64),
     # qkv bias, a vocabulary of 321 (the last rank's rows padded), an eagle3 head fusing aux layers
     "qwen2-vocab-pad": ("qwen2", 321, {}, "eagle3", None),
     # one KV head replicated on both ranks, tied embeddings, full-vocabulary mtp head
@@ -83,6 +83,8 @@ def test_two_ranks_compute_what_one_rank_computes(case):
     assert two["logits"].shape == one["logits"].shape == (one["hidden"].shape[0], vocab)
     torch.testing.assert_close(two["logits"], one["logits"], **TOL)
     assert two["plain"] == one["plain"]
+    if "restricted" in one:  # the draft vocabulary's rows, gathered from the rank holding each: exact
+        assert torch.equal(two["restricted"], one["restricted"])
 
 
 def test_speculation_under_tensor_parallelism_stays_lossless(case):
@@ -107,6 +109,32 @@ def test_shapes_the_tensor_parallel_size_cannot_split_are_refused(tmp_path):
         load_llama(tmp_path / "m", "fp32", tp=TensorParallel(1, 8))
     with pytest.raises(ValueError, match="not a valid place"):
         TensorParallel(2, 2)
+
+
+def test_kv_heads_replicated_over_more_ranks_follow_their_q_heads(tmp_path):
+    """8 q heads, 2 KV heads, 4 ranks: ranks 0-1 read KV head 0, ranks 2-3 KV head 1 (each rank's two
+    q heads are in one KV group); the layout of ranks in groups is consecutive."""
+    from headstart.nn.parallel import tp_groups, tp_layout
+
+    assert [TensorParallel(r, 4).kv_heads(8, 2) for r in range(4)] == [(0, 1), (0, 1), (1, 1), (1, 1)]
+    assert [TensorParallel(r, 2).kv_heads(8, 2) for r in range(2)] == [(0, 1), (1, 1)]
+    make_hf_model("llama", tmp_path / "m", seed=2, num_attention_heads=8, num_key_value_heads=2)
+    whole = load_llama(tmp_path / "m", "fp32")
+    dh = whole.config.head_dim
+    q, kv = 8 * dh, 2 * dh
+    for r in range(4):
+        part = load_llama(tmp_path / "m", "fp32", tp=TensorParallel(r, 4))
+        w, p = whole.model.layers[1].self_attn.qkv_proj.weight, part.model.layers[1].self_attn.qkv_proj.weight
+        assert p.shape[0] == 2 * dh + 2 * dh
+        torch.testing.assert_close(p[: 2 * dh], w[r * 2 * dh:(r + 1) * 2 * dh], rtol=0, atol=0)
+        g = r // 2  # the KV head of this rank's q heads
+        torch.testing.assert_close(p[2 * dh: 3 * dh], w[q + g * dh: q + (g + 1) * dh], rtol=0, atol=0)
+        torch.testing.assert_close(p[3 * dh:], w[q + kv + g * dh: q + kv + (g + 1) * dh], rtol=0, atol=0)
+    # 8 processes as 2 data-parallel copies of a 4-rank model: ranks 0-3 and 4-7
+    assert tp_groups(8, 4) == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    assert [tp_layout(r, 8, 4) for r in (0, 3, 4, 7)] == [(0, 0, 0, 2), (3, 0, 0, 2), (0, 1, 1, 2), (3, 1, 1, 2)]
+    with pytest.raises(ValueError, match="no place"):
+        tp_layout(3, 6, 4)
 
 
 def test_a_rank_reads_only_its_shard(tmp_path):

@@ -220,6 +220,34 @@ def test_blocked_ttt_attention_equals_one_block_with_its_gradient(target, block,
         torch.testing.assert_close(x, y, rtol=1e-4, atol=1e-6)
 
 
+def test_blocked_ttt_attention_keeps_no_n_by_n_scores_for_backward(target, monkeypatch):
+    """What autograd saves for the unrolled steps: no tensor of H x n x n elements (the scores of a
+    whole sequence), with blocks of 4 queries over a 200-token sequence (where H x n x n is 4x the
+    largest per-token tensor, the fused gate/up output)."""
+    import headstart.train.ttt as ttt
+
+    monkeypatch.setattr(ttt, "QUERY_BLOCK", 4)
+    head = build_head(HeadConfig(head_type="mtp"), target)
+    b = _batch(target, lens=(201,))
+    n, h = 200, head.config.num_attention_heads
+    sizes = []
+
+    def pack(t):
+        sizes.append(t.numel())
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        outs, valid, _ = unroll(head, b, 3)
+    assert sizes and max(sizes) < h * n * n // 2
+    # Without the checkpoint, one block keeps the whole sequence's scores (the check can fail).
+    monkeypatch.setattr(ttt, "QUERY_BLOCK", 10**6)
+    monkeypatch.setattr(ttt, "checkpoint", lambda fn, *args, use_reentrant: fn(*args))
+    sizes.clear()
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        unroll(head, b, 3)
+    assert max(sizes) >= h * n * n
+
+
 def test_one_unrolled_step_is_train_forward(target):
     head = build_head(HeadConfig(head_type="mtp"), target)
     b = _batch(target)

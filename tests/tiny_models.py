@@ -6,7 +6,7 @@ from pathlib import Path
 
 import torch
 
-FAMILIES = ["llama", "llama3-rope", "mistral", "qwen2", "qwen3", "llama-tied"]
+FAMILIES = ["llama", "llama3-rope", "mistral", "qwen2", "qwen3", "llama-tied", "llama-bias"]
 
 
 def hf_config(family: str, vocab_size: int = 320, **overrides):
@@ -18,6 +18,8 @@ def hf_config(family: str, vocab_size: int = 320, **overrides):
     common.update(overrides)
     if family == "llama":
         return LlamaConfig(**common, tie_word_embeddings=False)
+    if family == "llama-bias":  # q/k/v/o and MLP biases (HF LlamaConfig attention_bias / mlp_bias)
+        return LlamaConfig(**{**common, "attention_bias": True, "mlp_bias": True}, tie_word_embeddings=False)
     if family == "llama-tied":
         return LlamaConfig(**common, tie_word_embeddings=True)
     if family == "llama3-rope":

@@ -51,6 +51,10 @@ def main() -> None:
         eng = Engine(model, page_size=4, num_pages=64, max_batch_size=3, spec=spec_cfg)
         spec = eng.generate(prompts, params)
         record["spec"] = [o.token_ids for o in spec]
+        if head.config.draft_vocab_size:
+            from headstart.heads.vocab import restricted_lm_head
+
+            record["restricted"] = restricted_lm_head(head, model.lm_head, head.d2t).weight.detach().clone()
         record["spec_metrics"] = eng.spec_metrics.summary()
         # Sampled drafts verified with the full-q rule (q placed on the whole vocabulary), seeded.
         sampled = [SamplingParams(max_tokens=10, temperature=0.8, seed=3 + i, ignore_eos=True) for i in range(5)]

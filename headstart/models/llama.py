@@ -29,6 +29,9 @@ from headstart.nn.parallel import SINGLE, TensorParallel, VocabParallelEmbedding
 from headstart.nn.rope import RopeConfig, RotaryEmbedding
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+# LlamaConfig fields added after heads and shards recorded target fingerprints, with the value every
+# earlier model had: a model at that value keeps its fingerprint.
+_LATER_FIELDS = {"o_proj_bias": False}
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
@@ -47,6 +50,7 @@ class LlamaConfig:
     tie_word_embeddings: bool
     hidden_act: str = "silu"
     attention_bias: bool = False  # qkv bias (Qwen2 always)
+    o_proj_bias: bool = False  # Llama / Qwen3 with attention_bias: o_proj has one too (Qwen2 never)
     mlp_bias: bool = False
     qk_norm: bool = False  # Qwen3
     rope: RopeConfig | None = None
@@ -80,6 +84,7 @@ class LlamaConfig:
                 tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
                 hidden_act=cfg.get("hidden_act", "silu"),
                 attention_bias=mt == "qwen2" or bool(cfg.get("attention_bias", False)),
+                o_proj_bias=mt != "qwen2" and bool(cfg.get("attention_bias", False)),
                 mlp_bias=bool(cfg.get("mlp_bias", False)),
                 qk_norm=mt == "qwen3",
                 eos_token_ids=tuple(eos if isinstance(eos, list) else [] if eos is None else [eos]),
@@ -98,6 +103,7 @@ class LlamaConfig:
             hidden=self.hidden_size, intermediate=self.intermediate_size, num_heads=self.num_attention_heads,
             num_kv_heads=self.num_key_value_heads, head_dim=self.head_dim, norm_eps=self.rms_norm_eps,
             act=self.hidden_act, qkv_bias=self.attention_bias, qk_norm=self.qk_norm, mlp_bias=self.mlp_bias,
+            o_bias=self.o_proj_bias,
         )
 
 
@@ -173,7 +179,11 @@ class LlamaForCausalLM(nn.Module):
         """sha256 over the config and the weight files (computed once); identifies the target a head,
         a manifest or a checkpoint was made with."""
         if self._fingerprint is None:
-            h = hashlib.sha256(json.dumps(dataclasses.asdict(self.config), sort_keys=True, default=str).encode())
+            fields = dataclasses.asdict(self.config)
+            for key, default in _LATER_FIELDS.items():  # hashed only where set: older fingerprints stay valid
+                if fields.get(key) == default:
+                    fields.pop(key)
+            h = hashlib.sha256(json.dumps(fields, sort_keys=True, default=str).encode())
             if self.source_dir is None and self.tp.enabled:
                 raise ValueError("a tensor-parallel shard built in memory has no fingerprint of the whole model; "
                                  "load it from its weight files (load_llama(..., tp=...))")
@@ -211,10 +221,11 @@ class LlamaForCausalLM(nn.Module):
             "up_proj": ("gate_up_proj", 1, [inter, inter]),
         }
 
-    def shard_of(self, name: str, block: int | None) -> tuple[int, int, int] | str | None:
+    def shard_of(self, name: str, block: int | None) -> tuple | str | None:
         """Which part of a checkpoint tensor this rank's parameter `name` (block `block` of a fused
-        one) holds: (dim, start, length), None for all of it, or "zero" (a row-parallel bias, added
-        once: rank 0 holds it, the others hold zeros)."""
+        one) holds: (dim, start, length[, "pad"]), None for all of it, or "zero" (a row-parallel bias,
+        added once: rank 0 holds it, the others hold zeros). "pad": the part may be shorter than the
+        parameter (vocabulary rows)."""
         tp, c = self.tp, self.config
         if not tp.enabled:
             return None
@@ -232,11 +243,11 @@ class LlamaForCausalLM(nn.Module):
             return (0, *tp.split(c.intermediate_size, "intermediate_size"))
         if leaf == ["down_proj", "weight"]:
             return (1, *tp.split(c.intermediate_size, "intermediate_size"))
-        if leaf == ["down_proj", "bias"]:
+        if leaf in (["down_proj", "bias"], ["o_proj", "bias"]):
             return None if tp.rank == 0 else "zero"
         if name in ("model.embed_tokens.weight", "lm_head.weight"):
             start, end, _ = tp.vocab_range(c.vocab_size)
-            return 0, start, end - start
+            return 0, start, end - start, "pad"  # the last rank's rows end in zero padding
         return None
 
 

@@ -16,7 +16,7 @@ from torch import nn
 
 from headstart.errors import AssetError
 
-Shard = Callable[[str, "int | None"], "tuple[int, int, int] | str | None"]
+Shard = Callable[[str, "int | None"], "tuple | str | None"]
 
 
 def safetensors_files(model_dir: Path) -> list[Path]:
@@ -44,9 +44,10 @@ def load_weights(
     skip: HF name substrings to ignore (e.g. rotary caches some checkpoints carry).
     tied: our param -> our param it shares storage with (filled from the other if absent).
     shard: (our param, block or None) -> the part of the checkpoint tensor it holds, (dim, start,
-        length), or None for all of it, or "zero" (filled with zeros); only that part is read from
-        the file (a tensor-parallel rank never reads the whole model). A part shorter than the
-        parameter (the last rank's vocabulary rows) fills its head; the rest is zeroed.
+        length[, "pad"]), or None for all of it, or "zero" (filled with zeros); only that part is
+        read from the file (a tensor-parallel rank never reads the whole model). A "pad" part may be
+        shorter than the parameter (the last rank's vocabulary rows): it fills its head and the rest
+        is zeroed; any other length mismatch is an error.
     """
     params = dict(model.named_parameters())
     filled: dict[str, int] = {}  # our name -> number of blocks written
@@ -92,11 +93,11 @@ def load_weights(
         raise AssetError(f"{model_dir}: the weights lack tensors for: {shown}")
 
 
-def _read(f, hf_name: str, part: tuple[int, int, int] | None, target, path: Path):
+def _read(f, hf_name: str, part: tuple | None, target, path: Path):
     """The checkpoint tensor (or its part) and where it goes in the parameter."""
     if part is None:
         return f.get_tensor(hf_name), target
-    dim, start, length = part
+    dim, start, length, *pad = part
     sl = f.get_slice(hf_name)
     shape = sl.get_shape()
     if dim >= len(shape) or start + length > shape[dim]:
@@ -104,7 +105,7 @@ def _read(f, hf_name: str, part: tuple[int, int, int] | None, target, path: Path
                          f"{start}..{start + length} of dim {dim}; is config.json the right one?")
     index = tuple([slice(None)] * dim + [slice(start, start + length)])
     tensor = sl[index]
-    if length < target.shape[dim]:  # vocabulary padding of the last rank
+    if pad and length < target.shape[dim]:  # vocabulary padding of the last rank
         target.zero_()
         target = target.narrow(dim, 0, length)
     return tensor, target

@@ -71,7 +71,7 @@ class Attention(nn.Module):
     def __init__(
         self, *, hidden: int, num_heads: int, num_kv_heads: int, head_dim: int, rope: RotaryEmbedding,
         qkv_bias: bool = False, qk_norm: bool = False, norm_eps: float = 1e-6, in_features: int | None = None,
-        tp: TensorParallel = SINGLE,
+        o_bias: bool = False, tp: TensorParallel = SINGLE,
     ) -> None:
         super().__init__()
         if num_heads % num_kv_heads:
@@ -87,7 +87,7 @@ class Attention(nn.Module):
         self.scale = head_dim**-0.5
         # q, k and v in one matmul; the loader maps HF's q_proj/k_proj/v_proj into its row blocks.
         self.qkv_proj = Linear(in_features or hidden, self.q_size + 2 * self.kv_size, bias=qkv_bias)
-        self.o_proj = Linear(self.q_size, hidden, bias=False)
+        self.o_proj = Linear(self.q_size, hidden, bias=o_bias)  # a row-parallel bias: rank 0 holds it
         self.q_norm = RMSNorm(head_dim, norm_eps) if qk_norm else None
         self.k_norm = RMSNorm(head_dim, norm_eps) if qk_norm else None
         self.rope = rope

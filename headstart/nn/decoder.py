@@ -26,6 +26,7 @@ class DecoderLayerConfig:
     qkv_bias: bool = False  # Qwen2
     qk_norm: bool = False  # Qwen3
     mlp_bias: bool = False
+    o_bias: bool = False  # o_proj bias (Llama / Qwen3 targets with attention_bias)
     input_norm: bool = True  # EAGLE-1 heads drop the first layer's input norm
     attn_in_features: int | None = None  # EAGLE-3 heads attend over cat(emb, h): 2·hidden
 
@@ -39,7 +40,7 @@ class DecoderLayer(nn.Module):
         self.self_attn = Attention(
             hidden=cfg.hidden, num_heads=cfg.num_heads, num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim,
             rope=rope, qkv_bias=cfg.qkv_bias, qk_norm=cfg.qk_norm, norm_eps=cfg.norm_eps, in_features=in_features,
-            tp=tp,
+            o_bias=cfg.o_bias, tp=tp,
         )
         self.post_attention_layernorm = RMSNorm(cfg.hidden, cfg.norm_eps)
         self.mlp = GatedMLP(cfg.hidden, cfg.intermediate, cfg.act, cfg.mlp_bias, tp)

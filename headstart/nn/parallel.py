@@ -165,6 +165,18 @@ def init_tensor_parallel(size: int, timeout_s: float = 1800.0) -> tuple[TensorPa
     if not dist.is_initialized():
         backend = "nccl" if torch.cuda.is_available() else "gloo"
         dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s))
-    groups = [dist.new_group(list(range(g * size, (g + 1) * size))) for g in range(world // size)]
-    tp = TensorParallel(rank % size, size, groups[rank // size])
-    return tp, rank // size, world // size
+    groups = [dist.new_group(ranks) for ranks in tp_groups(world, size)]
+    tp_rank, group, dp_rank, dp_world = tp_layout(rank, world, size)
+    return TensorParallel(tp_rank, size, groups[group]), dp_rank, dp_world
+
+
+def tp_groups(world: int, size: int) -> list[list[int]]:
+    """The tensor-parallel groups of `world` ranks: consecutive ranks, `size` each."""
+    return [list(range(g * size, (g + 1) * size)) for g in range(world // size)]
+
+
+def tp_layout(rank: int, world: int, size: int) -> tuple[int, int, int, int]:
+    """(rank in its tensor-parallel group, the group's index, data-parallel rank, data-parallel world)."""
+    if world % size or not 0 <= rank < world:
+        raise ValueError(f"rank {rank} of {world} has no place in tensor-parallel groups of {size}")
+    return rank % size, rank // size, rank // size, world // size
