@@ -1,9 +1,11 @@
-"""Shared helpers for the benchmark scripts (prompts from the embedded ShareGPT, timing)."""
+"""Shared helpers for the benchmark scripts (prompts from the embedded ShareGPT, timing, training arms)."""
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 from headstart.assets import resolve_data
 from headstart.data.sources import read_conversations
@@ -25,3 +27,20 @@ def timed(fn: Callable[..., object], *args: object) -> tuple[object, float]:
     start = time.perf_counter()
     result = fn(*args)
     return result, time.perf_counter() - start
+
+
+def arm_result(arm_dir: Path, **setting: object) -> dict[str, object]:
+    """A finished training arm's figures (its metrics.json) beside the setting it was trained with."""
+    m = json.loads((arm_dir / "metrics.json").read_text())
+    return {**setting, "tokens_seen": m.get("tokens"), "tau": m.get("tau"),
+            "accept_rate_per_pos": m.get("accept_rate_per_pos"), "top1_per_step": m.get("top1_per_step"),
+            "val_loss": m.get("val_loss")}
+
+
+def print_arms(results: dict[str, dict[str, object]]) -> None:
+    """One line per arm: steps, tokens, tau, acceptance per position, step-1 top-1."""
+    print(f"{'arm':26}{'steps':>7}{'tokens':>12}{'tau':>8}  {'accept rate per position':26}{'top-1 (step 1)':>15}")
+    for name, r in results.items():
+        rate = "/".join(f"{v:.2f}" for v in r["accept_rate_per_pos"] or [])
+        top1 = (r["top1_per_step"] or [float("nan")])[0]
+        print(f"{name:26}{r['steps']:>7}{r['tokens_seen'] or 0:>12,}{r['tau']:>8.3f}  {rate:26}{top1:>15.3f}")

@@ -24,6 +24,7 @@ import sys
 from pathlib import Path
 
 import yaml
+from common import arm_result, print_arms
 
 from headstart.fileio import atomic_write_text
 
@@ -114,18 +115,10 @@ def main() -> None:
         arm = OUT / name
         if not (arm / "head-final").exists():
             _headstart("train", str(path), *(["--resume"] if (arm / "checkpoints" / "last.ckpt").exists() else []))
-        m = json.loads((arm / "metrics.json").read_text())
-        results[name] = {"family": fam, "lr": lr, "ttt": ttt, "steps": steps, "tokens_seen": m.get("tokens"),
-                         "tau": m.get("tau"),
-                         "accept_rate_per_pos": m.get("accept_rate_per_pos"),
-                         "top1_per_step": m.get("top1_per_step"), "val_loss": m.get("val_loss")}
+        results[name] = arm_result(arm, family=fam, lr=lr, ttt=ttt, steps=steps)
     print(f"\nHeads at equal CPU time: a step costs {cost} mtp steps (TTT: {ttt_cost}); {args.prompts} held-out "
           f"prompts x {args.max_tokens} tokens, greedy k = {base['head']['k']}")
-    print(f"{'arm':26}{'steps':>7}{'tokens':>12}{'tau':>8}  {'accept rate per position':26}{'top-1 (step 1)':>15}")
-    for name, r in results.items():
-        rate = "/".join(f"{v:.2f}" for v in r["accept_rate_per_pos"] or [])
-        top1 = (r["top1_per_step"] or [float("nan")])[0]
-        print(f"{name:26}{r['steps']:>7}{r['tokens_seen'] or 0:>12,}{r['tau']:>8.3f}  {rate:26}{top1:>15.3f}")
+    print_arms(results)
     atomic_write_text(OUT / "results.json", json.dumps({"args": vars(args), "cost": cost, "ttt_cost": ttt_cost,
                                                         **results}, indent=2))
 

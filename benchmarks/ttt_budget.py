@@ -23,6 +23,7 @@ import sys
 from pathlib import Path
 
 import yaml
+from common import arm_result, print_arms
 
 from headstart.fileio import atomic_write_text
 
@@ -73,17 +74,10 @@ def main() -> None:
                 cmd.append("--resume")
             print("+ headstart", " ".join(cmd[3:]), flush=True)
             subprocess.run(cmd, check=True, cwd=ROOT)
-        m = json.loads((arm / "metrics.json").read_text())
-        results[name] = {"ttt": ttt, "lr": lr, "steps": steps, "tokens_seen": m.get("tokens"), "tau": m.get("tau"),
-                         "accept_rate_per_pos": m.get("accept_rate_per_pos"),
-                         "top1_per_step": m.get("top1_per_step"), "val_loss": m.get("val_loss")}
+        results[name] = arm_result(arm, ttt=ttt, lr=lr, steps=steps)
     print(f"\nTTT at equal CPU time: a TTT-3 step = {args.ratio} TTT-1 steps; {args.prompts} held-out prompts x "
           f"{args.max_tokens} tokens, greedy k = {base['head']['k']}")
-    print(f"{'arm':26}{'steps':>7}{'tokens':>12}{'tau':>8}  {'accept rate per position':26}{'top-1 (step 1)':>15}")
-    for name, r in results.items():
-        rate = "/".join(f"{v:.2f}" for v in r["accept_rate_per_pos"] or [])
-        top1 = (r["top1_per_step"] or [float("nan")])[0]
-        print(f"{name:26}{r['steps']:>7}{r['tokens_seen'] or 0:>12,}{r['tau']:>8.3f}  {rate:26}{top1:>15.3f}")
+    print_arms(results)
     atomic_write_text(OUT / "results.json", json.dumps({"args": vars(args), **results}, indent=2))
 
 
