@@ -98,6 +98,14 @@ class TensorParallel:
 SINGLE = TensorParallel()
 
 
+def vocab_rows(weight: torch.Tensor, ids: torch.Tensor, start: int, end: int, tp: TensorParallel) -> torch.Tensor:
+    """Whole rows (ids.shape + (D,)) of a vocab-parallel weight that holds vocabulary rows [start, end):
+    each rank contributes the rows it holds and zeros elsewhere, and the sum has one non-zero term (exact)."""
+    mine = (ids >= start) & (ids < end)
+    local = torch.nn.functional.embedding(torch.where(mine, ids - start, torch.zeros_like(ids)), weight)
+    return tp.all_reduce(local * mine.unsqueeze(-1).to(weight.dtype))
+
+
 class VocabParallelEmbedding(torch.nn.Embedding):
     """An embedding whose rows are this rank's vocabulary range; forward returns whole embeddings on
     every rank. With size 1 it is a plain nn.Embedding (same parameter name, same numerics)."""
@@ -110,10 +118,7 @@ class VocabParallelEmbedding(torch.nn.Embedding):
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         if not self.tp.enabled:
             return super().forward(ids)
-        mine = (ids >= self.start) & (ids < self.end)
-        local = torch.where(mine, ids - self.start, torch.zeros_like(ids))
-        out = super().forward(local) * mine.unsqueeze(-1).to(self.weight.dtype)
-        return self.tp.all_reduce(out)
+        return vocab_rows(self.weight, ids, self.start, self.end, self.tp)
 
 
 class VocabParallelLinear(Linear):
@@ -135,11 +140,7 @@ class VocabParallelLinear(Linear):
         """Whole weight rows for vocabulary ids (len(ids), D) on every rank: each row comes from the
         rank that holds it (a draft vocabulary's restricted lm_head is built from them once)."""
         w = self.weight.detach()
-        if not self.tp.enabled:
-            return w[ids]
-        mine = (ids >= self.start) & (ids < self.end)
-        local = w[torch.where(mine, ids - self.start, torch.zeros_like(ids))] * mine.unsqueeze(-1).to(w.dtype)
-        return self.tp.all_reduce(local)
+        return vocab_rows(w, ids, self.start, self.end, self.tp) if self.tp.enabled else w[ids]
 
 
 def init_tensor_parallel(size: int, timeout_s: float = 1800.0) -> tuple[TensorParallel, int, int]:
