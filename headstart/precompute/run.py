@@ -213,7 +213,7 @@ def run_precompute(recipe: Recipe, resume: bool = False, progress: bool = True) 
     if progress and rank == 0:
         status(f"precompute: target dtype {dtype} ({recipe.target.dtype}; {describe(device)})")
     model = load_llama(model_dir, dtype, device, tp=tp)
-    built = build_dataset(recipe.data, str(model_dir), progress=progress and rank == 0 and tp.rank == 0)
+    built = build_dataset(recipe.data, str(model_dir), progress=progress and rank == 0)
     split = recipe.precompute.split
     ds = built.train if split == "train" else built.heldout if split == "heldout" else None
     if ds is None:

@@ -228,14 +228,11 @@ class TrainRun:
         self.rank = global_rank(tr.devices)
         self.world = tr.devices * tr.num_nodes
         out = run_dir(recipe)
-        use_cuda = tr.accelerator in ("gpu", "cuda") or (tr.accelerator == "auto" and torch.cuda.is_available())
-        if use_cuda and not torch.cuda.is_available():
-            raise ConfigError(f"trainer.accelerator={tr.accelerator} but no CUDA GPU is visible here; use "
-                              "trainer.accelerator: cpu (or auto)")
+        device = train_device(tr)
+        use_cuda = device == "cuda"
         if tr.strategy == "fsdp" and not use_cuda:
             raise ConfigError("trainer.strategy=fsdp needs GPUs; on CPU use ddp (gloo) or auto")
         self.precision = resolve_precision(tr.precision, tr.accelerator)
-        device = "cuda" if use_cuda else "cpu"
         self.dtype = resolve_dtype(recipe.target.dtype, device)
         if self.precision.startswith("32") and self.dtype != "fp32":
             raise ConfigError(f"trainer.precision {self.precision} computes in fp32 but target.dtype is {self.dtype}; "
@@ -366,6 +363,15 @@ class TrainRun:
         return metrics
 
 
+def train_device(tr: Any) -> str:
+    """"cuda" or "cpu" for the trainer section; a GPU asked for but not visible is an error."""
+    use_cuda = tr.accelerator in ("gpu", "cuda") or (tr.accelerator == "auto" and torch.cuda.is_available())
+    if use_cuda and not torch.cuda.is_available():
+        raise ConfigError(f"trainer.accelerator={tr.accelerator} but no CUDA GPU is visible here; use "
+                          "trainer.accelerator: cpu (or auto)")
+    return "cuda" if use_cuda else "cpu"
+
+
 def run_train(recipe: Recipe, *, resume: bool = False, progress: bool = True) -> dict[str, Any]:
     """Train the recipe's head; returns the last validation's metrics. The output_dir is checked
     before the target loads, and held by one run at a time (a second one refuses at once)."""
@@ -375,10 +381,7 @@ def run_train(recipe: Recipe, *, resume: bool = False, progress: bool = True) ->
                           "from them with engine.tensor_parallel 1")
     from headstart.plan import check_recipe_fits
 
-    tr = recipe.trainer
-    cuda = tr.accelerator in ("gpu", "cuda") or (tr.accelerator == "auto" and torch.cuda.is_available())
-    if not cuda or torch.cuda.is_available():  # (a missing GPU is named by TrainRun)
-        check_recipe_fits(recipe, ("train", "validation"), torch.device("cuda" if cuda else "cpu"))  # before anything
+    check_recipe_fits(recipe, ("train", "validation"), torch.device(train_device(recipe.trainer)))  # before anything
     out = check_output_dir(recipe, resume)
     rank = global_rank(recipe.trainer.devices)
     with exclusive_lock(lock_path(out, rank), what=f"train into {out}"):
