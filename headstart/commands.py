@@ -263,15 +263,10 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
     from headstart.config import load_recipe
     from headstart.fileio import read_json_object
-    from headstart.plan import make_plan, render
+    from headstart.plan import make_plan, render, target_config_path
 
     recipe = load_recipe(args.recipe, args.overrides)
-    if args.target_config:
-        where = Path(args.target_config)
-    else:
-        from headstart.assets import resolve_model
-
-        where = Path(resolve_model(recipe.target.model)) / "config.json"
+    where = Path(args.target_config) if args.target_config else target_config_path(recipe)
     if not where.is_file():
         raise HeadstartError(f"{where}: no such config.json (pass --target-config CONFIG_JSON)")
     plan = make_plan(recipe, read_json_object(where, "model config"), device=args.device_name,

@@ -270,12 +270,18 @@ def check_fits(recipe: Recipe, target_cfg: dict[str, Any], device: Any, phases: 
         raise PlanError("; ".join(refusals) + f" (headstart plan {recipe.name or 'RECIPE'} shows every term)")
 
 
-def check_recipe_fits(recipe: Recipe, phases: tuple[str, ...], device: Any) -> None:
-    """check_fits with the recipe's own target config.json (train and precompute call it first)."""
+def target_config_path(recipe: Recipe) -> Any:
+    """The recipe's target config.json (an embedded name or a local model directory)."""
     from pathlib import Path
 
     from headstart.assets import resolve_model
+
+    return Path(resolve_model(recipe.target.model)) / "config.json"
+
+
+def check_recipe_fits(recipe: Recipe, phases: tuple[str, ...], device: Any) -> None:
+    """check_fits with the recipe's own target config.json (train and precompute call it first)."""
     from headstart.fileio import read_json_object
 
-    where = Path(resolve_model(recipe.target.model)) / "config.json"
+    where = target_config_path(recipe)
     check_fits(recipe, read_json_object(where, "model config"), device, phases, str(where))
