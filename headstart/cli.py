@@ -110,6 +110,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_recipe_args(p)
     p.add_argument("--resume", action="store_true", help="continue from output_dir/checkpoints/last.ckpt")
     p.add_argument("--no-progress", action="store_true", help="no progress bar (logs only)")
+    _add_tp_arg(p)
     p.set_defaults(func=commands.cmd_train)
 
     p = verbs.add_parser("head", help="create and inspect draft-head checkpoints")

@@ -379,3 +379,43 @@ def test_two_nodes_of_one_rank_each_equal_one_process(tmp_path, chat_model_dir):
     hb = load_head(tmp_path / "nodes" / "head-final", load_llama(chat_model_dir, "fp32"))
     for (name, x), (_, y) in zip(ha.state_dict().items(), hb.state_dict().items()):
         torch.testing.assert_close(x, y, rtol=1e-4, atol=1e-5, msg=name)
+
+
+def _torchrun(nproc, args):
+    return subprocess.Popen(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", "-m",
+         "headstart.cli", *args], cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"},
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+
+
+def test_online_training_with_a_tensor_parallel_target_equals_one_process(tmp_path, chat_model_dir):
+    """engine.tensor_parallel 2 in train: both ranks hold half of the target and run each other's
+    micro-batch forwards in turn, the head (copied from the target's layers, draft vocabulary) is
+    data-parallel over the two, and engine validation runs on the sharded target. The head, the
+    held-out loss and the engine's acceptance equal one process accumulating the two micro-batches."""
+    train = {"max_steps": 3, "val_every_steps": 3, "val_prompts": 2}
+    extra = "  draft_vocab_size: 96\n  init_from_target: true\n"
+    one = _recipe(tmp_path, chat_model_dir, name="one", train={**train, "grad_accum": 2}, n=64, extra=extra)
+    p = _cli(["train", str(one), "--no-progress"])
+    assert p.wait() == 0, p.stderr.read().decode()[-2000:]
+    tp = _recipe(tmp_path, chat_model_dir, name="tp", train=train, n=64, extra=extra)
+    p = _torchrun(2, ["train", str(tp), "--no-progress", "--set", "trainer.devices=2", "--set",
+                      "trainer.accelerator=cpu", "--tp", "2"])
+    _, err = p.communicate(timeout=900)
+    assert p.returncode == 0, err.decode()[-3000:]
+    ha = load_head(tmp_path / "one" / "head-final", load_llama(chat_model_dir, "fp32"))
+    hb = load_head(tmp_path / "tp" / "head-final", load_llama(chat_model_dir, "fp32"))
+    for (name, x), (_, y) in zip(ha.state_dict().items(), hb.state_dict().items()):
+        torch.testing.assert_close(x, y, rtol=1e-4, atol=1e-5, msg=name)
+    ma, mb = (json.loads((tmp_path / n / "metrics.json").read_text()) for n in ("one", "tp"))
+    assert mb["val_loss"] == pytest.approx(ma["val_loss"], rel=1e-4)
+    assert mb["tau"] == ma["tau"] and mb["accept_histogram"] == ma["accept_histogram"]
+    record = json.loads((tmp_path / "tp" / "train.json").read_text())
+    assert record["recipe"]["engine.tensor_parallel"] == 2
+
+
+def test_a_tensor_parallel_train_needs_its_ranks_launched(tmp_path, chat_model_dir, capsys):
+    path = _recipe(tmp_path, chat_model_dir, train={"max_steps": 2})
+    assert main(["train", str(path), "--no-progress", "--tp", "2"]) == 2
+    err = capsys.readouterr().err
+    assert "torchrun" in err and "WORLD_SIZE" in err and "Traceback" not in err

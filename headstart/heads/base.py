@@ -17,7 +17,9 @@ head's submodules, so they are neither in `trainable_parameters()` nor in the sa
 from __future__ import annotations
 
 import abc
+import contextlib
 import dataclasses
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -232,6 +234,18 @@ class DraftHead(nn.Module, abc.ABC):
         self.config = cfg
         object.__setattr__(self, "target", TargetParts(target))  # not registered: frozen, not ours
 
+    @contextlib.contextmanager
+    def reading(self, parts: TargetParts) -> Iterator[DraftHead]:
+        """Read the frozen pieces from `parts` meanwhile: training fits a head against whole copies of
+        the embedding and lm_head, while the engine validates it against the tensor-parallel target
+        (whose embedding and lm_head are collectives over its group)."""
+        own = self.target
+        object.__setattr__(self, "target", parts)
+        try:
+            yield self
+        finally:
+            object.__setattr__(self, "target", own)
+
     # What precompute must capture for this head.
     @property
     def consumes(self) -> dict[str, Any]:
@@ -379,9 +393,16 @@ def init_fusion_as_identity(fusion: nn.Linear, scale: float = 1.0) -> None:
 
 def target_state_rms(target: LlamaForCausalLM, tokens: int = 64) -> float:
     """The typical RMS of the target's pre-norm last hidden state (the residual stream its last
-    layer reads), measured on a fixed probe sequence: its median over positions."""
+    layer reads), measured on a fixed probe sequence: its median over positions. A partial target
+    (load_llama(..., layers=)) cannot run the probe: it carries the value measured on the whole
+    model (its `state_rms`, set by whoever ran the whole model, e.g. its tensor-parallel shards)."""
     from headstart.nn.attention import PackedCausalAttention, packed_metadata
 
+    if target.partial:
+        if target.state_rms is None:
+            raise ValueError("this partial target cannot measure its hidden-state RMS (no forward): set its "
+                             "state_rms from the whole model (target_state_rms on the whole or sharded target)")
+        return target.state_rms
     device = target.model.embed_tokens.weight.device
     n = min(tokens, target.config.max_position_embeddings)
     ids = (torch.arange(n, device=device) * 7919 + 1) % target.config.vocab_size  # a fixed spread of ids

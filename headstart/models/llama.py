@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -117,6 +118,19 @@ class LlamaBackbone(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
 
+class AbsentLayer(nn.Module):
+    """A decoder layer a partial model did not load (see `load_llama(..., layers=)`): it holds no
+    weights, and a forward through it is refused."""
+
+    def __init__(self, index: int) -> None:
+        super().__init__()
+        self.index = index
+
+    def forward(self, *args: Any, **kwargs: Any) -> torch.Tensor:
+        raise RuntimeError(f"decoder layer {self.index} was not loaded: this partial target (the frozen pieces a "
+                           "head trains against) cannot run a forward")
+
+
 class LlamaForCausalLM(nn.Module):
     """A target model. Parameter names follow HF's, with q/k/v and gate/up fused.
 
@@ -130,6 +144,8 @@ class LlamaForCausalLM(nn.Module):
         self.tp = tp
         self.source_dir: Path | None = None  # set by load_llama; used for the weight fingerprint
         self._fingerprint: str | None = None
+        # The whole model's typical last-hidden-state RMS, for a partial model that cannot measure it.
+        self.state_rms: float | None = None
         self.model = LlamaBackbone(cfg, tp)
         self.lm_head = VocabParallelLinear(cfg.hidden_size, cfg.vocab_size, tp)
         if cfg.tie_word_embeddings:
@@ -140,14 +156,24 @@ class LlamaForCausalLM(nn.Module):
         return self.config.num_hidden_layers
 
     @property
+    def partial(self) -> bool:
+        """True for a model loaded with only some of its decoder layers (no forward)."""
+        return any(isinstance(layer, AbsentLayer) for layer in self.model.layers)
+
+    def _a_layer(self) -> DecoderLayer | None:
+        return next((layer for layer in self.model.layers if isinstance(layer, DecoderLayer)), None)
+
+    @property
     def num_local_heads(self) -> int:
         """q heads this rank computes (all of them without tensor parallelism)."""
-        return self.model.layers[0].self_attn.num_heads if self.model.layers else self.config.num_attention_heads
+        layer = self._a_layer()
+        return layer.self_attn.num_heads if layer is not None else self.config.num_attention_heads
 
     @property
     def num_local_kv_heads(self) -> int:
         """KV heads this rank caches (all of them without tensor parallelism)."""
-        return self.model.layers[0].self_attn.num_kv_heads if self.model.layers else self.config.num_key_value_heads
+        layer = self._a_layer()
+        return layer.self_attn.num_kv_heads if layer is not None else self.config.num_key_value_heads
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:  # (N,) -> (N, D)
         return self.model.embed_tokens(input_ids)
@@ -212,7 +238,8 @@ class LlamaForCausalLM(nn.Module):
         """HF fragment -> (our fused parameter, block, block sizes): this rank's sizes under tensor parallelism."""
         c = self.config
         q, kv = self.num_local_heads * c.head_dim, self.num_local_kv_heads * c.head_dim
-        inter = self.model.layers[0].mlp.intermediate if self.model.layers else c.intermediate_size
+        layer = self._a_layer()
+        inter = layer.mlp.intermediate if layer is not None else c.intermediate_size
         return {
             "q_proj": ("qkv_proj", 0, [q, kv, kv]),
             "k_proj": ("qkv_proj", 1, [q, kv, kv]),
@@ -265,9 +292,13 @@ def read_hf_config(model_dir: str | Path) -> dict[str, Any]:
 
 
 def load_llama(model_dir: str | Path, dtype: str | torch.dtype = "fp32", device: str | torch.device = "cpu",
-               tp: TensorParallel = SINGLE) -> LlamaForCausalLM:
+               tp: TensorParallel = SINGLE, layers: Sequence[int] | None = None) -> LlamaForCausalLM:
     """Build from config.json and load safetensors weights; dtype is bf16/fp16/fp32 or a torch dtype.
-    With `tp`, the rank reads only its shard of each tensor from the files (never the whole model)."""
+    With `tp`, the rank reads only its shard of each tensor from the files (never the whole model).
+    With `layers`, a partial model: the embedding, final norm and lm_head whole, and only those
+    decoder layers (the others are AbsentLayer): what a head trains against and copies its first
+    weights from, when the target's forward runs elsewhere (tensor-parallel shards, precomputed
+    hidden states). Its config and fingerprint are the whole model's."""
     model_dir = Path(model_dir)
     cfg = LlamaConfig.from_hf(read_hf_config(model_dir), where=str(model_dir / "config.json"))
     torch_dtype = DTYPES[dtype] if isinstance(dtype, str) else dtype
@@ -276,6 +307,13 @@ def load_llama(model_dir: str | Path, dtype: str | torch.dtype = "fp32", device:
             model = LlamaForCausalLM(cfg, tp)
     except ValueError as e:  # a shape the tensor-parallel size cannot split
         raise AssetError(f"{model_dir / 'config.json'}: {e}") from None
+    if layers is not None:
+        if tp.enabled:
+            raise ValueError("a partial model (layers=) is loaded whole, not as a tensor-parallel shard")
+        keep = {j % cfg.num_hidden_layers for j in layers}
+        for j in range(cfg.num_hidden_layers):
+            if j not in keep:
+                model.model.layers[j] = AbsentLayer(j)
     model = model.to_empty(device=device).to(torch_dtype)  # rotary tables are rebuilt in fp32 on the way
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight

@@ -21,6 +21,7 @@ from headstart.errors import HeadstartError
 from headstart.heads.base import DraftHead, PackedBatch
 from headstart.models.llama import LlamaForCausalLM
 from headstart.nn.attention import PackedCausalAttention, packed_metadata
+from headstart.nn.parallel import SINGLE, TensorParallel
 from headstart.train.losses import LossParts, distill
 from headstart.train.ttt import unroll
 
@@ -43,13 +44,41 @@ def target_forward(target: LlamaForCausalLM, batch: PackedBatch, aux_layers: lis
     return PackedBatch(ids, list(batch.seq_lens), h, stacked, batch.loss_mask)
 
 
+def group_target_forward(target: LlamaForCausalLM, batch: PackedBatch, aux_layers: list[int],
+                         tp: TensorParallel) -> PackedBatch:
+    """target_forward for a rank of a tensor-parallel group whose ranks each bring their own
+    micro-batch (the head is data-parallel over every rank): the ranks of a group must run each
+    forward together, so the group runs one forward per member's batch, in rank order, and each
+    rank keeps its own. The group's target FLOPs are those of tp unsharded forwards, as under data
+    parallelism, with 1/tp of the weights per rank."""
+    import torch.distributed as dist
+
+    everyone: list[Any] = [None] * tp.size
+    dist.all_gather_object(everyone, (batch.input_ids.cpu(), list(batch.seq_lens)), group=tp.group)
+    mine = None
+    for r, (ids, lens) in enumerate(everyone):
+        out = target_forward(target, PackedBatch(ids, lens, None, None, None), aux_layers)
+        if r == tp.rank:
+            mine = out
+    assert mine is not None
+    return PackedBatch(mine.input_ids, mine.seq_lens, mine.hidden, mine.aux_hidden, batch.loss_mask)
+
+
 class HeadModule(L.LightningModule):
-    def __init__(self, recipe: Recipe, target: LlamaForCausalLM, head: DraftHead) -> None:
+    def __init__(self, recipe: Recipe, target: LlamaForCausalLM, head: DraftHead,
+                 forward_target: LlamaForCausalLM | None = None, tp: TensorParallel = SINGLE) -> None:
+        """`target`: the frozen pieces the head reads (embedding, norm, lm_head: whole); `forward_target`
+        computes hidden states for token-only batches (default `target`; under tensor parallelism this
+        rank's shard of the whole model, `tp` its group)."""
         super().__init__()
         self.automatic_optimization = False
         self.recipe = recipe
         self.cfg = recipe.train
-        self.target = target  # frozen (requires_grad False): moved with the module, never optimised
+        # The frozen target is not registered: DDP / FSDP wrap the head alone, Lightning moves and
+        # casts only the head, and checkpoints hold only the head (the target loads from its files).
+        object.__setattr__(self, "target", target)
+        object.__setattr__(self, "forward_target", forward_target if forward_target is not None else target)
+        self.tp = tp
         self.head = head
         self.aux_layers = list(head.config.aux_layer_ids or [])
         self.bad_steps = 0  # consecutive non-finite steps
@@ -64,11 +93,16 @@ class HeadModule(L.LightningModule):
 
     # ------------------------------------------------------------------------------------ losses
 
-    def losses(self, batch: PackedBatch, with_stats: bool = True) -> tuple[torch.Tensor, dict[str, Any]]:
-        """The weighted loss of one micro-batch and its per-step statistics (zeros without `with_stats`)."""
+    def losses(self, batch: PackedBatch, with_stats: bool = True,
+               same_in_group: bool = False) -> tuple[torch.Tensor, dict[str, Any]]:
+        """The weighted loss of one micro-batch and its per-step statistics (zeros without `with_stats`).
+        `same_in_group`: every rank of the tensor-parallel group holds this same batch (held-out)."""
         device = self.target.model.embed_tokens.weight.device
         if batch.hidden is None:
-            batch = target_forward(self.target, batch, self.aux_layers)
+            if self.tp.enabled and not same_in_group:
+                batch = group_target_forward(self.forward_target, batch, self.aux_layers, self.tp)
+            else:
+                batch = target_forward(self.forward_target, batch, self.aux_layers)
         batch = PackedBatch(batch.input_ids.to(device), batch.seq_lens, batch.hidden.to(device),
                             batch.aux_hidden.to(device) if batch.aux_hidden is not None else None,
                             batch.loss_mask.to(device) if batch.loss_mask is not None else None)
@@ -181,7 +215,7 @@ class HeadModule(L.LightningModule):
         self.head.eval()
         total, n, sums = 0.0, 0, {}
         for b in batches:
-            loss, st = self.losses(b)
+            loss, st = self.losses(b, same_in_group=True)
             total += float(loss)
             n += 1
             for key in ("rows", "correct", "accept", "mass"):
@@ -220,15 +254,9 @@ class HeadModule(L.LightningModule):
         # tokens_seen was synced by the caller (a collective cannot run inside the save).
         checkpoint["headstart"] = {"consumed": self.consumed, "tokens_seen": self.tokens_seen,
                                    "skipped_steps": self.skipped_steps}
-        # The frozen target is rebuilt from its files on resume; only the head is checkpointed.
-        checkpoint["state_dict"] = {k: v for k, v in checkpoint["state_dict"].items() if k.startswith("head.")}
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         info = checkpoint.get("headstart", {})
         self.consumed = info.get("consumed", 0)
         self.tokens_seen = self.tokens_base = self._tok0 = info.get("tokens_seen", 0)
         self.skipped_steps = info.get("skipped_steps", 0)
-        state = self.state_dict()
-        for k, v in state.items():  # put the target back so strict loading succeeds
-            if not k.startswith("head."):
-                checkpoint["state_dict"][k] = v

@@ -26,6 +26,8 @@ from headstart.console import status
 from headstart.errors import ConfigError, DataError, HeadstartError, OutputError
 from headstart.fileio import atomic_write_text, exclusive_lock
 from headstart.heads import build_head, head_config_from_recipe, save_head
+from headstart.heads.base import TargetParts
+from headstart.nn.parallel import SINGLE, TensorParallel
 from headstart.train.data import PackedStream, ShardSequences, TokenSequences, TrainData, pack
 from headstart.train.module import HeadModule
 from headstart.train.outputs import FORMAT, check_output_dir, check_resume, lock_path, remove_crash_leftovers
@@ -161,8 +163,9 @@ class Outputs(L.Callback):
 
     def validate(self, trainer: L.Trainer, module: HeadModule) -> None:
         self.last_val_step = trainer.global_step
-        if trainer.is_global_zero:
+        if trainer.is_global_zero or self.run.tp.enabled:  # under TP the ranks of a group validate together
             metrics = self.run.validate(module, trainer.precision_plugin.forward_context)
+        if trainer.is_global_zero:
             metrics.update(step=trainer.global_step, tokens=module.tokens_seen, skipped_steps=module.skipped_steps)
             scalars = {k: metrics[k] for k in ("val_loss", "tau", "alpha") if metrics.get(k) is not None}
             scalars.update({f"val_top1_{j}": x for j, x in enumerate(metrics.get("top1_per_step", []))})
@@ -243,7 +246,19 @@ class TrainRun:
         # Straight onto this rank's GPU, one tensor at a time: a rank never holds the whole target in host
         # memory (8 ranks x a 16 GB target used to be 128 GB of host memory per node before the move).
         load_on = f"cuda:{int(os.environ.get('LOCAL_RANK', '0'))}" if use_cuda else "cpu"
-        self.target = load_llama(model_dir, self.dtype, device=load_on)
+        self.tp = join_tensor_parallel(recipe.engine.tensor_parallel, tr.devices, tr.num_nodes, use_cuda)
+        if self.tp.enabled:
+            # This rank's shard of the whole target runs the forwards (online hidden states, engine
+            # validation, with its group); the head trains against whole copies of the embedding,
+            # final norm and lm_head, plus the layers its init copies: a partial target.
+            self.engine_target = load_llama(model_dir, self.dtype, device=load_on, tp=self.tp)
+            self.target = load_llama(model_dir, self.dtype, device=load_on, layers=init_layers(recipe.head))
+            if recipe.head.init_from_target:
+                from headstart.heads.base import target_state_rms
+
+                self.target.state_rms = target_state_rms(self.engine_target)  # the group's forward
+        else:
+            self.target = self.engine_target = load_llama(model_dir, self.dtype, device=load_on)
         built = build_dataset(recipe.data, str(model_dir), progress=progress and self.rank == 0)
         self.tokenizer = built.tokenizer
         if len(built.train) == 0:
@@ -285,7 +300,8 @@ class TrainRun:
             out.mkdir(parents=True, exist_ok=True)
             atomic_write_text(out / "train.json", json.dumps(self.identity, indent=2, default=str))
         self.curve = CurveWriter(out / "metrics.csv") if self.rank == 0 else None
-        self.module = HeadModule(recipe, self.target, self.head)
+        self.module = HeadModule(recipe, self.target, self.head, self.engine_target, self.tp)
+        self.engine_parts = TargetParts(self.engine_target)  # one object: it caches restricted lm_head rows
         self.device = device
 
     def _install_draft_vocab(self, train_ds: Any) -> None:
@@ -315,9 +331,12 @@ class TrainRun:
         kernels are skipped and head-best would be chosen on numbers eval does not reproduce."""
         with autocast():
             metrics = module.heldout_metrics(self.heldout_batches)
-        acc = engine_acceptance(self.target, module.head, self.prompts, k=self.recipe.head.k,
-                                max_tokens=self.recipe.train.val_max_tokens, tokenizer=self.tokenizer,
-                                seed=self.recipe.seed)
+        # Under tensor parallelism every rank of the group runs the engine on its shard, in step.
+        reading = module.head.reading(self.engine_parts) if self.tp.enabled else contextlib.nullcontext()
+        with reading:
+            acc = engine_acceptance(self.engine_target, module.head, self.prompts, k=self.recipe.head.k,
+                                    max_tokens=self.recipe.train.val_max_tokens, tokenizer=self.tokenizer,
+                                    seed=self.recipe.seed)
         metrics.update({key: acc.get(key) for key in ("tau", "alpha", "accept_rate_per_pos", "cond_accept_per_pos",
                                                       "accept_histogram", "steps", "k", "prompts")})
         return metrics
@@ -372,13 +391,40 @@ def train_device(tr: Any) -> str:
     return "cuda" if use_cuda else "cpu"
 
 
+def init_layers(head: Any) -> list[int]:
+    """The target's decoder layers a head's init_from_target may copy: its first and last
+    head.num_layers (negative indices count from the end)."""
+    n = max(head.num_layers, 1)
+    return [*range(n), *range(-n, 0)] if head.init_from_target else []
+
+
+def join_tensor_parallel(size: int, devices: int, num_nodes: int, use_cuda: bool) -> TensorParallel:
+    """This rank's tensor-parallel group (SINGLE for size 1). The process group must exist before the
+    target loads (each rank reads its shard), so the ranks come from an external launcher."""
+    from headstart.nn.parallel import init_tensor_parallel
+
+    if size == 1:
+        return SINGLE
+    world = devices * num_nodes
+    launched = int(os.environ.get("WORLD_SIZE", "0"))
+    if launched != world:
+        how = f"WORLD_SIZE={launched}" if launched else "no WORLD_SIZE in the environment"
+        raise ConfigError(f"engine.tensor_parallel {size}: train shards the target over ranks that torchrun (or "
+                          f"SLURM + torchrun) launched, and finds {how} for trainer.devices x num_nodes = {world}; "
+                          f"launch with torchrun --nnodes {num_nodes} --nproc-per-node {devices} -m headstart.cli "
+                          "train RECIPE")
+    if use_cuda:
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    try:
+        tp, _, _ = init_tensor_parallel(size)
+    except ValueError as e:
+        raise ConfigError(f"engine.tensor_parallel: {e}") from None
+    return tp
+
+
 def run_train(recipe: Recipe, *, resume: bool = False, progress: bool = True) -> dict[str, Any]:
     """Train the recipe's head; returns the last validation's metrics. The output_dir is checked
     before the target loads, and held by one run at a time (a second one refuses at once)."""
-    if recipe.engine.tensor_parallel > 1:
-        raise ConfigError(f"engine.tensor_parallel {recipe.engine.tensor_parallel}: train does not shard the target "
-                          "yet (precompute and eval do); precompute the shards with tensor parallelism and train "
-                          "from them with engine.tensor_parallel 1")
     from headstart.plan import check_recipe_fits
 
     check_recipe_fits(recipe, ("train", "validation"), torch.device(train_device(recipe.trainer)))  # before anything
