@@ -37,23 +37,35 @@ def atomic_path(final: Path, *, replaces: Callable[[Path], bool] | None = None, 
     except OSError as e:
         raise OutputError(f"{final.parent}: cannot create the output directory ({e.strerror})") from None
     tmp = final.with_name(f".{final.name}.tmp-{os.getpid()}")
-    _remove(tmp)
-    old = final.with_name(f".{final.name}.old-{os.getpid()}")
+    remove_path(tmp)
     try:
         yield tmp
         # Checked again: the directory may have appeared while the output was being built.
         check_output_path(final, replaces=replaces, hint=hint)
-        if final.is_dir():
-            if tmp.is_dir() or tmp.is_symlink() or not tmp.exists():
-                os.replace(final, old)  # empty or recognised: moved aside, deleted only after the swap
-            else:
-                raise OutputError(f"{final}: is a directory; a file was to be written there")
-        elif final.exists() and tmp.is_dir():
-            raise OutputError(f"{final}: is a file; a directory was to be written there")
-        os.replace(tmp, final)
+        swap_into_place(tmp, final)
     finally:
-        _remove(tmp)
-        _remove(old)
+        remove_path(tmp)
+
+
+def swap_into_place(tmp: Path, final: Path) -> None:
+    """Rename `tmp` (a file or a directory) to `final`. A directory at `final` is first moved aside
+    to `.NAME.old-PID` and deleted only after the swap; a crash between the two renames leaves it
+    there, and remove_stale_temporaries puts it back."""
+    old = final.with_name(f".{final.name}.old-{os.getpid()}")
+    if final.is_dir():
+        if tmp.is_dir() or tmp.is_symlink() or not tmp.exists():
+            os.replace(final, old)  # empty or recognised: moved aside, deleted only after the swap
+        else:
+            raise OutputError(f"{final}: is a directory; a file was to be written there")
+    elif final.exists() and tmp.is_dir():
+        raise OutputError(f"{final}: is a file; a directory was to be written there")
+    try:
+        os.replace(tmp, final)
+    except OSError:
+        if old.exists() and not final.exists():
+            os.replace(old, final)  # the previous output stays
+        raise
+    remove_path(old)
 
 
 def check_output_path(path: str | Path, *, replaces: Callable[[Path], bool] | None = None, hint: str = "") -> Path:
@@ -104,7 +116,8 @@ def apply_umask(path: Path) -> None:
     os.chmod(path, 0o666 & ~mask)
 
 
-def _remove(path: Path) -> None:
+def remove_path(path: Path) -> None:
+    """Delete a file, a link or a directory tree, if there."""
     if path.is_dir() and not path.is_symlink():
         shutil.rmtree(path, ignore_errors=True)
     elif path.exists() or path.is_symlink():
@@ -194,7 +207,8 @@ def file_lock(path: Path, timeout: float = 600.0, what: str = "the cache entry",
 
 def remove_stale_temporaries(directory: Path) -> None:
     """Remove `.NAME.tmp-PID` / `.NAME.old-PID` siblings (see `atomic_path`) left by a process that
-    was killed; those of live processes (another rank, another run) are left alone."""
+    was killed; those of live processes (another rank, another run) are left alone. An `.old` whose
+    NAME is missing is the previous output of a swap cut between its two renames: it is put back."""
     if not directory.is_dir() or directory.is_symlink():
         return
     for p in directory.glob(".*.*-*"):
@@ -204,7 +218,11 @@ def remove_stale_temporaries(directory: Path) -> None:
         try:
             os.kill(int(pid), 0)
         except ProcessLookupError:
-            _remove(p)
+            final = directory / kind[1:].removesuffix(".old")
+            if kind.endswith(".old") and not final.exists() and not final.is_symlink():
+                os.replace(p, final)
+            else:
+                remove_path(p)
         except PermissionError:
             pass  # alive, someone else's
 

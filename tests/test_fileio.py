@@ -131,3 +131,29 @@ def test_jsonl_non_utf8_names_byte_and_line(tmp_path):
     p.write_bytes(b'{"prompt": "ok"}\n{"prompt": "caf\xe9"}\n')
     with pytest.raises(DataError, match=r"latin1.jsonl: not UTF-8 text \(byte 32, line 2"):
         list(iter_jsonl(p))
+
+
+def test_a_directory_swap_cut_between_its_renames_is_put_back(tmp_path):
+    """swap_into_place moves the previous directory aside before renaming the new one in: a kill
+    between the two leaves `.NAME.old-PID`, which the next run restores rather than deletes; stale
+    temporaries of dead processes are removed, those of live ones kept."""
+    import os
+    import subprocess
+
+    from headstart.fileio import remove_stale_temporaries, swap_into_place
+
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    (tmp_path / f".last.ckpt.old-{dead.pid}").mkdir()
+    (tmp_path / f".last.ckpt.old-{dead.pid}" / "meta.pt").write_text("previous")
+    (tmp_path / f".last.ckpt.tmp-{dead.pid}").mkdir()  # the new one, half written
+    (tmp_path / f".other.tmp-{os.getpid()}").write_text("a live writer's")
+    remove_stale_temporaries(tmp_path)
+    assert (tmp_path / "last.ckpt" / "meta.pt").read_text() == "previous"
+    assert sorted(p.name for p in tmp_path.iterdir()) == [f".other.tmp-{os.getpid()}", "last.ckpt"]
+    new = tmp_path / ".new"
+    new.mkdir()
+    (new / "meta.pt").write_text("next")
+    swap_into_place(new, tmp_path / "last.ckpt")
+    assert (tmp_path / "last.ckpt" / "meta.pt").read_text() == "next"
+    assert not list(tmp_path.glob(".last.ckpt.*"))

@@ -419,3 +419,43 @@ def test_a_tensor_parallel_train_needs_its_ranks_launched(tmp_path, chat_model_d
     assert main(["train", str(path), "--no-progress", "--tp", "2"]) == 2
     err = capsys.readouterr().err
     assert "torchrun" in err and "WORLD_SIZE" in err and "Traceback" not in err
+
+
+def _same_heads(a, b, model_dir):
+    ha = load_head(a / "head-final", load_llama(model_dir, "fp32"))
+    hb = load_head(b / "head-final", load_llama(model_dir, "fp32"))
+    for (name, x), (_, y) in zip(ha.state_dict().items(), hb.state_dict().items()):
+        torch.testing.assert_close(x, y, rtol=1e-4, atol=1e-5, msg=name)
+
+
+def test_fsdp_on_two_gloo_ranks_equals_one_process_and_resumes_sharded(tmp_path, chat_model_dir, capsys):
+    """trainer.strategy fsdp: FSDP2 (fully_shard per layer and per projection) over 2 gloo ranks. The
+    head after 3 steps, validation included (on the gathered head), equals one process accumulating
+    the two micro-batches; a run stopped at step 2 leaves a directory of shards that resumes to the
+    same head; resuming onto another number of ranks is refused, naming both."""
+    # A constant rate after warmup: the run cut at max_steps 2 then raised to 3 follows the same schedule.
+    train = {"max_steps": 3, "val_every_steps": 3, "val_prompts": 2, "ckpt_every_steps": 1, "min_lr_ratio": 1.0}
+    one = _recipe(tmp_path, chat_model_dir, name="one", train={**train, "grad_accum": 2}, n=64)
+    p = _cli(["train", str(one), "--no-progress"])
+    assert p.wait() == 0, p.stderr.read().decode()[-2000:]
+    fsdp = ["--set", "trainer.devices=2", "--set", "trainer.accelerator=cpu", "--set", "trainer.strategy=fsdp"]
+    two = _recipe(tmp_path, chat_model_dir, name="two", train=train, n=64)
+    p = _cli(["train", str(two), "--no-progress", *fsdp])
+    _, err = p.communicate(timeout=900)
+    assert p.returncode == 0, err.decode()[-3000:]
+    _same_heads(tmp_path / "one", tmp_path / "two", chat_model_dir)
+    ma, mb = (json.loads((tmp_path / n / "metrics.json").read_text()) for n in ("one", "two"))
+    assert mb["val_loss"] == pytest.approx(ma["val_loss"], rel=1e-4) and mb["tau"] == ma["tau"]
+    ckpt = tmp_path / "two" / "checkpoints" / "last.ckpt"
+    assert ckpt.is_dir() and (ckpt / "meta.pt").is_file() and len(list(ckpt.glob("*.distcp"))) == 2
+
+    cut = _recipe(tmp_path, chat_model_dir, name="cut", train={**train, "max_steps": 2}, n=64)
+    p = _cli(["train", str(cut), "--no-progress", *fsdp])
+    assert p.wait() == 0, p.stderr.read().decode()[-2000:]
+    assert main(["train", str(cut), "--no-progress", "--resume", "--set", "train.max_steps=3",
+                 "--set", "trainer.accelerator=cpu", "--set", "trainer.strategy=fsdp"]) == 2
+    err = capsys.readouterr().err
+    assert "trained on 2 ranks" in err and "has 1" in err and "Traceback" not in err
+    p = _cli(["train", str(cut), "--no-progress", "--resume", "--set", "train.max_steps=3", *fsdp])
+    assert p.wait() == 0, p.stderr.read().decode()[-2000:]
+    _same_heads(tmp_path / "two", tmp_path / "cut", chat_model_dir)

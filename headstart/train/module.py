@@ -64,6 +64,27 @@ def group_target_forward(target: LlamaForCausalLM, batch: PackedBatch, aux_layer
     return PackedBatch(mine.input_ids, mine.seq_lens, mine.hidden, mine.aux_hidden, batch.loss_mask)
 
 
+def fsdp_units(head: DraftHead) -> list[torch.nn.Module]:
+    """The modules of a head that FSDP shards one by one: every decoder layer, and every other module
+    that owns parameters itself and is not inside a layer (see HeadModule.configure_model)."""
+    from headstart.nn.decoder import DecoderLayer
+
+    units: list[torch.nn.Module] = []
+    inside: set[int] = set()
+    for m in head.modules():
+        if id(m) in inside:
+            continue
+        if isinstance(m, DecoderLayer):
+            units.append(m)
+            inside.update(id(x) for x in m.modules())
+        elif m is not head and any(p.requires_grad for p in m.parameters(recurse=False)):
+            units.append(m)
+    if any(p.requires_grad for p in head.parameters(recurse=False)):
+        raise ValueError(f"a {head.config.head_type} head owns parameters outside its submodules: FSDP cannot "
+                         "shard them per module")
+    return units
+
+
 class HeadModule(L.LightningModule):
     def __init__(self, recipe: Recipe, target: LlamaForCausalLM, head: DraftHead,
                  forward_target: LlamaForCausalLM | None = None, tp: TensorParallel = SINGLE) -> None:
@@ -80,6 +101,8 @@ class HeadModule(L.LightningModule):
         object.__setattr__(self, "forward_target", forward_target if forward_target is not None else target)
         self.tp = tp
         self.head = head
+        self.fsdp_units: list[torch.nn.Module] = []  # set by configure_model under trainer.strategy fsdp
+        self._replica: DraftHead | None = None
         self.aux_layers = list(head.config.aux_layer_ids or [])
         self.bad_steps = 0  # consecutive non-finite steps
         self.skipped_steps = 0
@@ -93,10 +116,47 @@ class HeadModule(L.LightningModule):
 
     # ------------------------------------------------------------------------------------ losses
 
-    def losses(self, batch: PackedBatch, with_stats: bool = True,
-               same_in_group: bool = False) -> tuple[torch.Tensor, dict[str, Any]]:
+    # ------------------------------------------------------------------------------------- FSDP
+
+    def configure_model(self) -> None:
+        """Under trainer.strategy fsdp (Lightning's ModelParallelStrategy: FSDP2 over the data-parallel
+        ranks) shard the head, one unit per module that runs: each decoder layer, and each module
+        outside the layers that owns parameters (fusion fc, norms, a draft lm_head). A head's forward
+        is a chain of method calls, not one __call__, so the all-gathers must hang on the modules
+        that are called. The frozen target is not in this module: nothing of it is wrapped."""
+        mesh = getattr(self, "_device_mesh", None)
+        if mesh is None or self.fsdp_units:
+            return
+        from torch.distributed.fsdp import fully_shard
+
+        self.fsdp_units = fsdp_units(self.head)
+        for unit in self.fsdp_units:
+            fully_shard(unit, mesh=mesh["data_parallel"])
+
+    def full_head(self) -> DraftHead:
+        """The head with whole weights: itself, or under FSDP an unsharded replica refreshed from the
+        gathered state (a collective: every rank calls it at the same step). Validation, held-out
+        metrics and saving read it."""
+        if not self.fsdp_units:
+            return self.head
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        state = get_model_state_dict(self.head, options=StateDictOptions(full_state_dict=True))
+        if self._replica is None:
+            master = next(self.head.parameters())
+            self._replica = type(self.head)(self.head.config, self.target).to(device=master.device,
+                                                                                 dtype=master.dtype)
+            self._replica.requires_grad_(False)
+        self._replica.load_state_dict(state)
+        return self._replica
+
+    # ------------------------------------------------------------------------------------ losses
+
+    def losses(self, batch: PackedBatch, with_stats: bool = True, same_in_group: bool = False,
+               head: DraftHead | None = None) -> tuple[torch.Tensor, dict[str, Any]]:
         """The weighted loss of one micro-batch and its per-step statistics (zeros without `with_stats`).
-        `same_in_group`: every rank of the tensor-parallel group holds this same batch (held-out)."""
+        `same_in_group`: every rank of the tensor-parallel group holds this same batch (held-out);
+        `head`: another copy of the head (the unsharded replica), default the trained one."""
         device = self.target.model.embed_tokens.weight.device
         if batch.hidden is None:
             if self.tp.enabled and not same_in_group:
@@ -106,7 +166,7 @@ class HeadModule(L.LightningModule):
         batch = PackedBatch(batch.input_ids.to(device), batch.seq_lens, batch.hidden.to(device),
                             batch.aux_hidden.to(device) if batch.aux_hidden is not None else None,
                             batch.loss_mask.to(device) if batch.loss_mask is not None else None)
-        head, w = self.head, self.cfg.loss_weights
+        head, w = head or self.head, self.cfg.loss_weights
         kind = head.config.head_type
         per_step: list[LossParts] = []
         chunk = self.cfg.loss_chunk_tokens
@@ -174,6 +234,8 @@ class HeadModule(L.LightningModule):
         # Gradients are all-reduced once per optimizer step, not once per micro-batch.
         sync = contextlib.nullcontext() if last or not hasattr(strategy, "block_backward_sync") else \
             strategy.block_backward_sync()
+        for unit in self.fsdp_units:  # FSDP: reduce-scatter once per optimizer step too
+            unit.set_requires_gradient_sync(last)
         with sync:
             self.manual_backward(loss / self.cfg.grad_accum)
         self._micro += 1
@@ -209,18 +271,19 @@ class HeadModule(L.LightningModule):
         return {**getattr(self, "last_train", {}), "step": self.global_step, "tokens": tokens, "tok_s": rate}
 
     @torch.no_grad()
-    def heldout_metrics(self, batches: list[PackedBatch]) -> dict[str, Any]:
+    def heldout_metrics(self, batches: list[PackedBatch], head: DraftHead | None = None) -> dict[str, Any]:
         """val_loss and per-step top-1 / expected acceptance on held-out micro-batches."""
-        was = self.head.training
-        self.head.eval()
+        head = head or self.head
+        was = head.training
+        head.eval()
         total, n, sums = 0.0, 0, {}
         for b in batches:
-            loss, st = self.losses(b, same_in_group=True)
+            loss, st = self.losses(b, same_in_group=True, head=head)
             total += float(loss)
             n += 1
             for key in ("rows", "correct", "accept", "mass"):
                 sums[key] = st[key] if key not in sums else [a + x for a, x in zip(sums[key], st[key])]
-        self.head.train(was)
+        head.train(was)
         if not n:
             return {}
         per_row = {key: [c / max(r, 1) for c, r in zip(sums[key], sums["rows"])]

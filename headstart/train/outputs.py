@@ -26,6 +26,7 @@ RUN_OUTPUTS = ("metrics.csv", "metrics.json", "checkpoints", "head-final", "head
 # Subdirectories training writes into: a symbolic link there would send our files elsewhere.
 WRITTEN_DIRS = ("checkpoints", "head-final", "head-best", "lightning_logs")
 LOCK = ".train.lock-rank{rank}"
+SHARDED_META = "meta.pt"  # Lightning's file beside the shards of a distributed checkpoint
 
 
 def lock_path(out: Path, rank: int) -> Path:
@@ -52,7 +53,7 @@ def check_output_dir(recipe: Recipe, resume: bool) -> Path:
             listed = ", ".join(foreign[:5]) + (f" (+{len(foreign) - 5} more)" if len(foreign) > 5 else "")
             raise ConfigError(f"{out} holds {listed} that no training run of headstart wrote (no train.json); "
                               "choose a new or empty output_dir")
-    if resume and (out / "checkpoints" / "last.ckpt").is_file():
+    if resume and (out / "checkpoints" / "last.ckpt").exists():
         checkpoint_step(out / "checkpoints" / "last.ckpt", recipe.train.max_steps)
     return out
 
@@ -94,21 +95,29 @@ def _is_precompute_dir(d: Path) -> bool:
 
 
 def checkpoint_step(path: Path, max_steps: int | None = None) -> int:
-    """The optimizer step a Lightning last.ckpt was written at; a file that is not one is a
-    DataError naming it. With `max_steps`, a resume that would train nothing is refused."""
+    """The optimizer step a Lightning last.ckpt was written at: a file, or under FSDP a directory of
+    the ranks' shards (torch.distributed.checkpoint's .metadata) and Lightning's meta.pt; what is
+    not one is a DataError naming it. With `max_steps`, a resume that would train nothing is refused."""
     import torch
 
     damaged = (f"{path}: damaged or not a headstart training checkpoint; restore it from a copy, or delete the "
                "checkpoints directory to start over")
-    if not zipfile.is_zipfile(path):
+    state = path
+    if path.is_dir():
+        missing = [n for n in (SHARDED_META, ".metadata") if not (path / n).is_file()]
+        if missing:
+            raise DataError(damaged + f" (a sharded checkpoint without its {' and '.join(missing)})")
+        state = path / SHARDED_META
+    if not zipfile.is_zipfile(state):
         raise DataError(damaged + " (not a complete checkpoint archive)")
     try:
         # weights_only: a checkpoint is read as data; a file that needs arbitrary objects is not ours.
-        ckpt: Any = torch.load(path, map_location="cpu", weights_only=True)
+        ckpt: Any = torch.load(state, map_location="cpu", weights_only=True)
     except (pickle.UnpicklingError, RuntimeError, EOFError, OSError, ValueError, zipfile.BadZipFile):
         raise DataError(damaged) from None
     step = ckpt.get("global_step") if isinstance(ckpt, dict) else None
-    if not isinstance(step, int) or not isinstance(ckpt.get("state_dict"), dict) or "loops" not in ckpt:
+    weights = path.is_dir() or isinstance(ckpt.get("state_dict"), dict)  # a sharded one keeps them in shards
+    if not isinstance(step, int) or not weights or "loops" not in ckpt:
         raise DataError(damaged + " (no Lightning state)")
     if max_steps is not None and 0 < max_steps <= step:
         raise ConfigError(f"--resume: {path} is at step {step} and train.max_steps is {max_steps}; nothing would "
@@ -144,6 +153,11 @@ def check_resume(out: Path, identity: dict[str, Any], resume: bool, rank: int = 
         if prev.get(key) != identity[key]:
             diffs.append(f"{key.split('_')[0]} ({str(prev.get(key))[:12]}… -> {identity[key][:12]}…)")
     old, new = prev.get("recipe", {}), identity["recipe"]
+    was, now = old.get("resolved.world_size"), new.get("resolved.world_size")
+    if was is not None and was != now:
+        raise ConfigError(f"--resume: {out} was trained on {was} ranks and this launch has {now}; the data order "
+                          "(and a sharded checkpoint's files) are per rank: resume with trainer.devices x "
+                          f"trainer.num_nodes = {was}")
     for key in sorted(set(old) | set(new)):
         if key not in old:  # recorded by an older headstart that did not know this key
             continue

@@ -24,7 +24,7 @@ from lightning.pytorch.callbacks import RichProgressBar
 from headstart.config import Recipe
 from headstart.console import status
 from headstart.errors import ConfigError, DataError, HeadstartError, OutputError
-from headstart.fileio import atomic_write_text, exclusive_lock
+from headstart.fileio import atomic_write_text, exclusive_lock, remove_path, swap_into_place
 from headstart.heads import build_head, head_config_from_recipe, save_head
 from headstart.heads.base import TargetParts
 from headstart.nn.parallel import SINGLE, TensorParallel
@@ -141,30 +141,33 @@ class Outputs(L.Callback):
             self.checkpoint(trainer)
         if trainer.global_step != self.last_val_step:
             self.validate(trainer, module)
+        head = module.full_head()  # every rank: a collective under FSDP
         if trainer.is_global_zero:
-            save_head(module.head, run_dir(self.run.recipe) / "head-final", overwrite=True)
+            save_head(head, run_dir(self.run.recipe) / "head-final", overwrite=True)
 
     def checkpoint(self, trainer: L.Trainer) -> None:
-        """checkpoints/last.ckpt, written under a temporary name and renamed: a kill mid-write keeps
-        the previous checkpoint."""
+        """checkpoints/last.ckpt (a file; under FSDP a directory of every rank's shards plus meta.pt),
+        written under a temporary name and swapped in: a kill mid-write keeps the previous checkpoint."""
         self.last_ckpt_step = trainer.global_step
         trainer.lightning_module.sync_tokens()
         d = run_dir(self.run.recipe) / "checkpoints"
-        tmp = d / f".last.ckpt.tmp-{os.getpid()}"
+        tmp = d / f".last.ckpt.tmp-{os.getpid()}"  # under FSDP every rank writes to rank 0's name
         try:
-            trainer.save_checkpoint(str(tmp))  # every rank takes part; rank 0 writes
+            trainer.save_checkpoint(str(tmp))  # every rank takes part
             if trainer.is_global_zero:
-                os.replace(tmp, d / "last.ckpt")
+                swap_into_place(tmp, d / "last.ckpt")
         except OSError as e:
-            tmp.unlink(missing_ok=True)
+            if trainer.is_global_zero:
+                remove_path(tmp)
             raise OutputError(f"{d / 'last.ckpt'}: the checkpoint cannot be written ({e.strerror or e}); the "
                               "previous one is kept: free space, then rerun with --resume") from None
         trainer.strategy.barrier("checkpoint")
 
     def validate(self, trainer: L.Trainer, module: HeadModule) -> None:
         self.last_val_step = trainer.global_step
+        head = module.full_head()  # every rank: a collective under FSDP
         if trainer.is_global_zero or self.run.tp.enabled:  # under TP the ranks of a group validate together
-            metrics = self.run.validate(module, trainer.precision_plugin.forward_context)
+            metrics = self.run.validate(module, head, trainer.precision_plugin.forward_context)
         if trainer.is_global_zero:
             metrics.update(step=trainer.global_step, tokens=module.tokens_seen, skipped_steps=module.skipped_steps)
             scalars = {k: metrics[k] for k in ("val_loss", "tau", "alpha") if metrics.get(k) is not None}
@@ -178,7 +181,7 @@ class Outputs(L.Callback):
             tau = metrics.get("tau")
             if tau is not None and (self.best_tau is None or tau > self.best_tau):
                 self.best_tau = tau
-                save_head(module.head, out / "head-best", overwrite=True)
+                save_head(head, out / "head-best", overwrite=True)
                 atomic_write_text(out / "head-best" / "metrics.json", json.dumps(metrics, indent=2))
             line = (f"validation @ step {trainer.global_step}: tau {_f(tau)}  alpha {_f(metrics.get('alpha'))}  "
                     f"val_loss {_f(metrics.get('val_loss'))}  top1/step "
@@ -233,8 +236,6 @@ class TrainRun:
         out = run_dir(recipe)
         device = train_device(tr)
         use_cuda = device == "cuda"
-        if tr.strategy == "fsdp" and not use_cuda:
-            raise ConfigError("trainer.strategy=fsdp needs GPUs; on CPU use ddp (gloo) or auto")
         self.precision = resolve_precision(tr.precision, tr.accelerator)
         self.dtype = resolve_dtype(recipe.target.dtype, device)
         if self.precision.startswith("32") and self.dtype != "fp32":
@@ -293,7 +294,8 @@ class TrainRun:
                   f"prompts; validating on {len(self.prompts)}")
         self.identity = _identity(recipe, self.target.fingerprint(), built.fingerprint,
                                   {"resolved.dtype": self.dtype, "resolved.precision": self.precision,
-                                   "resolved.world_size": self.world})
+                                   "resolved.world_size": self.world,
+                                   "resolved.checkpoint": "sharded" if tr.strategy == "fsdp" else "file"})
         self.ckpt = check_resume(out, self.identity, resume, self.rank)
         self.best_tau = None
         if self.rank == 0:
@@ -324,17 +326,17 @@ class TrainRun:
                    "draft_vocab_mass at each validation)")
 
     @torch.no_grad()
-    def validate(self, module: HeadModule, autocast: Any = contextlib.nullcontext) -> dict[str, Any]:
+    def validate(self, module: HeadModule, head: Any, autocast: Any = contextlib.nullcontext) -> dict[str, Any]:
         """Held-out loss metrics under the training step's autocast (`autocast()`: the precision
         plugin's forward context), then the engine's acceptance outside it, exactly as `headstart
         eval` runs: under autocast every Linear falls back to torch's matmul, the row-invariant
         kernels are skipped and head-best would be chosen on numbers eval does not reproduce."""
         with autocast():
-            metrics = module.heldout_metrics(self.heldout_batches)
+            metrics = module.heldout_metrics(self.heldout_batches, head)
         # Under tensor parallelism every rank of the group runs the engine on its shard, in step.
-        reading = module.head.reading(self.engine_parts) if self.tp.enabled else contextlib.nullcontext()
+        reading = head.reading(self.engine_parts) if self.tp.enabled else contextlib.nullcontext()
         with reading:
-            acc = engine_acceptance(self.engine_target, module.head, self.prompts, k=self.recipe.head.k,
+            acc = engine_acceptance(self.engine_target, head, self.prompts, k=self.recipe.head.k,
                                     max_tokens=self.recipe.train.val_max_tokens, tokenizer=self.tokenizer,
                                     seed=self.recipe.seed)
         metrics.update({key: acc.get(key) for key in ("tau", "alpha", "accept_rate_per_pos", "cond_accept_per_pos",
@@ -358,10 +360,18 @@ class TrainRun:
         strategy: Any = tr.strategy
         if strategy == "auto" and self.world > 1:
             strategy = "ddp"
-        if strategy == "ddp" and tr.accelerator == "cpu" or (strategy == "ddp" and self.device == "cpu"):
+        if strategy == "ddp" and self.device == "cpu":
             from lightning.pytorch.strategies import DDPStrategy
 
             strategy = DDPStrategy(process_group_backend="gloo")
+        elif strategy == "fsdp":
+            # FSDP2 (fully_shard) through Lightning's ModelParallelStrategy: the head sharded over every
+            # rank (HeadModule.configure_model), checkpoints as one directory of every rank's shards.
+            from lightning.pytorch.strategies import ModelParallelStrategy
+
+            strategy = ModelParallelStrategy(data_parallel_size=self.world, tensor_parallel_size=1,
+                                             save_distributed_checkpoint=True,
+                                             process_group_backend="gloo" if self.device == "cpu" else None)
         callbacks: list[Any] = [Outputs(self, self.curve)]
         if self.progress:
             callbacks.append(StepProgressBar(leave=True))
