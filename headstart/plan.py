@@ -164,14 +164,25 @@ def make_plan(recipe: Recipe, target_cfg: dict[str, Any], *, device: str = "H100
                          f"one batch of {pc.batch_tokens:,} tokens + 64 pages")]
         ph.host_bytes = largest_tensor
         plan_phases.append(ph)
-    # Training: today the trainer loads the whole target on every rank (no tensor parallelism in train).
+    # Training: the target whole on every rank, or its tensor-parallel shard beside whole copies of
+    # what the head reads (embedding, final norm, lm_head, the layers its init copies).
+    from headstart.heads import init_copied_layers
+
+    fsdp = recipe.trainer.strategy == "fsdp"
     ph = Phase("train", ranks)
-    opt = Term("head weights + grads + AdamW", 16 * head_params,
-               f"{head_params / 1e6:.1f} M trainable parameters x 16 B (fp32 weight, grad, 2 moments)")
+    layer_params = target_params(dataclasses.replace(c, num_hidden_layers=1, vocab_size=0), 1)[1] - d
+    if fsdp:  # FSDP2: each rank keeps 1/ranks of the state; a unit's whole weights and grads while it runs
+        unit = max(head_params / max(hc.num_layers, 1), 1)
+        opt = Term("head weights + grads + AdamW", 16 * head_params / ranks + 8 * unit,
+                   f"{head_params / 1e6:.1f} M trainable parameters x 16 B / {ranks} ranks (FSDP), + the "
+                   f"largest unit gathered, at most {unit / 1e6:.1f} M (fp32 weight and grad)")
+    else:
+        opt = Term("head weights + grads + AdamW", 16 * head_params,
+                   f"{head_params / 1e6:.1f} M trainable parameters x 16 B (fp32 weight, grad, 2 moments)")
     seq = min(recipe.data.max_length, tr.batch_tokens)
     heads = hc.num_attention_heads
     per_tok = (d * (22 + 2 * aux) + 6 * hc.intermediate_size) * 2  # one layer's saved bf16 activations
-    ph.terms = [target_term(1), opt,
+    ph.terms = [target_term(tp), opt,
                 Term("head activations", tr.batch_tokens * per_tok * tr.ttt_steps,
                      f"{tr.batch_tokens:,} tokens x {tr.ttt_steps} TTT steps x (({22 + 2 * aux} d + 6 I) x 2 B)"),
                 Term("chunked loss", 3 * tr.loss_chunk_tokens * vd * 4,
@@ -187,17 +198,26 @@ def make_plan(recipe: Recipe, target_cfg: dict[str, Any], *, device: str = "H100
                              f"{heads} heads x {block:,} queries x {seq:,} keys x fp32 x 5 (one checkpointed block)"))
     if hc.draft_vocab_size and hc.head_type in ("mtp", "eagle1", "deepseek_mtp"):
         ph.terms.append(Term("restricted lm_head", vd * d * act, f"{vd:,} target rows gathered once"))
+    if tp > 1:
+        copied = len(init_copied_layers(recipe.head))
+        parts = (1 if c.tie_word_embeddings else 2) * c.vocab_size * d + d + copied * layer_params
+        ph.terms.append(Term("embedding + lm_head (whole)", parts * act,
+                             f"what the head reads (and the final norm), unsharded, + {copied} target layer(s) "
+                             "its init copies"))
     if tr.source == "online":
         ph.terms.extend(forward_terms(tr.batch_tokens))
-    ph.host_bytes = largest_tensor
-    if recipe.trainer.strategy == "fsdp":
-        ph.notes.append("trainer.strategy fsdp wraps the head and the frozen target as one unit today (no wrap "
-                        "policy): counted here as unsharded")
+    # Under TP the whole embedding / lm_head are read too: one whole vocabulary tensor at a time.
+    ph.host_bytes = max(largest_tensor, c.vocab_size * d * act) if tp > 1 else largest_tensor
+    if tp > 1 and tr.source == "online":
+        ph.notes.append(f"online: each tensor-parallel group of {tp} runs its members' micro-batch forwards in "
+                        "turn (target FLOPs as under data parallelism, 1/tp of the weights per rank)")
     plan_phases.append(ph)
     val = Phase("validation", ranks)
     longest = recipe.data.max_length + tr.val_max_tokens + 16
-    val.terms = [target_term(1), Term("KV pages", tr.val_prompts * longest * kv_bytes_per_token,
-                                      f"{tr.val_prompts} prompts x {longest:,} tokens (target's KV)")]
+    val.terms = [target_term(tp), Term("KV pages", tr.val_prompts * longest * kv_bytes_per_token,
+                                       f"{tr.val_prompts} prompts x {longest:,} tokens (target's KV)")]
+    if fsdp:
+        val.terms.append(Term("gathered head", 4 * head_params, "the unsharded fp32 replica validation reads"))
     plan_phases.append(val)
     ev = Phase("eval", tp)
     ev.terms = [target_term(tp), Term("KV pages", 32 * longest * kv_bytes_per_token,

@@ -22,7 +22,7 @@ ROOT = Path(__file__).resolve().parents[1]
 RECIPES = {  # recipe: (target config, fits on H100-80GB)
     "llama-3.2-1b-eagle3-8xh100.yaml": ("llama-3.2-1b.json", True),
     "llama-3.1-8b-eagle3-8xh100.yaml": ("llama-3.1-8b.json", True),
-    "llama-3.3-70b-mtp-8xh100.yaml": ("llama-3.3-70b.json", False),
+    "llama-3.3-70b-mtp-8xh100.yaml": ("llama-3.3-70b.json", True),
 }
 
 
@@ -66,9 +66,39 @@ def test_every_8xh100_recipe_gets_its_verdict(recipe, capsys):
     for term in ("target weights", "head weights + grads + AdamW", "head activations", "chunked loss", "KV pages"):
         assert term in out
     assert "TTT attention scores" in out  # every 8xH100 recipe unrolls 7 steps
-    if not fits:  # 70B: the whole target on every training rank; eval shards it over 8
-        assert "train: needs" in out and "'target weights' (141.1 GB" in out
-        assert "eval:" not in out.split("does not fit:")[1]
+    if recipe.startswith("llama-3.3-70b"):  # the target tensor-parallel in training too, the head FSDP-sharded
+        train = out.split("train (16 ranks)")[1].split("validation")[0]
+        assert "17.64 GB  8.82 B parameters (1/8 tensor-parallel shard)" in train
+        assert "/ 16 ranks (FSDP)" in train and "embedding + lm_head (whole)" in train
+
+
+def test_the_70b_recipe_without_tensor_parallelism_is_refused_by_its_target(capsys):
+    rc = main(["plan", str(ROOT / "recipes" / "llama-3.3-70b-mtp-8xh100.yaml"), "--target-config",
+               str(ROOT / "recipes" / "targets" / "llama-3.3-70b.json"), "--tp", "1"])
+    out = capsys.readouterr().out
+    assert rc == 1 and "train: needs" in out and "'target weights' (141.1 GB" in out
+
+
+def test_tensor_parallel_and_fsdp_training_terms_count_the_real_modules(tiny):
+    """Under engine.tensor_parallel the trainer holds, beside its shard, a partial target (whole
+    embedding, norm, lm_head and the layers the head's init copies); under FSDP 1/ranks of the head's
+    state plus its largest unit."""
+    from headstart.heads import init_copied_layers
+
+    cfg = json.loads((tiny / "config.json").read_text())
+    recipe = recipe_from_dict({"target": {"model": str(tiny), "dtype": "fp32"}, "engine": {"tensor_parallel": 2},
+                               "head": {"type": "mtp", "init_from_target": True},
+                               "trainer": {"devices": 4, "strategy": "fsdp"}})
+    train = next(p for p in make_plan(recipe, cfg).phases if p.name == "train")
+    terms = {t.name: t.bytes for t in train.terms}
+    partial = load_llama(tiny, "fp32", layers=init_copied_layers(recipe.head))
+    held = sum(p.numel() for n, p in partial.named_parameters() if not n.endswith("bias"))
+    assert partial.partial and init_copied_layers(recipe.head) == [-1]
+    assert terms["embedding + lm_head (whole)"] == 4 * held
+    head = build_head(HeadConfig(head_type="mtp"), load_llama(tiny, "fp32"))
+    n = sum(p.numel() for p in head.trainable_parameters())
+    assert terms["head weights + grads + AdamW"] == 16 * n / 4 + 8 * n
+    assert terms["target weights"] == 4 * target_params(partial.config, 2)[0]
 
 
 def test_a_recipe_that_would_not_fit_is_refused_by_its_largest_term():

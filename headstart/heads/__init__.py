@@ -60,6 +60,15 @@ def head_config_from_recipe(section: HeadSection) -> HeadConfig:
 INITS = ("copy", "copy_zero_out")
 
 
+def init_copied_layers(head: HeadSection) -> list[int]:
+    """The target's decoder layers a head's init_from_target copies (negative: from the end): a
+    draft_lm's first head.num_layers, a chain head's last ones, none for Medusa."""
+    n = max(head.num_layers, 1)
+    if not head.init_from_target or head.type == "medusa":
+        return []
+    return list(range(n)) if head.type == "draft_lm" else list(range(-n, 0))
+
+
 def build_head(config: HeadConfig, target: LlamaForCausalLM, init_from_target: bool = True,
                init: str = "copy") -> DraftHead:
     """A head tied to `target`, in the target's dtype and on its device. With `init_from_target`,

@@ -25,7 +25,7 @@ from headstart.config import Recipe
 from headstart.console import status
 from headstart.errors import ConfigError, DataError, HeadstartError, OutputError
 from headstart.fileio import atomic_write_text, exclusive_lock, remove_path, swap_into_place
-from headstart.heads import build_head, head_config_from_recipe, save_head
+from headstart.heads import build_head, head_config_from_recipe, init_copied_layers, save_head
 from headstart.heads.base import TargetParts
 from headstart.nn.parallel import SINGLE, TensorParallel
 from headstart.train.data import PackedStream, ShardSequences, TokenSequences, TrainData, pack
@@ -253,7 +253,7 @@ class TrainRun:
             # validation, with its group); the head trains against whole copies of the embedding,
             # final norm and lm_head, plus the layers its init copies: a partial target.
             self.engine_target = load_llama(model_dir, self.dtype, device=load_on, tp=self.tp)
-            self.target = load_llama(model_dir, self.dtype, device=load_on, layers=init_layers(recipe.head))
+            self.target = load_llama(model_dir, self.dtype, device=load_on, layers=init_copied_layers(recipe.head))
             if recipe.head.init_from_target:
                 from headstart.heads.base import target_state_rms
 
@@ -399,13 +399,6 @@ def train_device(tr: Any) -> str:
         raise ConfigError(f"trainer.accelerator={tr.accelerator} but no CUDA GPU is visible here; use "
                           "trainer.accelerator: cpu (or auto)")
     return "cuda" if use_cuda else "cpu"
-
-
-def init_layers(head: Any) -> list[int]:
-    """The target's decoder layers a head's init_from_target may copy: its first and last
-    head.num_layers (negative indices count from the end)."""
-    n = max(head.num_layers, 1)
-    return [*range(n), *range(-n, 0)] if head.init_from_target else []
 
 
 def join_tensor_parallel(size: int, devices: int, num_nodes: int, use_cuda: bool) -> TensorParallel:
