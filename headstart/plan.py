@@ -208,6 +208,9 @@ def make_plan(recipe: Recipe, target_cfg: dict[str, Any], *, device: str = "H100
         ph.terms.extend(forward_terms(tr.batch_tokens))
     # Under TP the whole embedding / lm_head are read too: one whole vocabulary tensor at a time.
     ph.host_bytes = max(largest_tensor, c.vocab_size * d * act) if tp > 1 else largest_tensor
+    if tp == 1 and tr.source == "shards" and ranks > 1:
+        ph.notes.append("from shards: only rank 0 (which validates) holds the whole target; the other ranks hold "
+                        "its embedding, final norm and lm_head")
     if tp > 1 and tr.source == "online":
         ph.notes.append(f"online: each tensor-parallel group of {tp} runs its members' micro-batch forwards in "
                         "turn (target FLOPs as under data parallelism, 1/tp of the weights per rank)")

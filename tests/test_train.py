@@ -459,3 +459,23 @@ def test_fsdp_on_two_gloo_ranks_equals_one_process_and_resumes_sharded(tmp_path,
     p = _cli(["train", str(cut), "--no-progress", "--resume", "--set", "train.max_steps=3", *fsdp])
     assert p.wait() == 0, p.stderr.read().decode()[-2000:]
     _same_heads(tmp_path / "two", tmp_path / "cut", chat_model_dir)
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_two_ranks_from_shards_equal_one_process(tmp_path, chat_model_dir, strategy):
+    """From shards only rank 0 (which validates) loads the whole target; rank 1 holds the embedding,
+    norm and lm_head, and its head starts from rank 0's (DDP broadcasts it; under FSDP the set-up
+    does). The trained head equals one process accumulating the two micro-batches."""
+    train = {"max_steps": 3, "val_every_steps": 3, "val_prompts": 2, "source": "shards"}
+    extra = "  init_from_target: true\n"
+    one = _recipe(tmp_path, chat_model_dir, name="one", train={**train, "grad_accum": 2}, n=64, extra=extra)
+    assert main(["precompute", str(one)]) == 0
+    p = _cli(["train", str(one), "--no-progress"])
+    assert p.wait() == 0, p.stderr.read().decode()[-2000:]
+    two = _recipe(tmp_path, chat_model_dir, name="two", train={**train, "shards_dir": tmp_path / "one" / "precompute"},
+                  n=64, extra=extra)
+    p = _cli(["train", str(two), "--no-progress", "--set", "trainer.devices=2", "--set", "trainer.accelerator=cpu",
+              "--set", f"trainer.strategy={strategy}"])
+    _, err = p.communicate(timeout=900)
+    assert p.returncode == 0, err.decode()[-3000:]
+    _same_heads(tmp_path / "one", tmp_path / "two", chat_model_dir)

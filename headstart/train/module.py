@@ -127,8 +127,12 @@ class HeadModule(L.LightningModule):
         mesh = getattr(self, "_device_mesh", None)
         if mesh is None or self.fsdp_units:
             return
+        import torch.distributed as dist
         from torch.distributed.fsdp import fully_shard
 
+        with torch.no_grad():  # every rank starts from rank 0's head (FSDP2, unlike DDP, does not sync it)
+            for t in [*self.head.parameters(), *self.head.buffers()]:
+                dist.broadcast(t.data, src=0)
         self.fsdp_units = fsdp_units(self.head)
         for unit in self.fsdp_units:
             fully_shard(unit, mesh=mesh["data_parallel"])

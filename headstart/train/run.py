@@ -258,6 +258,11 @@ class TrainRun:
                 from headstart.heads.base import target_state_rms
 
                 self.target.state_rms = target_state_rms(self.engine_target)  # the group's forward
+        elif cfg.source == "shards" and self.rank != 0:
+            # From shards no forward runs here, and only rank 0 validates: the other ranks hold what the
+            # head reads (embedding, final norm, lm_head), not the whole target. Their head starts from
+            # rank 0's (DDP and the FSDP set-up broadcast it).
+            self.target = self.engine_target = load_llama(model_dir, self.dtype, device=load_on, layers=[])
         else:
             self.target = self.engine_target = load_llama(model_dir, self.dtype, device=load_on)
         built = build_dataset(recipe.data, str(model_dir), progress=progress and self.rank == 0)
@@ -265,8 +270,9 @@ class TrainRun:
         if len(built.train) == 0:
             raise DataError(f"{recipe.data.source}: the training split is empty (data.limit={recipe.data.limit}, "
                             f"heldout_fraction={recipe.data.heldout_fraction}); nothing to train on")
+        from_rank0 = self.target.partial and not self.tp.enabled  # cannot run its init: rank 0's is broadcast
         self.head = build_head(head_config_from_recipe(recipe.head), self.target,
-                               init_from_target=recipe.head.init_from_target)
+                               init_from_target=recipe.head.init_from_target and not from_rank0)
         if cfg.loss_weights.kl == 0 and self.head.config.head_type in ("eagle3", "medusa", "draft_lm"):
             raise ConfigError(f"train.loss_weights.kl=0: a {self.head.config.head_type} head learns from the KL "
                               "term only (it has no feature loss), so nothing would be trained")
