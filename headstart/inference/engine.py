@@ -36,7 +36,7 @@ from headstart.inference.scheduler import Scheduler, Sequence, Status
 from headstart.inference.spec_step import SpeculativeSteps
 from headstart.inference.tree import TreeProposer
 from headstart.kernels import FAST_ROWS
-from headstart.models.llama import LlamaForCausalLM, load_llama
+from headstart.models import CausalLM, load_target
 from headstart.nn.linear import enable_cpu_kernels
 
 Prompt = str | list[dict[str, str]] | list[int]
@@ -67,7 +67,7 @@ class EngineStats:
 class Engine(SpeculativeSteps):
     def __init__(
         self,
-        model: str | Path | LlamaForCausalLM,
+        model: str | Path | CausalLM,
         *,
         tokenizer: Any | None = None,
         dtype: str = "bf16",
@@ -90,7 +90,7 @@ class Engine(SpeculativeSteps):
         if num_pages is not None and num_pages < 1:
             raise ValueError(f"num_pages must be >= 1, got {num_pages}")
         self.device = torch.device(device)
-        if isinstance(model, LlamaForCausalLM):
+        if isinstance(model, CausalLM):
             self.model = model
             if tokenizer is None and model.source_dir is not None and (model.source_dir / "tokenizer.json").exists():
                 from transformers import AutoTokenizer
@@ -100,7 +100,7 @@ class Engine(SpeculativeSteps):
             from headstart.assets import resolve_model
 
             model_dir = resolve_model(model)
-            self.model = load_llama(model_dir, dtype=dtype, device=self.device)
+            self.model = load_target(model_dir, dtype=dtype, device=self.device)
             if tokenizer is None:
                 from transformers import AutoTokenizer
 
@@ -118,8 +118,7 @@ class Engine(SpeculativeSteps):
             self.kernels = "rowwise" if "rows" in got else "gemv" if "gemv" in got else "torch"
         cfg = self.model.config
         self.max_model_len = min(cfg.max_position_embeddings, cfg.sliding_window or cfg.max_position_embeddings)
-        kv_spec = KVCacheSpec(num_layers=cfg.num_hidden_layers, num_kv_heads=self.model.num_local_kv_heads,
-                              head_dim=cfg.head_dim, dtype=self.model.dtype)
+        kv_spec = KVCacheSpec.of(self.model)
         self.spec = spec
         if spec is not None and spec.lookahead >= self.max_model_len:
             what = "tree_tokens / tree_topk x depth" if spec.method == "tree" else "k"

@@ -85,9 +85,17 @@ class KVCacheSpec:
     num_kv_heads: int
     head_dim: int
     dtype: torch.dtype
+    shared: bool = False  # keys and values are one tensor (MLA's compressed latent + rope key)
+
+    @classmethod
+    def of(cls, model: object) -> KVCacheSpec:
+        """The cache a target-family model (headstart.models.base.CausalLM) asks for."""
+        return cls(num_layers=model.config.num_hidden_layers, num_kv_heads=model.cache_heads,
+                   head_dim=model.cache_head_dim, dtype=model.dtype, shared=model.cache_shared)
 
     def bytes_per_page(self, page_size: int) -> int:
-        return 2 * self.num_layers * page_size * self.num_kv_heads * self.head_dim * self.dtype.itemsize
+        tensors = 1 if self.shared else 2
+        return tensors * self.num_layers * page_size * self.num_kv_heads * self.head_dim * self.dtype.itemsize
 
 
 class KVCache:
@@ -96,10 +104,11 @@ class KVCache:
     def __init__(self, spec: KVCacheSpec, num_pages: int, page_size: int, device: torch.device | str) -> None:
         shape = (num_pages, page_size, spec.num_kv_heads, spec.head_dim)
         self.spec = spec
-        self.layers: list[KVPages] = [
-            (torch.zeros(shape, dtype=spec.dtype, device=device), torch.zeros(shape, dtype=spec.dtype, device=device))
-            for _ in range(spec.num_layers)
-        ]
+        self.layers: list[KVPages] = []
+        for _ in range(spec.num_layers):
+            k = torch.zeros(shape, dtype=spec.dtype, device=device)
+            # Shared: the layer writes the same tensor as its keys and values (see DeepSeek's MLA).
+            self.layers.append((k, k if spec.shared else torch.zeros(shape, dtype=spec.dtype, device=device)))
 
 
 def pages_for_budget(budget_gb: float, specs: list[KVCacheSpec], page_size: int) -> int:

@@ -371,12 +371,10 @@ def spread_to_target(q: torch.Tensor, vocab: int, to_target: Any) -> torch.Tenso
 
 def draft_kv_spec(draft: Any) -> KVCacheSpec | None:
     """The KV cache shape a proposer's model needs (None for Medusa, which has no cache)."""
-    from headstart.models.llama import LlamaForCausalLM
+    from headstart.models.base import CausalLM
 
-    if isinstance(draft, LlamaForCausalLM):
-        c = draft.config
-        return KVCacheSpec(num_layers=c.num_hidden_layers, num_kv_heads=draft.num_local_kv_heads, head_dim=c.head_dim,
-                           dtype=draft.dtype)
+    if isinstance(draft, CausalLM):  # a draft model of any target family
+        return KVCacheSpec.of(draft)
     if draft.kv_layers() == 0:
         return None
     c = draft.config

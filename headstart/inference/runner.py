@@ -68,10 +68,10 @@ class ModelRunner:
 
     def __init__(self, model: Any, cache: KVCache, allocator: PageAllocator, backend: Any,
                  device: torch.device) -> None:
-        from headstart.models.llama import LlamaForCausalLM
+        from headstart.models.base import CausalLM
 
         self.model, self.cache, self.allocator, self.backend, self.device = model, cache, allocator, backend, device
-        self.is_lm = isinstance(model, LlamaForCausalLM)
+        self.is_lm = isinstance(model, CausalLM)
 
     def metadata(self, items: Items, masks: list[torch.Tensor | None] | None = None,
                  positions: list[list[int]] | None = None) -> AttentionMetadata:

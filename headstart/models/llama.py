@@ -9,8 +9,6 @@ the embedding output). `compute_logits(h, rows)` applies the final norm and lm_h
 
 from __future__ import annotations
 
-import dataclasses
-import hashlib
 import json
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -21,10 +19,10 @@ import torch
 from torch import nn
 
 from headstart.errors import AssetError
-from headstart.models.loading import load_weights, safetensors_files
+from headstart.models.base import AbsentLayer, CausalLM
+from headstart.models.loading import load_weights
 from headstart.nn.attention import AttentionBackend, AttentionMetadata, KVPages
 from headstart.nn.decoder import DecoderLayer, DecoderLayerConfig
-from headstart.nn.linear import enable_cpu_kernels
 from headstart.nn.norm import RMSNorm
 from headstart.nn.parallel import SINGLE, TensorParallel, VocabParallelEmbedding, VocabParallelLinear
 from headstart.nn.rope import RopeConfig, RotaryEmbedding
@@ -118,47 +116,21 @@ class LlamaBackbone(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
 
-class AbsentLayer(nn.Module):
-    """A decoder layer a partial model did not load (see `load_llama(..., layers=)`): it holds no
-    weights, and a forward through it is refused."""
-
-    def __init__(self, index: int) -> None:
-        super().__init__()
-        self.index = index
-
-    def forward(self, *args: Any, **kwargs: Any) -> torch.Tensor:
-        raise RuntimeError(f"decoder layer {self.index} was not loaded: this partial target (the frozen pieces a "
-                           "head trains against) cannot run a forward")
-
-
-class LlamaForCausalLM(nn.Module):
+class LlamaForCausalLM(CausalLM):
     """A target model. Parameter names follow HF's, with q/k/v and gate/up fused.
 
     With `tp` (headstart.nn.parallel) the model holds one rank's shard: its q/KV heads, its share of
     the MLP and of the vocabulary; `config` stays the whole model's, and every forward returns whole
     hidden states and logits on every rank."""
 
+    later_fields = _LATER_FIELDS
+
     def __init__(self, cfg: LlamaConfig, tp: TensorParallel = SINGLE) -> None:
-        super().__init__()
-        self.config = cfg
-        self.tp = tp
-        self.source_dir: Path | None = None  # set by load_llama; used for the weight fingerprint
-        self._fingerprint: str | None = None
-        # The whole model's typical last-hidden-state RMS, for a partial model that cannot measure it.
-        self.state_rms: float | None = None
+        super().__init__(cfg, tp)
         self.model = LlamaBackbone(cfg, tp)
         self.lm_head = VocabParallelLinear(cfg.hidden_size, cfg.vocab_size, tp)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
-
-    @property
-    def num_layers(self) -> int:
-        return self.config.num_hidden_layers
-
-    @property
-    def partial(self) -> bool:
-        """True for a model loaded with only some of its decoder layers (no forward)."""
-        return any(isinstance(layer, AbsentLayer) for layer in self.model.layers)
 
     def _a_layer(self) -> DecoderLayer | None:
         return next((layer for layer in self.model.layers if isinstance(layer, DecoderLayer)), None)
@@ -175,8 +147,13 @@ class LlamaForCausalLM(nn.Module):
         layer = self._a_layer()
         return layer.self_attn.num_kv_heads if layer is not None else self.config.num_key_value_heads
 
-    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:  # (N,) -> (N, D)
-        return self.model.embed_tokens(input_ids)
+    @property
+    def cache_heads(self) -> int:
+        return self.num_local_kv_heads
+
+    @property
+    def cache_head_dim(self) -> int:
+        return self.config.head_dim
 
     def forward(
         self, input_ids: torch.Tensor, meta: AttentionMetadata, caches: list[KVPages], backend: AttentionBackend,
@@ -194,45 +171,6 @@ class LlamaForCausalLM(nn.Module):
         if cfg.num_hidden_layers in capture:
             aux[cfg.num_hidden_layers] = h
         return h, aux
-
-    def compute_logits(self, h: torch.Tensor, rows: torch.Tensor | None = None) -> torch.Tensor:
-        """h (N, D) pre-norm -> logits (R, V) in fp32, for `rows` only if given."""
-        if rows is not None:
-            h = h[rows]
-        return self.lm_head(self.model.norm(h)).float()
-
-    def fingerprint(self) -> str:
-        """sha256 over the config and the weight files (computed once); identifies the target a head,
-        a manifest or a checkpoint was made with."""
-        if self._fingerprint is None:
-            fields = dataclasses.asdict(self.config)
-            for key, default in _LATER_FIELDS.items():  # hashed only where set: older fingerprints stay valid
-                if fields.get(key) == default:
-                    fields.pop(key)
-            h = hashlib.sha256(json.dumps(fields, sort_keys=True, default=str).encode())
-            if self.source_dir is None and self.tp.enabled:
-                raise ValueError("a tensor-parallel shard built in memory has no fingerprint of the whole model; "
-                                 "load it from its weight files (load_llama(..., tp=...))")
-            if self.source_dir is not None:
-                for f in safetensors_files(self.source_dir):
-                    h.update(f.name.encode())
-                    with open(f, "rb") as fh:
-                        while block := fh.read(1 << 24):
-                            h.update(block)
-            else:  # built in memory: hash the weights themselves
-                for name, t in sorted(self.state_dict().items()):
-                    h.update(name.encode())
-                    h.update(t.detach().float().cpu().numpy().tobytes())
-            self._fingerprint = h.hexdigest()
-        return self._fingerprint
-
-    def enable_cpu_kernels(self, rowwise: bool = True, max_rows: int | None = None) -> list[str]:
-        """CPU inference kernels for every linear (see headstart.nn.linear); returns what each got."""
-        return enable_cpu_kernels(self, rowwise, max_rows)
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return self.model.embed_tokens.weight.dtype
 
     def packed_names(self) -> dict[str, tuple[str, int, list[int]]]:
         """HF fragment -> (our fused parameter, block, block sizes): this rank's sizes under tensor parallelism."""

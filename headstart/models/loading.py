@@ -40,7 +40,7 @@ def load_weights(
 ) -> None:
     """Copy tensors into `model`'s parameters.
 
-    packed: HF fragment -> (our fragment, block index, block sizes along dim 0).
+    packed: HF fragment -> (our fragment, block index, block sizes along dim 0; all -1: equal blocks).
     skip: HF name substrings to ignore (e.g. rotary caches some checkpoints carry).
     tied: our param -> our param it shares storage with (filled from the other if absent).
     shard: (our param, block or None) -> the part of the checkpoint tensor it holds, (dim, start,
@@ -69,6 +69,8 @@ def load_weights(
                     target = param.data
                 else:
                     _, idx, sizes = block
+                    if -1 in sizes:  # equal blocks, sized by the parameter (its rows / the number of blocks)
+                        sizes = [param.shape[0] // len(sizes)] * len(sizes)
                     start = sum(sizes[:idx])
                     target = param.data.narrow(0, start, sizes[idx])
                 part = shard(name, None if block is None else block[1]) if shard is not None else None

@@ -1,7 +1,10 @@
-"""Rotary position embeddings: default, linear and Llama-3 scaling (one implementation).
+"""Rotary position embeddings: default, linear, Llama-3 and YaRN scaling (one implementation).
 
 HF "rotate_half" convention: the head dimension is split in two halves (x1, x2) and rotated as
-(x1·cos − x2·sin, x2·cos + x1·sin) with frequencies repeated over both halves.
+(x1·cos − x2·sin, x2·cos + x1·sin) with frequencies repeated over both halves. `interleaved`
+(DeepSeek): the pairs are (x0, x1), (x2, x3), ...; they are rotated the same way and written out
+in the half-split layout (as HF's DeepSeek-V3 does), which only reorders dimensions that q and k
+share. YaRN multiplies cos and sin by its attention factor (the "mscale").
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ class RopeConfig:
     max_positions: int = 4096
     scaling: dict[str, Any] = field(default_factory=dict)  # HF rope_scaling / rope_parameters minus theta
     partial_rotary_factor: float = 1.0
+    interleaved: bool = False
 
     @classmethod
     def from_hf(cls, cfg: dict[str, Any], head_dim: int) -> RopeConfig:
@@ -30,8 +34,8 @@ class RopeConfig:
         theta = params.pop("rope_theta", cfg.get("rope_theta", 10000.0))
         scaling.update(params)
         kind = scaling.get("rope_type", scaling.get("type", "default"))
-        if kind not in ("default", "linear", "llama3"):
-            raise ValueError(f"unsupported RoPE scaling {kind!r}; supported: default, linear, llama3")
+        if kind not in ("default", "linear", "llama3", "yarn"):
+            raise ValueError(f"unsupported RoPE scaling {kind!r}; supported: default, linear, llama3, yarn")
         return cls(
             head_dim=head_dim, theta=float(theta), max_positions=int(cfg.get("max_position_embeddings", 4096)),
             scaling=scaling if kind != "default" else {},
@@ -56,7 +60,50 @@ def _inv_freq(cfg: RopeConfig) -> torch.Tensor:
         smoothed = (1 - smooth) * scaled / factor + smooth * scaled
         medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
         inv = torch.where(medium, smoothed, scaled)
+    elif kind == "yarn":
+        inv = _yarn_inv_freq(cfg, inv, dim)
     return inv
+
+
+def yarn_mscale(scale: float, mscale: float = 1.0) -> float:
+    """YaRN's magnitude correction for a context `scale`: 0.1 · mscale · ln(scale) + 1 (1 below scale 1)."""
+    return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
+
+
+def _yarn_inv_freq(cfg: RopeConfig, inv: torch.Tensor, dim: int) -> torch.Tensor:
+    """YaRN (arXiv:2309.00071): frequencies that turn fewer than beta_slow times over the original
+    context are interpolated by `factor`, those turning more than beta_fast times kept, with a
+    linear ramp between (over dimension indices, rounded outward unless truncate is false)."""
+    sc = cfg.scaling
+    factor = float(sc["factor"])
+    old_ctx = sc["original_max_position_embeddings"]
+    fast, slow = sc.get("beta_fast") or 32, sc.get("beta_slow") or 1
+
+    def dim_of(rotations: float) -> float:
+        return dim * math.log(old_ctx / (rotations * 2 * math.pi)) / (2 * math.log(cfg.theta))
+
+    low, high = dim_of(fast), dim_of(slow)
+    if sc.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    keep = 1 - ramp  # 1: extrapolate (keep the frequency), 0: interpolate
+    return inv / factor * (1 - keep) + inv * keep
+
+
+def attention_factor(cfg: RopeConfig) -> float:
+    """What YaRN multiplies cos and sin by (1 for the other kinds)."""
+    sc = cfg.scaling
+    if sc.get("rope_type", sc.get("type")) != "yarn":
+        return 1.0
+    if sc.get("attention_factor") is not None:
+        return float(sc["attention_factor"])
+    factor = float(sc["factor"])
+    if sc.get("mscale") and sc.get("mscale_all_dim"):
+        return yarn_mscale(factor, sc["mscale"]) / yarn_mscale(factor, sc["mscale_all_dim"])
+    return yarn_mscale(factor)
 
 
 class RotaryEmbedding(nn.Module):
@@ -76,7 +123,8 @@ class RotaryEmbedding(nn.Module):
         t = torch.arange(self.cfg.max_positions, dtype=torch.float32, device=device)
         freqs = torch.outer(t, inv)  # (P, rot/2)
         emb = torch.cat([freqs, freqs], dim=-1)  # (P, rot)
-        return emb.cos(), emb.sin()
+        scale = attention_factor(self.cfg)
+        return emb.cos() * scale, emb.sin() * scale
 
     def _apply(self, fn, recurse=True):  # noqa: ANN001 - nn.Module's signature
         # Follow device moves, but keep the tables in fp32 when the model is cast to bf16/fp16, and
@@ -106,7 +154,8 @@ class RotaryEmbedding(nn.Module):
         q and k are rotated in one pass (concatenated over heads): half the small ops per layer."""
         cos, sin = self.tables(positions, q.dtype, cache)
         hq = q.shape[1]
-        qk = _rotate(torch.cat([q, k], dim=1), cos, sin, self.rot_dim)
+        rotate = _rotate_pairs if self.cfg.interleaved else _rotate
+        qk = rotate(torch.cat([q, k], dim=1), cos, sin, self.rot_dim)
         return qk[:, :hq], qk[:, hq:]
 
 
@@ -116,3 +165,13 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rot: int) -> 
     rotated = torch.cat([-xr[..., half:], xr[..., :half]], dim=-1)
     out = xr * cos + rotated * sin
     return out if rot == x.shape[-1] else torch.cat([out, x[..., rot:]], dim=-1)
+
+
+def _rotate_pairs(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rot: int) -> torch.Tensor:
+    """Interleaved pairs (x0, x1), (x2, x3), ... rotated, written out half-split."""
+    if rot != x.shape[-1]:
+        raise ValueError("interleaved RoPE rotates the whole head dimension")
+    half = rot // 2
+    c, s = cos[..., :half], sin[..., :half]
+    x1, x2 = x[..., 0::2], x[..., 1::2]
+    return torch.cat([x1 * c - x2 * s, x2 * c + x1 * s], dim=-1)

@@ -82,13 +82,11 @@ class EngineForward:
         from headstart.inference.backends import make_backend
         from headstart.inference.kv_cache import KVCache, KVCacheSpec, PageAllocator
 
-        cfg = model.config
         self.model, self.device = model, device
         page = 16
         pages = -(-max_tokens // page) + 64
         self.allocator = PageAllocator(pages, page)
-        self.cache = KVCache(KVCacheSpec(num_layers=cfg.num_hidden_layers, num_kv_heads=model.num_local_kv_heads,
-                                         head_dim=cfg.head_dim, dtype=model.dtype), pages, page, device)
+        self.cache = KVCache(KVCacheSpec.of(model), pages, page, device)
         self.backend: AttentionBackend = make_backend(backend, device)
 
     @torch.inference_mode()

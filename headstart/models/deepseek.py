@@ -1,0 +1,433 @@
+"""The DeepSeek family in one file: DeepSeek-V2 / V2-Lite and DeepSeek-V3 / R1 (HF model_type
+deepseek_v2, deepseek_v3): Multi-head Latent Attention and mixture-of-experts MLPs.
+
+MLA. Queries come from a (LoRA-compressed, q_lora_rank) or a plain projection; keys and values
+from one compressed latent c (kv_lora_rank, normalised) plus a rope key k_pe shared by every head
+(qk_rope_head_dim, decoupled RoPE: interleaved pairs, YaRN with its mscale correction of the
+softmax scale). The engine runs the *absorbed* form, so the paged cache holds per token and layer
+only [c, k_pe] (kv_lora_rank + qk_rope_head_dim values: DeepSeek-V3 576, V2-Lite 576, against
+2 x 128 heads x 192/128 = 40,960 (V3) for expanded K/V: 71x fewer bytes), one tensor written as
+both the keys and the values of a single KV head:
+- the nope part of each query is taken into the latent space through W_UK (kv_b_proj's key rows):
+  q_lat = q_nope W_UK, so q_lat . c = q_nope . k_nope;
+- attention runs with q = [q_lat, q_pe] against k = [c, k_pe] and v = the same [c, k_pe]; the
+  first kv_lora_rank columns of the output are the attention-weighted latent, and W_UV (kv_b_proj's
+  value rows) takes it to each head's value space before o_proj.
+It is exactly HF's expanded computation reordered (the tests compare logits in fp32). The per-head
+W_UK / W_UV products are batched matmuls (torch.einsum), not the engine's row-invariant CPU kernels,
+and the router is an fp32 matmul: on CPU the last bits of those may depend on how many rows share a
+step (every other projection, the experts and the attention take the row-invariant kernels).
+
+MoE. Layers from first_k_dense_replace on (every moe_layer_freq-th) replace the MLP with shared
+experts (always on) plus n_routed_experts routed ones, num_experts_per_tok per token: scores are
+softmax (V2) or sigmoid (V3) of an fp32 router; the choice is greedy, group-limited (V2: the
+topk_group groups with the best expert) or V3's noaux_tc (groups ranked by the sum of their two
+best bias-corrected scores; the bias only chooses, the weights are the uncorrected scores); weights
+are optionally renormalised (norm_topk_prob) and multiplied by routed_scaling_factor.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from headstart.errors import AssetError
+from headstart.models.base import AbsentLayer, CausalLM
+from headstart.models.loading import load_weights
+from headstart.nn.attention import AttentionBackend, AttentionMetadata, KVPages
+from headstart.nn.linear import Linear
+from headstart.nn.mlp import _ACTIVATIONS, GatedMLP
+from headstart.nn.norm import RMSNorm
+from headstart.nn.parallel import SINGLE, TensorParallel, VocabParallelEmbedding, VocabParallelLinear
+from headstart.nn.rope import RopeConfig, RotaryEmbedding, yarn_mscale
+
+SUPPORTED_MODEL_TYPES = ("deepseek_v2", "deepseek_v3")
+SCORING = ("softmax", "sigmoid")
+TOPK_METHODS = ("greedy", "group_limited_greedy", "noaux_tc")
+
+
+@dataclass(kw_only=True)
+class DeepseekConfig:
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    q_lora_rank: int | None
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+    rms_norm_eps: float
+    max_position_embeddings: int
+    tie_word_embeddings: bool = False
+    hidden_act: str = "silu"
+    attention_bias: bool = False
+    n_routed_experts: int | None = None
+    n_shared_experts: int | None = None
+    moe_intermediate_size: int = 0
+    num_experts_per_tok: int = 1
+    routed_scaling_factor: float = 1.0
+    scoring_func: str = "softmax"
+    topk_method: str = "greedy"
+    n_group: int = 1
+    topk_group: int = 1
+    norm_topk_prob: bool = False
+    first_k_dense_replace: int = 0
+    moe_layer_freq: int = 1
+    num_nextn_predict_layers: int = 0  # MTP layers the checkpoint ships after the decoder layers
+    rope: RopeConfig | None = None
+    eos_token_ids: tuple[int, ...] = ()
+    bos_token_id: int | None = None
+    sliding_window: int | None = None  # none: the engine reads it for every family
+
+    @property
+    def qk_head_dim(self) -> int:
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+    @property
+    def latent_dim(self) -> int:
+        """Values per token and layer in the paged cache: the latent and the rope key."""
+        return self.kv_lora_rank + self.qk_rope_head_dim
+
+    def is_moe_layer(self, j: int) -> bool:
+        return bool(self.n_routed_experts) and j >= self.first_k_dense_replace and j % self.moe_layer_freq == 0
+
+    @property
+    def softmax_scale(self) -> float:
+        """qk_head_dim^-0.5, times YaRN's mscale(factor, mscale_all_dim)^2 when the rope is YaRN."""
+        scale = self.qk_head_dim ** -0.5
+        sc = self.rope.scaling if self.rope is not None else {}
+        if sc.get("rope_type", sc.get("type")) == "yarn" and sc.get("mscale_all_dim"):
+            scale *= yarn_mscale(float(sc["factor"]), sc["mscale_all_dim"]) ** 2
+        return scale
+
+    @classmethod
+    def from_hf(cls, cfg: dict[str, Any], where: str = "config.json") -> DeepseekConfig:
+        mt = cfg.get("model_type")
+        if mt not in SUPPORTED_MODEL_TYPES:
+            raise AssetError(f"{where}: model_type {mt!r} is not supported by headstart.models.deepseek "
+                             f"(supported: {', '.join(SUPPORTED_MODEL_TYPES)})")
+        v3 = mt == "deepseek_v3"
+        try:
+            eos = cfg.get("eos_token_id")
+            experts = cfg.get("n_routed_experts")
+            out = cls(
+                model_type=mt, vocab_size=cfg["vocab_size"], hidden_size=cfg["hidden_size"],
+                intermediate_size=cfg["intermediate_size"], num_hidden_layers=cfg["num_hidden_layers"],
+                num_attention_heads=cfg["num_attention_heads"], q_lora_rank=cfg.get("q_lora_rank"),
+                kv_lora_rank=cfg["kv_lora_rank"], qk_nope_head_dim=cfg["qk_nope_head_dim"],
+                qk_rope_head_dim=cfg["qk_rope_head_dim"], v_head_dim=cfg["v_head_dim"],
+                rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
+                max_position_embeddings=cfg.get("max_position_embeddings", 4096),
+                tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+                hidden_act=cfg.get("hidden_act", "silu"),
+                attention_bias=bool(cfg.get("attention_bias", False)), n_routed_experts=experts,
+                n_shared_experts=cfg.get("n_shared_experts"),
+                moe_intermediate_size=cfg.get("moe_intermediate_size") or 0,
+                num_experts_per_tok=cfg.get("num_experts_per_tok") or 1,
+                routed_scaling_factor=float(cfg.get("routed_scaling_factor") or 1.0),
+                # HF's DeepSeek-V3 always scores with a sigmoid and chooses with noaux_tc.
+                scoring_func=cfg.get("scoring_func") or ("sigmoid" if v3 else "softmax"),
+                topk_method=cfg.get("topk_method") or ("noaux_tc" if v3 else "greedy"),
+                n_group=cfg.get("n_group") or 1, topk_group=cfg.get("topk_group") or 1,
+                norm_topk_prob=bool(cfg.get("norm_topk_prob", v3)),
+                first_k_dense_replace=cfg.get("first_k_dense_replace") or 0,
+                moe_layer_freq=cfg.get("moe_layer_freq") or 1,
+                num_nextn_predict_layers=cfg.get("num_nextn_predict_layers") or 0,
+                eos_token_ids=tuple(eos if isinstance(eos, list) else [] if eos is None else [eos]),
+                bos_token_id=cfg.get("bos_token_id"),
+            )
+            rope = RopeConfig.from_hf(cfg, cfg["qk_rope_head_dim"])
+        except KeyError as e:
+            raise AssetError(f"{where}: missing key {e.args[0]!r}") from None
+        except ValueError as e:
+            raise AssetError(f"{where}: {e}") from None
+        # V2 always rotates interleaved pairs; V3 unless rope_interleave is false.
+        rope.interleaved = not v3 or bool(cfg.get("rope_interleave", True))
+        out.rope = rope
+        out.check(where)
+        return out
+
+    def check(self, where: str) -> None:
+        """Refuse, by name, what this implementation does not compute."""
+        def bad(key: str, value: Any, why: str) -> AssetError:
+            return AssetError(f"{where}: {key} = {value!r} is not supported: {why}")
+
+        if self.hidden_act not in _ACTIVATIONS:
+            raise bad("hidden_act", self.hidden_act, f"supported: {', '.join(sorted(_ACTIVATIONS))}")
+        if self.scoring_func not in SCORING:
+            raise bad("scoring_func", self.scoring_func, f"supported: {', '.join(SCORING)}")
+        if self.topk_method not in TOPK_METHODS:
+            raise bad("topk_method", self.topk_method, f"supported: {', '.join(TOPK_METHODS)}")
+        if self.n_routed_experts:
+            if self.n_routed_experts % self.n_group:
+                raise bad("n_group", self.n_group, f"it must divide n_routed_experts ({self.n_routed_experts})")
+            if not 1 <= self.topk_group <= self.n_group:
+                raise bad("topk_group", self.topk_group, f"it must be within 1..n_group ({self.n_group})")
+            if self.topk_method == "noaux_tc" and self.n_routed_experts // self.n_group < 2:
+                raise bad("n_group", self.n_group, "noaux_tc ranks groups by their two best experts")
+            reach = self.n_routed_experts // self.n_group * (self.topk_group if self.topk_method != "greedy" else
+                                                            self.n_group)
+            if not 1 <= self.num_experts_per_tok <= reach:
+                raise bad("num_experts_per_tok", self.num_experts_per_tok,
+                          f"the chosen groups hold {reach} experts")
+            if not self.moe_intermediate_size:
+                raise bad("moe_intermediate_size", self.moe_intermediate_size, "routed experts need a width")
+        if self.qk_rope_head_dim % 2:
+            raise bad("qk_rope_head_dim", self.qk_rope_head_dim, "RoPE rotates pairs")
+
+    def parameter_count(self) -> int:
+        """Parameters of the model as built here (the MTP layers a checkpoint ships are not)."""
+        d, h = self.hidden_size, self.num_attention_heads
+        q = (d * self.q_lora_rank + self.q_lora_rank + self.q_lora_rank * h * self.qk_head_dim
+             if self.q_lora_rank else d * h * self.qk_head_dim)
+        attn = q + d * self.latent_dim + self.kv_lora_rank + self.kv_lora_rank * h * (
+            self.qk_nope_head_dim + self.v_head_dim) + h * self.v_head_dim * d
+        dense = 3 * d * self.intermediate_size
+        moe = (3 * d * self.moe_intermediate_size * ((self.n_routed_experts or 0) + (self.n_shared_experts or 0))
+               + (self.n_routed_experts or 0) * (d + (self.topk_method == "noaux_tc")))  # router, its bias
+        layers = sum(attn + 2 * d + (moe if self.is_moe_layer(j) else dense) for j in range(self.num_hidden_layers))
+        return layers + self.vocab_size * d * (1 if self.tie_word_embeddings else 2) + d
+
+
+class KVUpProjection(nn.Module):
+    """kv_b_proj's weight (H x (qk_nope + v), kv_lora_rank): W_UK and W_UV of the absorbed form. Never
+    called as a Linear (the expanded keys and values are never formed)."""
+
+    def __init__(self, rank: int, heads: int, nope: int, v: int) -> None:
+        super().__init__()
+        self.heads, self.nope, self.v = heads, nope, v
+        self.weight = nn.Parameter(torch.empty(heads * (nope + v), rank))
+
+    def keys(self) -> torch.Tensor:  # (H, nope, rank)
+        return self.weight.view(self.heads, self.nope + self.v, -1)[:, : self.nope]
+
+    def values(self) -> torch.Tensor:  # (H, v, rank)
+        return self.weight.view(self.heads, self.nope + self.v, -1)[:, self.nope:]
+
+
+class MLAttention(nn.Module):
+    """Multi-head Latent Attention in the absorbed form over the latent cache (module docstring)."""
+
+    def __init__(self, cfg: DeepseekConfig, rope: RotaryEmbedding) -> None:
+        super().__init__()
+        d, h = cfg.hidden_size, cfg.num_attention_heads
+        self.num_heads = h
+        self.nope, self.rope_dim, self.rank, self.v = (cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.kv_lora_rank,
+                                                       cfg.v_head_dim)
+        if cfg.q_lora_rank:
+            self.q_a_proj = Linear(d, cfg.q_lora_rank, bias=cfg.attention_bias)
+            self.q_a_layernorm = RMSNorm(cfg.q_lora_rank, cfg.rms_norm_eps)
+            self.q_b_proj = Linear(cfg.q_lora_rank, h * cfg.qk_head_dim, bias=False)
+        else:
+            self.q_proj = Linear(d, h * cfg.qk_head_dim, bias=False)
+        self.kv_a_proj_with_mqa = Linear(d, cfg.latent_dim, bias=cfg.attention_bias)
+        self.kv_a_layernorm = RMSNorm(cfg.kv_lora_rank, cfg.rms_norm_eps)
+        self.kv_b_proj = KVUpProjection(cfg.kv_lora_rank, h, cfg.qk_nope_head_dim, cfg.v_head_dim)
+        self.o_proj = Linear(h * cfg.v_head_dim, d, bias=cfg.attention_bias)
+        self.rope = rope
+        self.scale = cfg.softmax_scale
+
+    def forward(self, x: torch.Tensor, meta: AttentionMetadata, cache: KVPages,
+                backend: AttentionBackend) -> torch.Tensor:
+        n, h = x.shape[0], self.num_heads
+        q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x))) if hasattr(self, "q_a_proj") else self.q_proj(x)
+        q_nope, q_pe = q.view(n, h, self.nope + self.rope_dim).split([self.nope, self.rope_dim], dim=-1)
+        c, k_pe = self.kv_a_proj_with_mqa(x).split([self.rank, self.rope_dim], dim=-1)
+        c = self.kv_a_layernorm(c)
+        q_pe, k_pe = self.rope(q_pe, k_pe.view(n, 1, self.rope_dim), meta.positions, meta.step_cache)
+        q_lat = torch.einsum("nhd,hdr->nhr", q_nope, self.kv_b_proj.keys())  # q_nope . k_nope = q_lat . c
+        query = torch.cat([q_lat, q_pe], dim=-1)  # (N, H, rank + rope)
+        latent = torch.cat([c.unsqueeze(1), k_pe], dim=-1)  # (N, 1, rank + rope): the cached row
+        o = backend.forward(query, latent, latent, cache, meta, self.scale)[..., : self.rank]  # (N, H, rank)
+        out = torch.einsum("nhr,hvr->nhv", o, self.kv_b_proj.values())  # (N, H, v)
+        return self.o_proj(out.reshape(n, h * self.v))
+
+
+class Router(nn.Module):
+    """Top-k expert choice of one MoE layer (module docstring); scores in fp32."""
+
+    def __init__(self, cfg: DeepseekConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.weight = nn.Parameter(torch.empty(cfg.n_routed_experts, cfg.hidden_size))
+        if cfg.topk_method == "noaux_tc":
+            self.e_score_correction_bias = nn.Parameter(torch.zeros(cfg.n_routed_experts))
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x (N, D) -> weights (N, k) fp32, expert ids (N, k)."""
+        cfg = self.cfg
+        logits = torch.nn.functional.linear(x.float(), self.weight.float())
+        scores = logits.softmax(-1) if cfg.scoring_func == "softmax" else logits.sigmoid()
+        choice = scores + self.e_score_correction_bias.float() if cfg.topk_method == "noaux_tc" else scores
+        if cfg.topk_method != "greedy" and cfg.n_group > 1:
+            grouped = choice.view(x.shape[0], cfg.n_group, -1)
+            rank = grouped.max(-1).values if cfg.topk_method == "group_limited_greedy" else \
+                grouped.topk(2, dim=-1).values.sum(-1)
+            keep = torch.zeros_like(rank, dtype=torch.bool).scatter_(1, rank.topk(cfg.topk_group, dim=-1).indices, True)
+            # Masked experts can never be chosen: 0 under softmax (V2), -inf for the biased choice (V3).
+            fill = 0.0 if cfg.topk_method == "group_limited_greedy" else float("-inf")
+            choice = choice.masked_fill(~keep.repeat_interleave(cfg.n_routed_experts // cfg.n_group, dim=1), fill)
+        ids = choice.topk(cfg.num_experts_per_tok, dim=-1).indices
+        weights = scores.gather(1, ids)
+        if cfg.norm_topk_prob and cfg.num_experts_per_tok > 1:
+            weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
+        return weights * cfg.routed_scaling_factor, ids
+
+
+class MoE(nn.Module):
+    def __init__(self, cfg: DeepseekConfig) -> None:
+        super().__init__()
+        self.gate = Router(cfg)
+        self.experts = nn.ModuleList(GatedMLP(cfg.hidden_size, cfg.moe_intermediate_size, cfg.hidden_act)
+                                     for _ in range(cfg.n_routed_experts))
+        shared = cfg.moe_intermediate_size * (cfg.n_shared_experts or 0)
+        self.shared_experts = GatedMLP(cfg.hidden_size, shared, cfg.hidden_act) if shared else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weights, ids = self.gate(x)
+        k = ids.shape[1]
+        flat = ids.flatten()
+        order = torch.argsort(flat, stable=True)  # (token, slot) pairs grouped by expert, tokens in order
+        counts = torch.bincount(flat, minlength=len(self.experts)).tolist()
+        tokens, w = order // k, weights.flatten()[order]
+        out = torch.zeros_like(x)
+        start = 0
+        for e, count in enumerate(counts):  # a token sums its experts in expert order, in any batch
+            if count:
+                rows = tokens[start:start + count]
+                y = self.experts[e](x[rows]) * w[start:start + count, None]
+                out.index_add_(0, rows, y.to(out.dtype))
+                start += count
+        return out + self.shared_experts(x) if self.shared_experts is not None else out
+
+
+class DeepseekDecoderLayer(nn.Module):
+    def __init__(self, cfg: DeepseekConfig, j: int, rope: RotaryEmbedding) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = MLAttention(cfg, rope)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = MoE(cfg) if cfg.is_moe_layer(j) else GatedMLP(cfg.hidden_size, cfg.intermediate_size,
+                                                                 cfg.hidden_act)
+
+    def forward(self, x: torch.Tensor, meta: AttentionMetadata, cache: KVPages,
+                backend: AttentionBackend) -> torch.Tensor:
+        h = x + self.self_attn(self.input_layernorm(x), meta, cache, backend)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class DeepseekBackbone(nn.Module):
+    def __init__(self, cfg: DeepseekConfig) -> None:
+        super().__init__()
+        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size)
+        self.rotary = RotaryEmbedding(cfg.rope)
+        self.layers = nn.ModuleList(DeepseekDecoderLayer(cfg, j, self.rotary) for j in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+
+class DeepseekForCausalLM(CausalLM):
+    """A DeepSeek target: parameter names follow HF's (gate/up fused per MLP and expert)."""
+
+    cache_heads = 1
+    cache_shared = True  # the latent row is both the keys and the values
+
+    def __init__(self, cfg: DeepseekConfig, tp: TensorParallel = SINGLE) -> None:
+        if tp.enabled:
+            raise ValueError("tensor parallelism is not implemented for DeepSeek targets (MLA + MoE); use "
+                             "engine.tensor_parallel 1")
+        super().__init__(cfg, tp)
+        self.model = DeepseekBackbone(cfg)
+        self.lm_head = VocabParallelLinear(cfg.hidden_size, cfg.vocab_size)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    @property
+    def cache_head_dim(self) -> int:
+        return self.config.latent_dim
+
+    @property
+    def num_local_heads(self) -> int:
+        return self.config.num_attention_heads
+
+    @property
+    def num_local_kv_heads(self) -> int:
+        return 1
+
+    def forward(
+        self, input_ids: torch.Tensor, meta: AttentionMetadata, caches: list[KVPages], backend: AttentionBackend,
+        capture: tuple[int, ...] = (),
+    ) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
+        """input_ids (N,) -> h (N, D) pre-norm last hidden state, {j: (N, D) hidden state entering layer j}."""
+        cfg = self.config
+        backend.plan(meta, cfg.num_attention_heads, 1, cfg.latent_dim, self.dtype)
+        h = self.embed(input_ids)
+        aux: dict[int, torch.Tensor] = {}
+        for j, layer in enumerate(self.model.layers):
+            if j in capture:
+                aux[j] = h
+            h = layer(h, meta, caches[j], backend)
+        if cfg.num_hidden_layers in capture:
+            aux[cfg.num_hidden_layers] = h
+        return h, aux
+
+    @staticmethod
+    def packed_names() -> dict[str, tuple[str, int, list[int]]]:
+        """HF fragment -> (our fused parameter, block, block sizes): gate/up of every MLP and expert."""
+        return {"gate_proj": ("gate_up_proj", 0, [-1, -1]), "up_proj": ("gate_up_proj", 1, [-1, -1])}
+
+
+def check_memory(cfg: DeepseekConfig, dtype: torch.dtype, device: torch.device | str, where: str) -> None:
+    """Refuse a model whose weights exceed what the device has, before anything is allocated."""
+    need = cfg.parameter_count() * dtype.itemsize
+    device = torch.device(device)
+    if device.type == "cuda":
+        have = torch.cuda.mem_get_info(device)[0]
+    elif device.type == "cpu":
+        import os
+
+        have = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    else:
+        return
+    if need > have:
+        raise AssetError(f"{where}: the weights need {need / 1e9:.1f} GB ({cfg.parameter_count() / 1e9:.2f} B "
+                         f"parameters x {dtype.itemsize} B) and {device} has {have / 1e9:.1f} GB available")
+
+
+def load_deepseek(model_dir: str | Path, dtype: str | torch.dtype = "fp32", device: str | torch.device = "cpu",
+                  tp: TensorParallel = SINGLE, layers: Sequence[int] | None = None) -> DeepseekForCausalLM:
+    """Build from config.json and load the safetensors weights (see load_llama for `layers`). The MTP
+    layers a checkpoint ships after the decoder layers are not part of the target."""
+    from headstart.models.llama import DTYPES, read_hf_config
+
+    model_dir = Path(model_dir)
+    where = str(model_dir / "config.json")
+    cfg = DeepseekConfig.from_hf(read_hf_config(model_dir), where=where)
+    torch_dtype = DTYPES[dtype] if isinstance(dtype, str) else dtype
+    if tp.enabled:
+        raise AssetError(f"{where}: tensor parallelism is not implemented for DeepSeek targets (MLA + MoE); use "
+                         "engine.tensor_parallel 1")
+    check_memory(cfg, torch_dtype, device, where)
+    with torch.device("meta"):
+        model = DeepseekForCausalLM(cfg)
+    if layers is not None:
+        keep = {j % cfg.num_hidden_layers for j in layers}
+        for j in range(cfg.num_hidden_layers):
+            if j not in keep:
+                model.model.layers[j] = AbsentLayer(j)
+    model = model.to_empty(device=device).to(torch_dtype)
+    if cfg.tie_word_embeddings:
+        model.lm_head.weight = model.model.embed_tokens.weight
+    load_weights(model, model_dir, model.packed_names(), skip=("rotary_emb.inv_freq",))
+    model.source_dir = model_dir
+    return model.eval().requires_grad_(False)
+
+
+__all__ = ["DeepseekConfig", "DeepseekForCausalLM", "load_deepseek"]

@@ -1,0 +1,164 @@
+"""DeepSeek targets (headstart.models.deepseek) against transformers' own DeepseekV2 / DeepseekV3
+classes on tiny random configs built here: prefill logits (packed sequences) and greedy decoding
+through the engine's paged latent cache, fp32; with and without q LoRA, greedy / group-limited /
+noaux_tc routing, dense first layers, YaRN, and the refusals of what is not supported."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from headstart.errors import AssetError
+from headstart.models import load_target
+from headstart.models.deepseek import DeepseekConfig, DeepseekForCausalLM
+from headstart.nn.attention import PackedCausalAttention, packed_metadata
+
+YARN = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 64,
+        "beta_fast": 32, "beta_slow": 1, "mscale": 0.707, "mscale_all_dim": 0.707}
+COMMON = dict(vocab_size=160, hidden_size=64, intermediate_size=96, moe_intermediate_size=24, num_hidden_layers=3,
+              num_attention_heads=4, num_key_value_heads=4, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=12,
+              n_routed_experts=8, num_experts_per_tok=2, n_shared_experts=1, first_k_dense_replace=1,
+              max_position_embeddings=256, bos_token_id=0, eos_token_id=1)
+CONFIGS = {
+    # DeepSeek-V2-Lite's shape: no q LoRA, greedy softmax routing, a dense first layer
+    "v2-lite": ("v2", dict(q_lora_rank=None, topk_method="greedy")),
+    # DeepSeek-V2's: q LoRA, group-limited routing (4 groups, the 2 best), routed scaling, YaRN
+    "v2-grouped": ("v2", dict(q_lora_rank=24, topk_method="group_limited_greedy", n_group=4, topk_group=2,
+                              routed_scaling_factor=2.0, rope_parameters=YARN)),
+    # DeepSeek-V3's: q LoRA, sigmoid + bias-corrected noaux_tc over groups, renormalised, YaRN
+    "v3": ("v3", dict(q_lora_rank=24, n_group=2, topk_group=1, routed_scaling_factor=2.5, norm_topk_prob=True,
+                      rope_parameters=YARN)),
+    # V3 with rope_interleave false, two dense layers, no q LoRA
+    "v3-plain-rope": ("v3", dict(q_lora_rank=None, n_group=4, topk_group=2, rope_interleave=False,
+                                 first_k_dense_replace=2)),
+}
+
+
+def _hf_model(kind, overrides, seed=0):
+    from transformers import DeepseekV2Config, DeepseekV2ForCausalLM, DeepseekV3Config, DeepseekV3ForCausalLM
+
+    cls_cfg, cls = (DeepseekV2Config, DeepseekV2ForCausalLM) if kind == "v2" else (DeepseekV3Config,
+                                                                                    DeepseekV3ForCausalLM)
+    cfg = cls_cfg(**{**COMMON, **overrides})
+    cfg._attn_implementation = "eager"
+    torch.manual_seed(seed)
+    model = cls(cfg).eval()
+    with torch.no_grad():  # every weight random and of a size that keeps the logits informative
+        for name, p in model.named_parameters():
+            if name.endswith("layernorm.weight") or name.endswith("norm.weight"):
+                p.copy_(1 + 0.1 * torch.randn_like(p))
+            else:
+                p.normal_(0, 0.08 if "gate.weight" in name else 0.05)
+        for name, b in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                b.copy_(0.1 * torch.randn_like(b))
+    return model
+
+
+@pytest.fixture(scope="module", params=list(CONFIGS))
+def pair(request, tmp_path_factory):
+    kind, overrides = CONFIGS[request.param]
+    hf = _hf_model(kind, overrides)
+    d = tmp_path_factory.mktemp(f"deepseek-{request.param}")
+    hf.save_pretrained(d)
+    hf.generation_config.eos_token_id = None  # generate as ignore_eos does
+    return request.param, hf, load_target(d, "fp32")
+
+
+def _prompts():
+    return [[(11 * i + 5 * j) % 150 + 3 for j in range(5 + 4 * i)] for i in range(4)]
+
+
+def test_prefill_logits_equal_transformers(pair):
+    name, hf, ours = pair
+    assert isinstance(ours, DeepseekForCausalLM)
+    prompts = _prompts()
+    flat = torch.tensor([t for p in prompts for t in p])
+    with torch.no_grad():
+        h, _ = ours(flat, packed_metadata([len(p) for p in prompts]), [None] * ours.num_layers,
+                    PackedCausalAttention())
+        got = ours.compute_logits(h)
+        want = torch.cat([hf(torch.tensor([p])).logits[0] for p in prompts])
+    torch.testing.assert_close(got, want, rtol=2e-4, atol=2e-4, msg=name)
+
+
+def test_greedy_decoding_through_the_latent_cache_equals_transformers(pair):
+    """Chunked prefill, batching over pages of 4 and one-token decode steps, against HF's generate."""
+    from headstart.inference import Engine, SamplingParams
+
+    name, hf, ours = pair
+    prompts = _prompts()
+    params = [SamplingParams(max_tokens=m, ignore_eos=True) for m in (9, 6, 12, 7)]
+    eng = Engine(ours, page_size=4, num_pages=64, max_batch_size=3, max_batched_tokens=8)
+    got = [o.token_ids for o in eng.generate(prompts, params)]
+    for p, sp, tokens in zip(prompts, params, got):
+        out = hf.generate(torch.tensor([p]), max_new_tokens=sp.max_tokens, do_sample=False, pad_token_id=0)
+        assert tokens == out[0, len(p):].tolist(), name
+    spec = eng.cache.spec
+    assert spec.shared and spec.num_kv_heads == 1 and spec.head_dim == 16 + 8
+    k, v = eng.cache.layers[0]
+    assert k is v  # one latent tensor per layer: the keys and the values
+
+
+def test_prompt_lookup_speculation_is_lossless_on_a_deepseek_target(pair):
+    """Verify steps of k + 1 rows write and roll back latent rows as decode steps do: the tokens of
+    ngram speculation equal plain greedy decoding."""
+    from headstart.inference import Engine, SamplingParams
+    from headstart.inference.proposers import SpecConfig
+
+    name, _, ours = pair
+    prompts = [p * 3 for p in _prompts()]  # repeats, so the lookup proposes
+    params = [SamplingParams(max_tokens=10, ignore_eos=True) for _ in prompts]
+    plain = Engine(ours, page_size=4, num_pages=96, max_batch_size=4).generate(prompts, params)
+    eng = Engine(ours, page_size=4, num_pages=96, max_batch_size=4, spec=SpecConfig(method="ngram", k=3))
+    spec = eng.generate(prompts, params)
+    assert [o.token_ids for o in spec] == [o.token_ids for o in plain], name
+
+
+def _config(**changes):
+    from transformers import DeepseekV3Config
+
+    raw = DeepseekV3Config(**{**COMMON, "q_lora_rank": 24, "n_group": 2, "topk_group": 1}).to_dict()
+    raw.update(changes)
+    return raw
+
+
+@pytest.mark.parametrize("changes, named", [
+    ({"scoring_func": "tanh"}, "scoring_func"),
+    ({"topk_method": "random"}, "topk_method"),
+    ({"hidden_act": "relu6"}, "hidden_act"),
+    ({"n_group": 3}, "n_group"),
+    ({"topk_group": 5}, "topk_group"),
+    ({"num_experts_per_tok": 5}, "num_experts_per_tok"),
+    ({"rope_parameters": {"rope_type": "dynamic", "rope_theta": 1e4, "factor": 2.0}}, "RoPE scaling 'dynamic'"),
+    ({"kv_lora_rank": None}, "kv_lora_rank"),
+])
+def test_what_is_not_supported_is_refused_by_name(changes, named):
+    raw = _config(**changes)
+    if changes.get("kv_lora_rank", 0) is None:
+        raw.pop("kv_lora_rank")
+    with pytest.raises(AssetError, match=named):
+        DeepseekConfig.from_hf(raw, where="x/config.json")
+
+
+def test_the_latent_cache_is_what_mla_needs_per_token():
+    cfg = DeepseekConfig.from_hf(_config(), where="config.json")
+    assert cfg.latent_dim == cfg.kv_lora_rank + cfg.qk_rope_head_dim
+    # DeepSeek-V3's shape: 576 values per token and layer, against 2 x 128 x (192 + 128) / 2 expanded
+    v3 = DeepseekConfig.from_hf(_config(kv_lora_rank=512, qk_rope_head_dim=64, qk_nope_head_dim=128,
+                                        v_head_dim=128, num_attention_heads=128), where="config.json")
+    assert v3.latent_dim == 576
+
+
+def test_a_model_too_large_for_the_machine_is_refused_before_allocating(tmp_path):
+    raw = _config(vocab_size=10_000_000, hidden_size=65536)  # ~1.3 T embedding parameters
+    (tmp_path / "config.json").write_text(json.dumps(raw))
+    with pytest.raises(AssetError, match="the weights need .* GB"):
+        load_target(tmp_path, "fp32")
+
+
+def test_parameter_count_is_the_built_model(pair):
+    _, _, ours = pair
+    assert ours.config.parameter_count() == sum(p.numel() for p in ours.parameters())
