@@ -84,9 +84,14 @@ class HeadSection:
     # and SGLang feed every drafter but EAGLE-3 (the model's output), so a head exported to them must
     # be trained this way. None: the family default (mtp, deepseek_mtp: before the norm; eagle1: after).
     postnorm_features: bool | None = None
+    # deepseek_mtp on a DeepSeek target: the block is the target's own kind (MLA, and MoE where the
+    # target routes experts at the MTP layer's index, as DeepSeek-V3's MTP layer does); true: a dense MLP.
+    dense_block: bool = False
 
     def __post_init__(self) -> None:
         _require(self.num_layers >= 1, "head.num_layers", f"must be >= 1, got {self.num_layers}")
+        _require(not self.dense_block or self.type == "deepseek_mtp", "head.dense_block",
+                 f"applies to deepseek_mtp heads, not {self.type}")
         _require(1 <= self.k <= 16, "head.k", f"must be in [1, 16], got {self.k}")
         _require(self.medusa_num_heads >= 1, "head.medusa_num_heads", "must be >= 1")
         _require(self.draft_vocab_size is None or self.draft_vocab_size > 0, "head.draft_vocab_size", "must be > 0")

@@ -162,3 +162,91 @@ def test_a_model_too_large_for_the_machine_is_refused_before_allocating(tmp_path
 def test_parameter_count_is_the_built_model(pair):
     _, _, ours = pair
     assert ours.config.parameter_count() == sum(p.numel() for p in ours.parameters())
+
+
+# ------------------------------------------------------------------------------ deepseek_mtp heads
+
+
+def _mtp_head(target, **kw):
+    from headstart.heads import HeadConfig, build_head
+
+    return build_head(HeadConfig(head_type="deepseek_mtp", **kw), target).eval()
+
+
+def test_a_deepseek_mtp_head_has_the_targets_own_block(pair):
+    """MLA always; the MoE MLP where the target routes experts at the MTP layer's index (the tiny
+    targets from layer 1 or 2 on), a dense one with dense_block; copied from the last target layer."""
+    from headstart.models.deepseek import MLAttention, MoE
+    from headstart.nn.mlp import GatedMLP
+
+    name, _, ours = pair
+    head = _mtp_head(ours)
+    layer = head.layers[0]
+    assert isinstance(layer.self_attn, MLAttention) and isinstance(layer.mlp, MoE), name
+    last = ours.model.layers[-1]
+    for (n, p), (_, q) in zip(layer.named_parameters(), last.named_parameters()):
+        torch.testing.assert_close(p, q, msg=n)
+    dense = _mtp_head(ours, dense_block=True)
+    assert isinstance(dense.layers[0].mlp, GatedMLP)
+    assert (head.cache_heads, head.cache_head_dim, head.cache_shared) == (1, ours.config.latent_dim, True)
+
+
+def test_the_unrolled_mla_head_is_the_engine_draft_step(pair):
+    """TTT's unroll over an MLA block (latent keys expanded to every head) computes, at every draft
+    position, what the engine's draft steps compute through the paged latent cache."""
+    from headstart.heads import PackedBatch
+    from headstart.inference.backends import TorchAttention
+    from headstart.inference.kv_cache import KVCache, KVCacheSpec, PageAllocator
+    from headstart.inference.runner import build_metadata
+    from headstart.train.module import target_forward
+    from headstart.train.ttt import unroll
+
+    name, _, ours = pair
+    head = _mtp_head(ours)
+    g = torch.Generator().manual_seed(1)
+    lens = (7, 16, 5)
+    b = target_forward(ours, PackedBatch(torch.randint(2, 150, (sum(lens),), generator=g), list(lens), None, None,
+                                         None), [])
+    steps = 3
+    with torch.no_grad():
+        outs, _, sh = unroll(head, b, steps)
+    first = 6
+    feats = head.target_features(b.hidden[sh.src_rows])[first:first + 15]
+    tokens = sh.tokens[first:first + 15]
+    alloc = PageAllocator(32, 4)
+    cache = KVCache(KVCacheSpec(num_layers=1, num_kv_heads=1, head_dim=head.cache_head_dim, dtype=torch.float32,
+                                shared=True), 32, 4, "cpu")
+    m = 8
+    alloc.reserve("s", m + steps + 1)
+    with torch.no_grad():
+        meta = build_metadata(alloc, [("s", 0, m + 1)], torch.device("cpu"))
+        h, _ = head.draft_step(tokens[:m + 1], feats[:m + 1], meta, cache.layers, TorchAttention())
+        torch.testing.assert_close(h[-1], outs[0][first + m], rtol=1e-4, atol=1e-4, msg=name)
+        own = h[-1:]
+        for j in range(1, steps):
+            meta = build_metadata(alloc, [("s", m + j, m + j + 1)], torch.device("cpu"))
+            own, _ = head.draft_step(tokens[m + j:m + j + 1], own, meta, cache.layers, TorchAttention())
+            torch.testing.assert_close(own[0], outs[j][first + m + j], rtol=1e-4, atol=1e-4, msg=name)
+
+
+def test_chain_speculation_with_an_mla_head_is_lossless(pair):
+    from headstart.inference import Engine, SamplingParams
+    from headstart.inference.proposers import SpecConfig
+
+    name, _, ours = pair
+    head = _mtp_head(ours)
+    prompts = _prompts()
+    params = [SamplingParams(max_tokens=10, ignore_eos=True) for _ in prompts]
+    plain = Engine(ours, page_size=4, num_pages=96, max_batch_size=4).generate(prompts, params)
+    eng = Engine(ours, page_size=4, num_pages=96, max_batch_size=4, spec=SpecConfig(method="chain", k=3, head=head))
+    spec = eng.generate(prompts, params)
+    assert [o.token_ids for o in spec] == [o.token_ids for o in plain], name
+    assert eng.spec_metrics.summary()["steps"] > 0
+
+
+def test_other_heads_on_a_deepseek_target_are_refused_by_name(pair):
+    from headstart.heads import HeadConfig, build_head
+
+    _, _, ours = pair
+    with pytest.raises(AssetError, match="train a deepseek_mtp head"):
+        build_head(HeadConfig(head_type="eagle3"), ours)

@@ -76,7 +76,7 @@ def join_fused(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     for name, t in state.items():
         if name in done:
             continue
-        if ".q_proj." in name:
+        if ".q_proj." in name and name.replace(".q_proj.", ".k_proj.") in state:  # MLA's q_proj stands alone
             parts = [name.replace(".q_proj.", f".{p}.") for p in ("q_proj", "k_proj", "v_proj")]
             out[name.replace(".q_proj.", ".qkv_proj.")] = torch.cat([state[p] for p in parts])
             done.update(parts)

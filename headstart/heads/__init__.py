@@ -54,6 +54,7 @@ def head_config_from_recipe(section: HeadSection) -> HeadConfig:
         head_type=section.type, num_layers=section.num_layers, aux_layer_ids=section.aux_layer_ids,
         draft_vocab_size=section.draft_vocab_size, medusa_num_heads=section.medusa_num_heads,
         medusa_num_layers=section.medusa_num_layers, postnorm_features=section.postnorm_features,
+        dense_block=section.dense_block,
     )
 
 

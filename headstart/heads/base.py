@@ -38,6 +38,8 @@ HIDDEN_STATE_CONVENTION = {
     "aux_layers": "hidden state entering decoder layer j (HF hidden_states[j]; j = 0 is the embedding output)",
 }
 
+# Heads built on DeepSeek (MLA) targets.
+DEEPSEEK_TARGET_HEADS = ("deepseek_mtp", "medusa")
 # mtp and eagle1 are one code path; these flags are their only difference (README: head families).
 # Families whose input is the target's last state, which they may read after its final norm.
 POSTNORM_FAMILIES = ("mtp", "eagle1", "deepseek_mtp")
@@ -73,6 +75,7 @@ class HeadConfig:
     final_norm: bool | None = None
     postnorm_features: bool | None = None
     fc_bias: bool | None = None
+    dense_block: bool = False  # deepseek_mtp on a DeepSeek target: a dense MLP instead of the target's MoE
     # Filled by resolve(): the target this head belongs to.
     target: dict[str, Any] = field(default_factory=dict)
 
@@ -93,13 +96,18 @@ class HeadConfig:
     def resolve(self, target: LlamaForCausalLM) -> HeadConfig:
         """A copy with every dimension filled from the target, checked against it."""
         t = target.config
+        if t.model_type in ("deepseek_v2", "deepseek_v3") and self.head_type not in DEEPSEEK_TARGET_HEADS:
+            raise AssetError(f"a {self.head_type} head on a DeepSeek target ({t.model_type}) is not built: its block "
+                             "would be a Llama layer; train a deepseek_mtp head (the target's own MLA / MoE block) "
+                             "or medusa")
         cfg = dataclasses.replace(self)
         if cfg.head_type != "draft_lm" or cfg.share_target_embeddings or cfg.hidden_size is None:
             cfg.hidden_size = cfg.hidden_size or t.hidden_size
         cfg.intermediate_size = cfg.intermediate_size or t.intermediate_size
         cfg.num_attention_heads = cfg.num_attention_heads or t.num_attention_heads
-        cfg.num_key_value_heads = cfg.num_key_value_heads or t.num_key_value_heads
-        cfg.head_dim = cfg.head_dim or t.head_dim
+        # A DeepSeek (MLA) target has no GQA head shape: a Llama-style block would use full heads.
+        cfg.num_key_value_heads = cfg.num_key_value_heads or getattr(t, "num_key_value_heads", t.num_attention_heads)
+        cfg.head_dim = cfg.head_dim or block_head_dim(t)
         if cfg.head_type == "eagle3" and cfg.aux_layer_ids is None:
             n = t.num_hidden_layers
             cfg.aux_layer_ids = [min(2, n - 1), n // 2, max(n - 3, 0)]
@@ -119,6 +127,11 @@ class HeadConfig:
         )
         kw.update(overrides)
         return DecoderLayerConfig(**kw)
+
+
+def block_head_dim(t: Any) -> int:
+    """The head dimension of a Llama-style block on this target (an MLA target has none of its own)."""
+    return getattr(t, "head_dim", t.hidden_size // t.num_attention_heads)
 
 
 def check_compatible(cfg: HeadConfig, target: LlamaForCausalLM, where: str) -> None:
@@ -146,7 +159,7 @@ def check_compatible(cfg: HeadConfig, target: LlamaForCausalLM, where: str) -> N
               ("hidden_size", cfg.hidden_size, 2 * t.hidden_size),
               ("num_attention_heads", cfg.num_attention_heads, 4 * t.num_attention_heads),
               ("num_key_value_heads", cfg.num_key_value_heads, 4 * t.num_attention_heads),
-              ("head_dim", cfg.head_dim, 4 * t.head_dim),
+              ("head_dim", cfg.head_dim, 4 * block_head_dim(t)),
               ("medusa_num_heads", cfg.medusa_num_heads, 32), ("medusa_num_layers", cfg.medusa_num_layers, 16))
     for key, value, most in bounds:
         if value is not None and not (isinstance(value, int) and 1 <= value <= most):
@@ -264,8 +277,19 @@ class DraftHead(nn.Module, abc.ABC):
 
     def plan(self, meta: AttentionMetadata, backend: AttentionBackend) -> None:
         """Let the backend prepare this step for the head's attention shape (once per step)."""
-        cfg = self.config
-        backend.plan(meta, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, self.dtype)
+        backend.plan(meta, self.config.num_attention_heads, self.cache_heads, self.cache_head_dim, self.dtype)
+
+    # The paged KV cache per decoder layer: cache_heads x cache_head_dim per token; keys and values
+    # one tensor (an MLA block's latent) or two.
+    cache_shared = False
+
+    @property
+    def cache_heads(self) -> int:
+        return self.config.num_key_value_heads
+
+    @property
+    def cache_head_dim(self) -> int:
+        return self.config.head_dim
 
     def make_rotary(self, target: LlamaForCausalLM) -> RotaryEmbedding:
         return RotaryEmbedding(dataclasses.replace(target.config.rope, head_dim=self.config.head_dim))

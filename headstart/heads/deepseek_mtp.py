@@ -5,7 +5,10 @@ target's own kind, a shared head.
                                                  h pre-norm, or with postnorm_features the target's
                                                  output after its final norm (what DeepSeek MTP
                                                  loaders in vLLM / SGLang feed)
-    y = block(x)                                 a decoder layer of the target's family
+    y = block(x)                                 a decoder layer of the target's family: on a
+                                                 DeepSeek target its own MLA block, with the MoE MLP
+                                                 the target routes at the MTP layer's index
+                                                 (DeepSeek-V3's) unless dense_block
     logits = shared_head.head(shared_head.norm(y))   the head is the target's lm_head (shared)
 
 Multi-step drafting reuses the one module, feeding y back as h. Checkpoint names follow DeepSeek's
@@ -13,6 +16,8 @@ Multi-step drafting reuses the one module, feeding y back as h. Checkpoint names
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import torch
 from torch import nn
@@ -25,11 +30,13 @@ from headstart.heads.base import (
     init_fusion_as_identity,
     target_state_rms,
 )
+from headstart.models.deepseek import DeepseekDecoderLayer, DeepseekForCausalLM
 from headstart.models.llama import SUPPORTED_MODEL_TYPES, LlamaForCausalLM
 from headstart.nn.attention import AttentionBackend, AttentionMetadata, KVPages
 from headstart.nn.decoder import DecoderLayer
 from headstart.nn.linear import Linear
 from headstart.nn.norm import RMSNorm
+from headstart.nn.rope import RotaryEmbedding
 
 
 class _SharedHead(nn.Module):
@@ -41,15 +48,40 @@ class _SharedHead(nn.Module):
 class DeepSeekMTPHead(SharedVocabHead):
     def __init__(self, cfg: HeadConfig, target: LlamaForCausalLM) -> None:
         super().__init__(cfg, target)
-        if target.config.model_type not in SUPPORTED_MODEL_TYPES:
-            raise AssetError(f"deepseek_mtp: no decoder block for target family {target.config.model_type!r}")
         d, eps = cfg.hidden_size, target.config.rms_norm_eps
         self.enorm = RMSNorm(d, eps)
         self.hnorm = RMSNorm(d, eps)
         self.eh_proj = Linear(2 * d, d, bias=False)
-        self.rotary = self.make_rotary(target)
-        self.layers = nn.ModuleList(DecoderLayer(cfg.layer_config(target), self.rotary) for _ in range(cfg.num_layers))
+        if isinstance(target, DeepseekForCausalLM):
+            t = target.config
+            block = dataclasses.replace(t, n_routed_experts=None) if cfg.dense_block else t
+            self.rotary = RotaryEmbedding(t.rope)
+            self.layers = nn.ModuleList(DeepseekDecoderLayer(block, t.num_hidden_layers + i, self.rotary)
+                                        for i in range(cfg.num_layers))
+            self.mla_dim: int | None = t.latent_dim
+        elif target.config.model_type in SUPPORTED_MODEL_TYPES:
+            if cfg.dense_block:
+                raise AssetError("deepseek_mtp: dense_block applies to DeepSeek targets (whose block may be MoE)")
+            self.rotary = self.make_rotary(target)
+            self.layers = nn.ModuleList(DecoderLayer(cfg.layer_config(target), self.rotary)
+                                        for _ in range(cfg.num_layers))
+            self.mla_dim = None
+        else:
+            raise AssetError(f"deepseek_mtp: no decoder block for target family {target.config.model_type!r}")
         self.shared_head = _SharedHead(d, eps)
+
+    # An MLA block caches one latent row per token (see headstart.models.deepseek).
+    @property
+    def cache_shared(self) -> bool:  # type: ignore[override]
+        return self.mla_dim is not None
+
+    @property
+    def cache_heads(self) -> int:
+        return 1 if self.mla_dim is not None else super().cache_heads
+
+    @property
+    def cache_head_dim(self) -> int:
+        return self.mla_dim if self.mla_dim is not None else super().cache_head_dim
 
     def target_features(self, hidden: torch.Tensor | None, aux: torch.Tensor | None = None) -> torch.Tensor:
         if hidden is None:

@@ -377,6 +377,5 @@ def draft_kv_spec(draft: Any) -> KVCacheSpec | None:
         return KVCacheSpec.of(draft)
     if draft.kv_layers() == 0:
         return None
-    c = draft.config
-    return KVCacheSpec(num_layers=draft.kv_layers(), num_kv_heads=c.num_key_value_heads, head_dim=c.head_dim,
-                       dtype=draft.dtype)
+    return KVCacheSpec(num_layers=draft.kv_layers(), num_kv_heads=draft.cache_heads, head_dim=draft.cache_head_dim,
+                       dtype=draft.dtype, shared=draft.cache_shared)
