@@ -233,7 +233,7 @@ def cmd_head_init(args: argparse.Namespace) -> int:
     from headstart.heads import HeadConfig, build_head, save_head
     from headstart.heads.base import POSTNORM_FAMILIES
     from headstart.heads.checkpoint import check_head_output
-    from headstart.models.llama import load_llama
+    from headstart.models import load_target
 
     check_head_output(args.out, overwrite=args.force)  # before the target loads: a wrong --out costs nothing
     try:
@@ -243,7 +243,7 @@ def cmd_head_init(args: argparse.Namespace) -> int:
                          postnorm_features=True if args.postnorm_features else None)
     except ValueError as e:
         raise HeadstartError(f"head init: {e}") from None
-    target = load_llama(resolve_model(args.model), dtype=args.dtype)
+    target = load_target(resolve_model(args.model), dtype=args.dtype)
     head = build_head(cfg, target)
     path = save_head(head, args.out, overwrite=args.force)
     n = sum(p.numel() for p in head.trainable_parameters())
@@ -284,7 +284,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
     from headstart.evaluate import EvalPlan, check_plan, evaluate, read_prompt_file
     from headstart.fileio import read_json_object
     from headstart.hardware import resolve_dtype
-    from headstart.models.llama import load_llama
+    from headstart.models import load_target
 
     recipe = load_recipe(args.recipe, args.overrides)
     plan = EvalPlan(heads=args.head, ks=_csv(args.k, int, "--k"), temperatures=_csv(args.temperature, float,
@@ -305,7 +305,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
     tp = _tensor_parallel(recipe, "eval")
     device = _device(args.device, tp)
     dtype = resolve_dtype(recipe.target.dtype, device)
-    target = load_llama(model_dir, dtype=dtype, device=device, tp=tp)
+    target = load_target(model_dir, dtype=dtype, device=device, tp=tp)
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
@@ -352,11 +352,11 @@ def cmd_export(args: argparse.Namespace) -> int:
     from headstart.assets import resolve_model
     from headstart.export import check_export_output, export_head
     from headstart.heads import load_head, read_head_config
-    from headstart.models.llama import load_llama
+    from headstart.models import load_target
 
     check_export_output(args.out, overwrite=args.force, source=args.head, native=args.format == "native")
     cfg = read_head_config(args.head)
-    target = load_llama(resolve_model(args.model), dtype="fp32")
+    target = load_target(resolve_model(args.model), dtype="fp32")
     head = load_head(args.head, target, allow_other_target=args.allow_other_target)
     target = target.to(head.dtype)
     info = export_head(head, target, args.format, args.out, overwrite=args.force, source=args.head)
@@ -376,10 +376,10 @@ def cmd_import(args: argparse.Namespace) -> int:
     from headstart.assets import resolve_model
     from headstart.export import import_head
     from headstart.heads.checkpoint import check_head_output
-    from headstart.models.llama import load_llama
+    from headstart.models import load_target
 
     check_head_output(args.out, overwrite=args.force)
-    target = load_llama(resolve_model(args.target), dtype="fp32")
+    target = load_target(resolve_model(args.target), dtype="fp32")
     head = import_head(args.src, args.format, target, args.out, overwrite=args.force,
                        allow_other_target=args.allow_other_target)
     n = sum(p.numel() for p in head.parameters())

@@ -88,9 +88,16 @@ def _dtype_bytes(dtype: str) -> int:
 
 
 def target_shape(cfg: dict[str, Any], where: str) -> Any:
+    from headstart.models.deepseek import SUPPORTED_MODEL_TYPES, DeepseekConfig
     from headstart.models.llama import LlamaConfig
 
+    if cfg.get("model_type") in SUPPORTED_MODEL_TYPES:
+        return DeepseekConfig.from_hf(cfg, where=where)
     return LlamaConfig.from_hf(cfg, where=where)
+
+
+def _is_deepseek(c: Any) -> bool:
+    return hasattr(c, "kv_lora_rank")
 
 
 def target_params(c: Any, tp: int) -> tuple[float, float]:
@@ -113,10 +120,11 @@ def _head_counts(recipe: Recipe, c: Any) -> tuple[int, Any]:
     import torch
 
     from headstart.heads import build_head, head_config_from_recipe
+    from headstart.models.deepseek import DeepseekForCausalLM
     from headstart.models.llama import LlamaForCausalLM
 
     with torch.device("meta"):
-        target = LlamaForCausalLM(c)
+        target = DeepseekForCausalLM(c) if _is_deepseek(c) else LlamaForCausalLM(c)
         target._fingerprint = "planning"  # no weights to hash: the head only records it
         head = build_head(head_config_from_recipe(recipe.head), target, init_from_target=False)
     return sum(p.numel() for p in head.trainable_parameters()), head.config
@@ -134,12 +142,19 @@ def make_plan(recipe: Recipe, target_cfg: dict[str, Any], *, device: str = "H100
     tr, pc = recipe.train, recipe.precompute
     act = _dtype_bytes(recipe.target.dtype if recipe.target.dtype != "auto" else "bf16")
     ranks = recipe.trainer.devices * recipe.trainer.num_nodes
-    rank_params, whole_params = target_params(c, tp)
-    head_params, hc = _head_counts(recipe, c)
     d, n_layers = c.hidden_size, c.num_hidden_layers
+    if _is_deepseek(c):  # MLA + MoE: unsharded; the cache holds one latent row per token and layer
+        if tp > 1:
+            raise PlanError(f"engine.tensor_parallel {tp}: DeepSeek targets run unsharded (tensor parallelism for "
+                            "MLA + MoE is not implemented)")
+        rank_params = whole_params = c.parameter_count()
+        kv_bytes_per_token = n_layers * c.latent_dim * act
+    else:
+        rank_params, whole_params = target_params(c, tp)
+        kv_bytes_per_token = 2 * n_layers * max(1, c.num_key_value_heads // tp) * c.head_dim * act
+    head_params, hc = _head_counts(recipe, c)
     aux = len(hc.aux_layer_ids or [])
     vd = hc.draft_vocab_size or c.vocab_size
-    kv_bytes_per_token = 2 * n_layers * max(1, c.num_key_value_heads // tp) * c.head_dim * act
     largest_tensor = max(c.vocab_size * d / tp, 3 * d * c.intermediate_size / tp) * act
     plan_phases: list[Phase] = []
 
@@ -170,7 +185,8 @@ def make_plan(recipe: Recipe, target_cfg: dict[str, Any], *, device: str = "H100
 
     fsdp = recipe.trainer.strategy == "fsdp"
     ph = Phase("train", ranks)
-    layer_params = target_params(dataclasses.replace(c, num_hidden_layers=1, vocab_size=0), 1)[1] - d
+    layer_params = 0 if _is_deepseek(c) else target_params(dataclasses.replace(c, num_hidden_layers=1, vocab_size=0),
+                                                             1)[1] - d  # used under tensor parallelism only
     if fsdp:  # FSDP2: each rank keeps 1/ranks of the state; a unit's whole weights and grads while it runs
         unit = max(head_params / max(hc.num_layers, 1), 1)
         opt = Term("head weights + grads + AdamW", 16 * head_params / ranks + 8 * unit,

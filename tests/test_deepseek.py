@@ -6,6 +6,7 @@ noaux_tc routing, dense first layers, YaRN, and the refusals of what is not supp
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -15,10 +16,12 @@ from headstart.models import load_target
 from headstart.models.deepseek import DeepseekConfig, DeepseekForCausalLM
 from headstart.nn.attention import PackedCausalAttention, packed_metadata
 
+ROOT = Path(__file__).resolve().parents[1]
 YARN = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 64,
         "beta_fast": 32, "beta_slow": 1, "mscale": 0.707, "mscale_all_dim": 0.707}
 COMMON = dict(vocab_size=160, hidden_size=64, intermediate_size=96, moe_intermediate_size=24, num_hidden_layers=3,
-              num_attention_heads=4, num_key_value_heads=4, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=12,
+              num_attention_heads=4, num_key_value_heads=4, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=8,
+              v_head_dim=12,
               n_routed_experts=8, num_experts_per_tok=2, n_shared_experts=1, first_k_dense_replace=1,
               max_position_embeddings=256, bos_token_id=0, eos_token_id=1)
 CONFIGS = {
@@ -250,3 +253,86 @@ def test_other_heads_on_a_deepseek_target_are_refused_by_name(pair):
     _, _, ours = pair
     with pytest.raises(AssetError, match="train a deepseek_mtp head"):
         build_head(HeadConfig(head_type="eagle3"), ours)
+
+
+# ------------------------------------------------------------------------------------ end to end
+
+
+@pytest.fixture(scope="module")
+def tiny_v3_dir(tmp_path_factory):
+    """A tiny random DeepSeek-V3 directory with the ChatML tiny tokenizer (as recipes/deepseek-tiny-mtp.yaml
+    describes)."""
+    from conftest import make_tokenizer
+
+    tok = make_tokenizer("chatml")
+    kind, overrides = CONFIGS["v3"]
+    hf = _hf_model(kind, {**overrides, "vocab_size": len(tok), "eos_token_id": tok.eos_token_id,
+                          "bos_token_id": tok.bos_token_id or 0})
+    d = tmp_path_factory.mktemp("deepseek-tiny")
+    hf.save_pretrained(d)
+    tok.save_pretrained(d)
+    return d
+
+
+def test_the_tiny_deepseek_recipe_runs_end_to_end(tiny_v3_dir, tmp_path, capsys):
+    """precompute -> train (shards, TTT 2, engine validation) -> export deepseek-mtp -> import -> eval,
+    then the same MTP layer imported from inside the target's own checkpoint (as DeepSeek-V3 ships it)."""
+    from conftest import random_conversations, write_jsonl
+    from safetensors.torch import load_file, save_file
+
+    from headstart.cli import main
+    from headstart.heads import load_head
+
+    data = tmp_path / "chats.jsonl"
+    write_jsonl(data, random_conversations(48, 0, max_rounds=2, user_words=(2, 10), reply_words=(4, 24)))
+    recipe = ROOT / "recipes" / "deepseek-tiny-mtp.yaml"
+    sets = ["--set", f"target.model={tiny_v3_dir}", "--set", f"data.source={data}", "--set",
+            f"output_dir={tmp_path / 'run'}"]
+    assert main(["precompute", str(recipe), *sets]) == 0
+    assert main(["train", str(recipe), *sets, "--no-progress"]) == 0
+    metrics = json.loads((tmp_path / "run" / "metrics.json").read_text())
+    assert metrics["tau"] >= 1.0 and len(metrics["top1_per_step"]) == 2
+    head_dir = tmp_path / "run" / "head-final"
+    export = tmp_path / "export"
+    assert main(["export", str(head_dir), "--format", "deepseek-mtp", "--model", str(tiny_v3_dir),
+                 "--out", str(export)]) == 0
+    config = json.loads((export / "config.json").read_text())
+    assert config["model_type"] == "deepseek_v3" and config["num_nextn_predict_layers"] == 1
+    names = set(load_file(str(export / "model.safetensors")))
+    assert "model.layers.3.self_attn.kv_b_proj.weight" in names and "model.layers.3.mlp.experts.7.up_proj.weight" \
+        in names and "model.layers.3.eh_proj.weight" in names
+    assert main(["import", str(export), "--format", "deepseek-mtp", "--target", str(tiny_v3_dir),
+                 "--out", str(tmp_path / "imported")]) == 0
+    target = load_target(tiny_v3_dir, "fp32")
+    a, b = load_head(head_dir, target), load_head(tmp_path / "imported", target)
+    for (name, x), (_, y) in zip(a.state_dict().items(), b.state_dict().items()):
+        torch.testing.assert_close(x, y.to(x.dtype), msg=name)
+    capsys.readouterr()
+    assert main(["eval", str(recipe), *sets, "--head", str(tmp_path / "imported"), "--k", "1,2", "--heldout", "3",
+                 "--max-tokens", "8", "--no-progress", "--out", str(tmp_path / "eval")]) == 0
+    report = json.loads((tmp_path / "eval" / "report.json").read_text())
+    rows = [r for r in report["runs"] if r.get("k") in (1, 2)]
+    assert rows and all(r["lossless_check"] == "identical" for r in rows)
+
+    # DeepSeek-V3 ships its MTP layer inside the checkpoint, after the decoder layers: a copy of the
+    # target directory with the exported layer's tensors beside its own imports as the same head.
+    shipped = tmp_path / "v3-with-mtp"
+    shipped.mkdir()
+    for f in tiny_v3_dir.iterdir():
+        if f.name != "model.safetensors":
+            (shipped / f.name).write_bytes(f.read_bytes())
+    own = load_file(str(tiny_v3_dir / "model.safetensors"))
+    mtp = load_file(str(export / "model.safetensors"))
+    save_file(own, str(shipped / "model-00001-of-00002.safetensors"))
+    save_file(mtp, str(shipped / "model-00002-of-00002.safetensors"))
+    weight_map = {k: "model-00001-of-00002.safetensors" for k in own} | {
+        k: "model-00002-of-00002.safetensors" for k in mtp}
+    (shipped / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    cfg = json.loads((shipped / "config.json").read_text())
+    cfg["num_nextn_predict_layers"] = 1
+    (shipped / "config.json").write_text(json.dumps(cfg))
+    assert main(["import", str(shipped), "--format", "deepseek-mtp", "--target", str(tiny_v3_dir),
+                 "--out", str(tmp_path / "from-checkpoint")]) == 0
+    c = load_head(tmp_path / "from-checkpoint", target)
+    for (name, x), (_, y) in zip(a.state_dict().items(), c.state_dict().items()):
+        torch.testing.assert_close(x, y.to(x.dtype), msg=name)

@@ -126,8 +126,10 @@ def _layout(fmt: str, allowed: tuple[str, ...]) -> Layout:
     return LAYOUTS[fmt]
 
 
-def _load_tensors(src: Path) -> dict[str, torch.Tensor]:
-    """The checkpoint's tensors: one weights file, or the files its safetensors index lists."""
+def _load_tensors(src: Path, prefix: str | None = None) -> dict[str, torch.Tensor]:
+    """The checkpoint's tensors: one weights file, or the files its safetensors index lists; with
+    `prefix`, only the tensors named under it, read one at a time (a whole DeepSeek-V3 checkpoint
+    holds its MTP layer among 671 B other parameters)."""
     index = src / "model.safetensors.index.json"
     if index.is_file():
         weight_map = read_json_object(index, "safetensors index").get("weight_map")
@@ -148,10 +150,18 @@ def _load_tensors(src: Path) -> dict[str, torch.Tensor]:
     tensors: dict[str, torch.Tensor] = {}
     for f in files:
         try:
-            part = load_file(str(f)) if f.suffix == ".safetensors" else torch.load(f, map_location="cpu",
-                                                                                   weights_only=True)
+            if f.suffix == ".safetensors" and prefix is not None:
+                from safetensors import safe_open
+
+                with safe_open(str(f), framework="pt") as handle:
+                    part = {k: handle.get_tensor(k) for k in handle.keys() if k.startswith(prefix)}
+            else:
+                part = load_file(str(f)) if f.suffix == ".safetensors" else torch.load(f, map_location="cpu",
+                                                                                       weights_only=True)
         except Exception as e:  # safetensors / pickle raise their own error types for damaged files
             raise AssetError(f"{f}: unreadable ({str(e)[:120]})") from None
+        if prefix is not None:
+            part = {k: v for k, v in part.items() if k.startswith(prefix)}
         if not isinstance(part, dict) or not all(isinstance(k, str) and isinstance(v, torch.Tensor)
                                                  for k, v in part.items()):
             raise AssetError(f"{f}: not a mapping of tensor names to tensors")
@@ -177,7 +187,9 @@ def _read_back(layout: Layout, src: Path, target: LlamaForCausalLM, *,
     if found is not None:
         raise AssetError(f"{src}: not a {layout.name} checkpoint: found {found}")
     _check_target(config, target, src, allow_other_target)
-    tensors = _load_tensors(src)
+    tensors = _load_tensors(src, layout.tensor_prefix(config))
+    if not tensors:
+        raise AssetError(f"{src}: no tensors under {layout.tensor_prefix(config)!r}")
     _check_finite(tensors, str(src))
     for name, t in tensors.items():
         if t.is_floating_point() and t.dtype not in (torch.float32, torch.bfloat16, torch.float16):
@@ -247,6 +259,12 @@ def _check_declared_sizes(config: dict[str, Any], cfg: HeadConfig, target: Llama
                             "num_key_value_heads": cfg.num_key_value_heads, "head_dim": cfg.head_dim,
                             "target_hidden_size": t.hidden_size, "vocab_size": t.vocab_size,
                             "rms_norm_eps": t.rms_norm_eps, "hidden_act": t.hidden_act}
+    if getattr(t, "kv_lora_rank", None) is not None:
+        # A DeepSeek config states the target's own MLA shape (its head_dim is the rope part, it has
+        # no GQA): the MTP block is built from it, so those fields must be the target's.
+        want.update(num_key_value_heads=None, head_dim=None, intermediate_size=t.intermediate_size,
+                    kv_lora_rank=t.kv_lora_rank, qk_rope_head_dim=t.qk_rope_head_dim,
+                    n_routed_experts=t.n_routed_experts)
     layer = config.get("transformer_layer_config")
     sources = [("", config)] + ([("transformer_layer_config.", layer)] if isinstance(layer, dict) else [])
     for prefix, section in sources:

@@ -334,6 +334,12 @@ class DeepSeekMTP(Layout):
         config.update(num_nextn_predict_layers=1, headstart=_meta(head, self.name))
         return config, state
 
+    def tensor_prefix(self, config):  # noqa: ANN001, ANN201
+        # An export of ours holds only the MTP layer; a DeepSeek-V3 / R1 checkpoint holds it after its
+        # decoder layers: either way it is model.layers.{num_hidden_layers}.
+        n = config.get("num_hidden_layers")
+        return f"model.layers.{n}." if isinstance(n, int) and not isinstance(n, bool) else None
+
     def recognise(self, config):  # noqa: ANN001, ANN201
         if config.get("num_nextn_predict_layers") == 1:
             return None

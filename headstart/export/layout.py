@@ -37,6 +37,10 @@ class Layout(abc.ABC):
                     "head.draft_vocab_size")
         return None
 
+    def tensor_prefix(self, config: dict[str, Any]) -> str | None:
+        """Where this layout's tensors live in a checkpoint (None: every tensor is the head's)."""
+        return None
+
     @abc.abstractmethod
     def write(self, head: DraftHead, target: LlamaForCausalLM) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
         """-> (config.json contents, tensors under the serving names)."""

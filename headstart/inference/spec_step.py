@@ -20,7 +20,7 @@ from headstart.inference.runner import ModelRunner
 from headstart.inference.sampler import processed_probs, rows_logprobs
 from headstart.inference.scheduler import ScheduledBatch, Scheduler, Sequence, Status
 from headstart.inference.tree import TreeProposer
-from headstart.models.llama import LlamaForCausalLM, load_llama
+from headstart.models import CausalLM, load_target
 
 if TYPE_CHECKING:
     from headstart.inference.engine import EngineStats, RequestOutput
@@ -32,7 +32,7 @@ class SpeculativeSteps:
     Its contract with the engine is the attributes annotated below (Engine.__init__ sets each, and
     defines the two methods); it reaches for nothing else."""
 
-    model: LlamaForCausalLM  # the target
+    model: CausalLM  # the target
     device: torch.device
     scheduler: Scheduler  # the only owner of the page allocator
     runner: ModelRunner  # the target's runner
@@ -71,12 +71,12 @@ class SpeculativeSteps:
                 if not isinstance(head, DraftLM):
                     raise ValueError(f"{path}: a {head.config.head_type!r} head is not a draft model")
                 return head
-            draft = load_llama(resolve_model(str(draft)), dtype=dtype, device=self.device)
+            draft = load_target(resolve_model(str(draft)), dtype=dtype, device=self.device)
             if draft.config.vocab_size != self.model.config.vocab_size:
                 raise ValueError(f"the draft's vocab_size {draft.config.vocab_size} differs from the target's "
                                  f"{self.model.config.vocab_size}: they must share a tokenizer")
-        if not isinstance(draft, DraftLM | LlamaForCausalLM):
-            raise TypeError(f"a draft model must be a DraftLM head or a LlamaForCausalLM, got {type(draft).__name__}")
+        if not isinstance(draft, DraftLM | CausalLM):
+            raise TypeError(f"a draft model must be a DraftLM head or a target model, got {type(draft).__name__}")
         return draft
 
     def _spec_ready(self) -> list[Sequence] | None:

@@ -259,7 +259,8 @@ class Router(nn.Module):
         self.cfg = cfg
         self.weight = nn.Parameter(torch.empty(cfg.n_routed_experts, cfg.hidden_size))
         if cfg.topk_method == "noaux_tc":
-            self.e_score_correction_bias = nn.Parameter(torch.zeros(cfg.n_routed_experts))
+            # It only chooses experts (no gradient reaches it): never trained, loaded like a weight.
+            self.e_score_correction_bias = nn.Parameter(torch.zeros(cfg.n_routed_experts), requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x (N, D) -> weights (N, k) fp32, expert ids (N, k)."""

@@ -190,7 +190,7 @@ def run_precompute(recipe: Recipe, resume: bool = False, progress: bool = True) 
     """Compute and store hidden states for the recipe's split; returns the manifest."""
     from headstart.assets import resolve_model
     from headstart.data.dataset import build_dataset
-    from headstart.models.llama import load_llama
+    from headstart.models import load_target
 
     tp, rank, world = _dist(recipe)
     if tp.enabled and recipe.precompute.backend == "hf":
@@ -210,7 +210,7 @@ def run_precompute(recipe: Recipe, resume: bool = False, progress: bool = True) 
     progress = progress and tp.rank == 0  # one bar per model copy
     if progress and rank == 0:
         status(f"precompute: target dtype {dtype} ({recipe.target.dtype}; {describe(device)})")
-    model = load_llama(model_dir, dtype, device, tp=tp)
+    model = load_target(model_dir, dtype, device, tp=tp)
     built = build_dataset(recipe.data, str(model_dir), progress=progress and rank == 0)
     split = recipe.precompute.split
     ds = built.train if split == "train" else built.heldout if split == "heldout" else None

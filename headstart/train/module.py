@@ -67,6 +67,7 @@ def group_target_forward(target: LlamaForCausalLM, batch: PackedBatch, aux_layer
 def fsdp_units(head: DraftHead) -> list[torch.nn.Module]:
     """The modules of a head that FSDP shards one by one: every decoder layer, and every other module
     that owns parameters itself and is not inside a layer (see HeadModule.configure_model)."""
+    from headstart.models.deepseek import DeepseekDecoderLayer
     from headstart.nn.decoder import DecoderLayer
 
     units: list[torch.nn.Module] = []
@@ -74,7 +75,7 @@ def fsdp_units(head: DraftHead) -> list[torch.nn.Module]:
     for m in head.modules():
         if id(m) in inside:
             continue
-        if isinstance(m, DecoderLayer):
+        if isinstance(m, DecoderLayer | DeepseekDecoderLayer):
             units.append(m)
             inside.update(id(x) for x in m.modules())
         elif m is not head and any(p.requires_grad for p in m.parameters(recurse=False)):

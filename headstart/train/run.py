@@ -227,7 +227,7 @@ class TrainRun:
         from headstart.assets import resolve_model
         from headstart.data.dataset import build_dataset
         from headstart.hardware import describe, resolve_dtype, resolve_precision
-        from headstart.models.llama import load_llama
+        from headstart.models import load_target
 
         self.recipe, self.progress = recipe, progress
         cfg, tr = recipe.train, recipe.trainer
@@ -252,8 +252,8 @@ class TrainRun:
             # This rank's shard of the whole target runs the forwards (online hidden states, engine
             # validation, with its group); the head trains against whole copies of the embedding,
             # final norm and lm_head, plus the layers its init copies: a partial target.
-            self.engine_target = load_llama(model_dir, self.dtype, device=load_on, tp=self.tp)
-            self.target = load_llama(model_dir, self.dtype, device=load_on, layers=init_copied_layers(recipe.head))
+            self.engine_target = load_target(model_dir, self.dtype, device=load_on, tp=self.tp)
+            self.target = load_target(model_dir, self.dtype, device=load_on, layers=init_copied_layers(recipe.head))
             if recipe.head.init_from_target:
                 from headstart.heads.base import target_state_rms
 
@@ -262,9 +262,9 @@ class TrainRun:
             # From shards no forward runs here, and only rank 0 validates: the other ranks hold what the
             # head reads (embedding, final norm, lm_head), not the whole target. Their head starts from
             # rank 0's (DDP and the FSDP set-up broadcast it).
-            self.target = self.engine_target = load_llama(model_dir, self.dtype, device=load_on, layers=[])
+            self.target = self.engine_target = load_target(model_dir, self.dtype, device=load_on, layers=[])
         else:
-            self.target = self.engine_target = load_llama(model_dir, self.dtype, device=load_on)
+            self.target = self.engine_target = load_target(model_dir, self.dtype, device=load_on)
         built = build_dataset(recipe.data, str(model_dir), progress=progress and self.rank == 0)
         self.tokenizer = built.tokenizer
         if len(built.train) == 0:
