@@ -148,9 +148,11 @@ def make_plan(recipe: Recipe, target_cfg: dict[str, Any], *, device: str = "H100
             raise PlanError(f"engine.tensor_parallel {tp}: DeepSeek targets run unsharded (tensor parallelism for "
                             "MLA + MoE is not implemented)")
         rank_params = whole_params = c.parameter_count()
+        active_params = c.active_parameter_count()
         kv_bytes_per_token = n_layers * c.latent_dim * act
     else:
         rank_params, whole_params = target_params(c, tp)
+        active_params = whole_params
         kv_bytes_per_token = 2 * n_layers * max(1, c.num_key_value_heads // tp) * c.head_dim * act
     head_params, hc = _head_counts(recipe, c)
     aux = len(hc.aux_layer_ids or [])
@@ -251,15 +253,21 @@ def make_plan(recipe: Recipe, target_cfg: dict[str, Any], *, device: str = "H100
     if tr.source == "shards":
         per_row = 2 * d if pc.storage == "bf16" else d + 4
         disk = per_row * (1 + aux) + 4 + 1 + 8 / 512  # ids int32, mask uint8, offsets
-    forward_tps = MFU_TARGET_FORWARD * H100_BF16_FLOPS / (2 * whole_params)
-    head_tps = MFU_HEAD_STEP * H100_BF16_FLOPS / (6 * (head_params + d * vd) * tr.ttt_steps)
+    forward_tps = MFU_TARGET_FORWARD * H100_BF16_FLOPS / (2 * active_params)
+    head_active = head_params
+    if _is_deepseek(c) and hc.head_type == "deepseek_mtp" and not hc.dense_block and c.n_routed_experts:
+        head_active -= (c.n_routed_experts - c.num_experts_per_tok) * 3 * d * c.moe_intermediate_size
+    head_tps = MFU_HEAD_STEP * H100_BF16_FLOPS / (6 * (head_active + d * vd) * tr.ttt_steps)
     assumptions = [
         f"device {device}: {capacity_gb:g} GB, {USABLE:.0%} usable (CUDA context, allocator fragmentation)",
         f"throughput: H100 dense bf16 peak {H100_BF16_FLOPS / 1e12:.0f} TFLOP/s (NVIDIA datasheet) at an assumed "
         f"MFU of {MFU_TARGET_FORWARD:.0%} for target forwards and {MFU_HEAD_STEP:.0%} for head steps",
         f"target forward (precompute, online): ~{forward_tps * tp:,.0f} tokens/s per tensor-parallel group of "
-        f"{tp} (2 x {whole_params / 1e9:.2f} B FLOP/token)",
-        f"head step: ~{head_tps:,.0f} tokens/s per GPU (6 x (head + d x V_d) FLOP/token x {tr.ttt_steps} TTT steps)",
+        f"{tp} (2 x {active_params / 1e9:.2f} B FLOP/token" + (", the experts a token is routed to" if
+                                                               active_params != whole_params else "") + ")",
+        f"head step: ~{head_tps:,.0f} tokens/s per GPU (6 x (head + d x V_d) FLOP/token x {tr.ttt_steps} TTT steps"
+        + (f"; {head_active / 1e6:.0f} M of the head's parameters active per token" if head_active != head_params
+           else "") + ")",
         "host memory while loading: each rank reads its tensors one at a time from the memory-mapped safetensors "
         "files onto its device, so a rank's host peak is its largest tensor (page cache aside)",
     ]

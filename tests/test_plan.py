@@ -23,6 +23,7 @@ RECIPES = {  # recipe: (target config, fits on H100-80GB)
     "llama-3.2-1b-eagle3-8xh100.yaml": ("llama-3.2-1b.json", True),
     "llama-3.1-8b-eagle3-8xh100.yaml": ("llama-3.1-8b.json", True),
     "llama-3.3-70b-mtp-8xh100.yaml": ("llama-3.3-70b.json", True),
+    "deepseek-v2-lite-mtp-8xh100.yaml": ("deepseek-v2-lite.json", True),
 }
 
 
@@ -65,7 +66,7 @@ def test_every_8xh100_recipe_gets_its_verdict(recipe, capsys):
     assert ("fits: every phase" in out) == fits
     for term in ("target weights", "head weights + grads + AdamW", "head activations", "chunked loss", "KV pages"):
         assert term in out
-    assert "TTT attention scores" in out  # every 8xH100 recipe unrolls 7 steps
+    assert "TTT attention scores" in out  # every 8xH100 recipe unrolls TTT steps
     if recipe.startswith("llama-3.3-70b"):  # the target tensor-parallel in training too, the head FSDP-sharded
         train = out.split("train (16 ranks)")[1].split("validation")[0]
         assert "17.64 GB  8.82 B parameters (1/8 tensor-parallel shard)" in train
@@ -137,3 +138,19 @@ def test_a_size_the_target_cannot_split_is_refused(tiny):
     recipe = recipe_from_dict({"engine": {"tensor_parallel": 3}})
     with pytest.raises(PlanError, match="num_attention_heads \\(4\\) .* not divisible"):
         make_plan(recipe, json.loads((tiny / "config.json").read_text()))
+
+
+def test_a_deepseek_plan_counts_the_latent_cache_and_the_active_experts(capsys):
+    """DeepSeek-V2-Lite: 15.71 B parameters held, 2.66 B multiplied per token (6 of 64 routed experts);
+    the KV pages hold one 576-value latent row per token and layer (27 x 576 x 2 B = 31 KB/token)."""
+    rc = main(["plan", str(ROOT / "recipes" / "deepseek-v2-lite-mtp-8xh100.yaml"), "--target-config",
+               str(ROOT / "recipes" / "targets" / "deepseek-v2-lite.json"), "--json"])
+    plan = json.loads(capsys.readouterr().out)
+    assert rc == 0 and plan["refusals"] == []
+    val = next(p for p in plan["phases"] if p["name"] == "validation")
+    kv = next(t for t in val["terms"] if t["name"] == "KV pages")
+    assert kv["bytes"] == 64 * (4096 + 256 + 16) * 27 * 576 * 2
+    assert any("2.66 B FLOP/token, the experts a token is routed to" in a for a in plan["assumptions"])
+    with pytest.raises(PlanError, match="DeepSeek targets run unsharded"):
+        make_plan(recipe_from_dict({"engine": {"tensor_parallel": 2}}),
+                  json.loads((ROOT / "recipes" / "targets" / "deepseek-v2-lite.json").read_text()))

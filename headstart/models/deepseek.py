@@ -197,6 +197,13 @@ class DeepseekConfig:
         return layers + self.vocab_size * d * (1 if self.tie_word_embeddings else 2) + d
 
 
+    def active_parameter_count(self) -> int:
+        """Parameters one token's forward multiplies by: the routed experts it is sent to, not all."""
+        idle = (self.n_routed_experts or 0) - self.num_experts_per_tok
+        moe_layers = sum(self.is_moe_layer(j) for j in range(self.num_hidden_layers))
+        return self.parameter_count() - moe_layers * max(idle, 0) * 3 * self.hidden_size * self.moe_intermediate_size
+
+
 class KVUpProjection(nn.Module):
     """kv_b_proj's weight (H x (qk_nope + v), kv_lora_rank): W_UK and W_UV of the absorbed form. Never
     called as a Linear (the expanded keys and values are never formed)."""
