@@ -52,6 +52,7 @@ def swap_into_place(tmp: Path, final: Path) -> None:
     to `.NAME.old-PID` and deleted only after the swap; a crash between the two renames leaves it
     there, and remove_stale_temporaries puts it back."""
     old = final.with_name(f".{final.name}.old-{os.getpid()}")
+    remove_path(old)  # a leftover of this PID's earlier swap would make the rename below fail
     if final.is_dir():
         if tmp.is_dir() or tmp.is_symlink() or not tmp.exists():
             os.replace(final, old)  # empty or recognised: moved aside, deleted only after the swap

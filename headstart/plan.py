@@ -115,11 +115,13 @@ def target_params(c: Any, tp: int) -> tuple[float, float]:
     return rank, whole
 
 
-def _head_counts(recipe: Recipe, c: Any) -> tuple[int, Any]:
-    """(trainable parameters, resolved head config): the head built on the meta device."""
+def _head_counts(recipe: Recipe, c: Any) -> tuple[int, Any, int]:
+    """(trainable parameters, resolved head config, trainable parameters of its largest FSDP unit):
+    the head built on the meta device."""
     import torch
 
     from headstart.heads import build_head, head_config_from_recipe
+    from headstart.heads.base import fsdp_units
     from headstart.models.deepseek import DeepseekForCausalLM
     from headstart.models.llama import LlamaForCausalLM
 
@@ -127,7 +129,8 @@ def _head_counts(recipe: Recipe, c: Any) -> tuple[int, Any]:
         target = DeepseekForCausalLM(c) if _is_deepseek(c) else LlamaForCausalLM(c)
         target._fingerprint = "planning"  # no weights to hash: the head only records it
         head = build_head(head_config_from_recipe(recipe.head), target, init_from_target=False)
-    return sum(p.numel() for p in head.trainable_parameters()), head.config
+    units = [sum(p.numel() for p in u.parameters() if p.requires_grad) for u in fsdp_units(head)]
+    return sum(p.numel() for p in head.trainable_parameters()), head.config, max(units, default=0)
 
 
 def make_plan(recipe: Recipe, target_cfg: dict[str, Any], *, device: str = "H100-80GB",
@@ -154,7 +157,7 @@ def make_plan(recipe: Recipe, target_cfg: dict[str, Any], *, device: str = "H100
         rank_params, whole_params = target_params(c, tp)
         active_params = whole_params
         kv_bytes_per_token = 2 * n_layers * max(1, c.num_key_value_heads // tp) * c.head_dim * act
-    head_params, hc = _head_counts(recipe, c)
+    head_params, hc, unit = _head_counts(recipe, c)
     aux = len(hc.aux_layer_ids or [])
     vd = hc.draft_vocab_size or c.vocab_size
     largest_tensor = max(c.vocab_size * d / tp, 3 * d * c.intermediate_size / tp) * act
@@ -190,10 +193,9 @@ def make_plan(recipe: Recipe, target_cfg: dict[str, Any], *, device: str = "H100
     layer_params = 0 if _is_deepseek(c) else target_params(dataclasses.replace(c, num_hidden_layers=1, vocab_size=0),
                                                              1)[1] - d  # used under tensor parallelism only
     if fsdp:  # FSDP2: each rank keeps 1/ranks of the state; a unit's whole weights and grads while it runs
-        unit = max(head_params / max(hc.num_layers, 1), 1)
         opt = Term("head weights + grads + AdamW", 16 * head_params / ranks + 8 * unit,
                    f"{head_params / 1e6:.1f} M trainable parameters x 16 B / {ranks} ranks (FSDP), + the "
-                   f"largest unit gathered, at most {unit / 1e6:.1f} M (fp32 weight and grad)")
+                   f"largest unit ({unit / 1e6:.1f} M) gathered (fp32 weight and grad)")
     else:
         opt = Term("head weights + grads + AdamW", 16 * head_params,
                    f"{head_params / 1e6:.1f} M trainable parameters x 16 B (fp32 weight, grad, 2 moments)")
@@ -216,12 +218,14 @@ def make_plan(recipe: Recipe, target_cfg: dict[str, Any], *, device: str = "H100
                              f"{heads} heads x {block:,} queries x {seq:,} keys x fp32 x 5 (one checkpointed block)"))
     if hc.draft_vocab_size and hc.head_type in ("mtp", "eagle1", "deepseek_mtp"):
         ph.terms.append(Term("restricted lm_head", vd * d * act, f"{vd:,} target rows gathered once"))
+    parts_term = None
     if tp > 1:
         copied = len(init_copied_layers(recipe.head))
         parts = (1 if c.tie_word_embeddings else 2) * c.vocab_size * d + d + copied * layer_params
-        ph.terms.append(Term("embedding + lm_head (whole)", parts * act,
-                             f"what the head reads (and the final norm), unsharded, + {copied} target layer(s) "
-                             "its init copies"))
+        parts_term = Term("embedding + lm_head (whole)", parts * act,
+                          f"what the head reads (and the final norm), unsharded, + {copied} target layer(s) its "
+                          "init copies")
+        ph.terms.append(parts_term)
     if tr.source == "online":
         ph.terms.extend(forward_terms(tr.batch_tokens))
     # Under TP the whole embedding / lm_head are read too: one whole vocabulary tensor at a time.
@@ -235,8 +239,11 @@ def make_plan(recipe: Recipe, target_cfg: dict[str, Any], *, device: str = "H100
     plan_phases.append(ph)
     val = Phase("validation", ranks)
     longest = recipe.data.max_length + tr.val_max_tokens + 16
+    # Validation runs inside training: the head's state (and the partial target) stay resident.
     val.terms = [target_term(tp), Term("KV pages", tr.val_prompts * longest * kv_bytes_per_token,
-                                       f"{tr.val_prompts} prompts x {longest:,} tokens (target's KV)")]
+                                       f"{tr.val_prompts} prompts x {longest:,} tokens (target's KV)"), opt]
+    if parts_term is not None:
+        val.terms.append(parts_term)
     if fsdp:
         val.terms.append(Term("gathered head", 4 * head_params, "the unsharded fp32 replica validation reads"))
     plan_phases.append(val)

@@ -96,10 +96,18 @@ def test_tensor_parallel_and_fsdp_training_terms_count_the_real_modules(tiny):
     held = sum(p.numel() for n, p in partial.named_parameters() if not n.endswith("bias"))
     assert partial.partial and init_copied_layers(recipe.head) == [-1]
     assert terms["embedding + lm_head (whole)"] == 4 * held
+    from headstart.heads.base import fsdp_units
+
     head = build_head(HeadConfig(head_type="mtp"), load_llama(tiny, "fp32"))
     n = sum(p.numel() for p in head.trainable_parameters())
-    assert terms["head weights + grads + AdamW"] == 16 * n / 4 + 8 * n
+    unit = max(sum(p.numel() for p in u.parameters()) for u in fsdp_units(head))
+    assert unit == sum(p.numel() for p in head.layers[0].parameters())  # the decoder layer is the largest
+    assert terms["head weights + grads + AdamW"] == 16 * n / 4 + 8 * unit
     assert terms["target weights"] == 4 * target_params(partial.config, 2)[0]
+    val = {t.name: t.bytes for t in next(p for p in make_plan(recipe, cfg).phases if p.name == "validation").terms}
+    # validation runs inside training: the head's state and the partial target stay beside the replica
+    assert val["gathered head"] == 4 * n and val["head weights + grads + AdamW"] == terms["head weights + grads + AdamW"]
+    assert val["embedding + lm_head (whole)"] == 4 * held
 
 
 def test_a_recipe_that_would_not_fit_is_refused_by_its_largest_term():

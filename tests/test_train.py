@@ -393,7 +393,9 @@ def test_online_training_with_a_tensor_parallel_target_equals_one_process(tmp_pa
     micro-batch forwards in turn, the head (copied from the target's layers, draft vocabulary) is
     data-parallel over the two, and engine validation runs on the sharded target. The head, the
     held-out loss and the engine's acceptance equal one process accumulating the two micro-batches."""
-    train = {"max_steps": 3, "val_every_steps": 3, "val_prompts": 2}
+    # A validation at step 2 (under TP, on the sharded target) and a training step after it: the head
+    # must read its own whole embedding / lm_head again.
+    train = {"max_steps": 3, "val_every_steps": 2, "val_prompts": 2}
     extra = "  draft_vocab_size: 96\n  init_from_target: true\n"
     one = _recipe(tmp_path, chat_model_dir, name="one", train={**train, "grad_accum": 2}, n=64, extra=extra)
     p = _cli(["train", str(one), "--no-progress"])
@@ -414,11 +416,16 @@ def test_online_training_with_a_tensor_parallel_target_equals_one_process(tmp_pa
     assert record["recipe"]["engine.tensor_parallel"] == 2
 
 
-def test_a_tensor_parallel_train_needs_its_ranks_launched(tmp_path, chat_model_dir, capsys):
+def test_a_tensor_parallel_train_needs_its_ranks_launched(tmp_path, chat_model_dir, capsys, monkeypatch):
     path = _recipe(tmp_path, chat_model_dir, train={"max_steps": 2})
-    assert main(["train", str(path), "--no-progress", "--tp", "2"]) == 2
+    assert main(["train", str(path), "--no-progress", "--tp", "2", "--set", "trainer.devices=2"]) == 2
     err = capsys.readouterr().err
-    assert "torchrun" in err and "WORLD_SIZE" in err and "Traceback" not in err
+    assert "torchrun --nnodes 1 --nproc-per-node 2" in err and "no WORLD_SIZE" in err and "Traceback" not in err
+    assert main(["train", str(path), "--no-progress", "--tp", "2"]) == 2  # 1 device: tp 2 cannot divide it
+    assert "set trainer.devices to a multiple of 2" in capsys.readouterr().err
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    assert main(["train", str(path), "--no-progress", "--tp", "2", "--set", "trainer.devices=2"]) == 2
+    assert "WORLD_SIZE=4 ranks but trainer.devices x trainer.num_nodes = 2 x 1 = 2" in capsys.readouterr().err
 
 
 def _same_heads(a, b, model_dir):
@@ -456,6 +463,26 @@ def test_fsdp_on_two_gloo_ranks_equals_one_process_and_resumes_sharded(tmp_path,
                  "--set", "trainer.accelerator=cpu", "--set", "trainer.strategy=fsdp"]) == 2
     err = capsys.readouterr().err
     assert "trained on 2 ranks" in err and "has 1" in err and "Traceback" not in err
+    assert main(["train", str(cut), "--no-progress", "--resume", "--set", "train.max_steps=3", "--set",
+                 "trainer.accelerator=cpu", "--set", "trainer.devices=2", "--set", "trainer.strategy=ddp"]) == 2
+    err = capsys.readouterr().err
+    assert "resolved.checkpoint ('sharded' -> 'file')" in err and "Traceback" not in err
+    import shutil
+
+    from headstart.train.outputs import checkpoint_step
+
+    ckpt = tmp_path / "cut" / "checkpoints" / "last.ckpt"
+    assert checkpoint_step(ckpt) == 2
+    for damage, named in (("truncate", "is cut short"), ("delete", "is missing")):
+        bad = tmp_path / f"bad-{damage}"
+        shutil.copytree(ckpt, bad)
+        shard = sorted(bad.glob("*.distcp"))[1]
+        if damage == "truncate":
+            shard.write_bytes(shard.read_bytes()[:100])
+        else:
+            shard.unlink()
+        with pytest.raises(DataError, match=f"the shard {shard.name} {named}"):
+            checkpoint_step(bad)
     p = _cli(["train", str(cut), "--no-progress", "--resume", "--set", "train.max_steps=3", *fsdp])
     assert p.wait() == 0, p.stderr.read().decode()[-2000:]
     _same_heads(tmp_path / "two", tmp_path / "cut", chat_model_dir)

@@ -143,12 +143,14 @@ class VocabParallelLinear(Linear):
         return vocab_rows(w, ids, self.start, self.end, self.tp) if self.tp.enabled else w[ids]
 
 
-def init_tensor_parallel(size: int, timeout_s: float = 1800.0) -> tuple[TensorParallel, int, int]:
+def init_tensor_parallel(size: int, timeout_s: float = 1800.0,
+                         backend: str | None = None) -> tuple[TensorParallel, int, int]:
     """Join the process group a launcher (torchrun, SLURM via torchrun) describes in the environment
     (RANK, WORLD_SIZE, MASTER_ADDR/PORT) and split it into tensor-parallel groups of `size`
     consecutive ranks (ranks of one node first: the all-reduces stay on NVLink). Returns this rank's
-    TensorParallel and its data-parallel place (rank, world) among the groups. gloo on CPU, NCCL on
-    CUDA; `timeout_s` bounds every collective wait (a lost rank fails the others instead of hanging)."""
+    TensorParallel and its data-parallel place (rank, world) among the groups. `backend`: default
+    NCCL where CUDA is available, else gloo (a CPU run on a GPU machine passes gloo); `timeout_s`
+    bounds every collective wait (a lost rank fails the others instead of hanging)."""
     import datetime
     import os
 
@@ -164,7 +166,7 @@ def init_tensor_parallel(size: int, timeout_s: float = 1800.0) -> tuple[TensorPa
     if size == 1 and world == 1:
         return SINGLE, 0, 1
     if not dist.is_initialized():
-        backend = "nccl" if torch.cuda.is_available() else "gloo"
+        backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
         dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s))
     groups = [dist.new_group(ranks) for ranks in tp_groups(world, size)]
     tp_rank, group, dp_rank, dp_world = tp_layout(rank, world, size)

@@ -18,7 +18,7 @@ import torch
 
 from headstart.config import Recipe
 from headstart.errors import HeadstartError
-from headstart.heads.base import DraftHead, PackedBatch
+from headstart.heads.base import DraftHead, PackedBatch, fsdp_units
 from headstart.models.llama import LlamaForCausalLM
 from headstart.nn.attention import PackedCausalAttention, packed_metadata
 from headstart.nn.parallel import SINGLE, TensorParallel
@@ -64,28 +64,6 @@ def group_target_forward(target: LlamaForCausalLM, batch: PackedBatch, aux_layer
     return PackedBatch(mine.input_ids, mine.seq_lens, mine.hidden, mine.aux_hidden, batch.loss_mask)
 
 
-def fsdp_units(head: DraftHead) -> list[torch.nn.Module]:
-    """The modules of a head that FSDP shards one by one: every decoder layer, and every other module
-    that owns parameters itself and is not inside a layer (see HeadModule.configure_model)."""
-    from headstart.models.deepseek import DeepseekDecoderLayer
-    from headstart.nn.decoder import DecoderLayer
-
-    units: list[torch.nn.Module] = []
-    inside: set[int] = set()
-    for m in head.modules():
-        if id(m) in inside:
-            continue
-        if isinstance(m, DecoderLayer | DeepseekDecoderLayer):
-            units.append(m)
-            inside.update(id(x) for x in m.modules())
-        elif m is not head and any(p.requires_grad for p in m.parameters(recurse=False)):
-            units.append(m)
-    if any(p.requires_grad for p in head.parameters(recurse=False)):
-        raise ValueError(f"a {head.config.head_type} head owns parameters outside its submodules: FSDP cannot "
-                         "shard them per module")
-    return units
-
-
 class HeadModule(L.LightningModule):
     def __init__(self, recipe: Recipe, target: LlamaForCausalLM, head: DraftHead,
                  forward_target: LlamaForCausalLM | None = None, tp: TensorParallel = SINGLE) -> None:
@@ -103,7 +81,6 @@ class HeadModule(L.LightningModule):
         self.tp = tp
         self.head = head
         self.fsdp_units: list[torch.nn.Module] = []  # set by configure_model under trainer.strategy fsdp
-        self._replica: DraftHead | None = None
         self.aux_layers = list(head.config.aux_layer_ids or [])
         self.bad_steps = 0  # consecutive non-finite steps
         self.skipped_steps = 0
@@ -136,24 +113,30 @@ class HeadModule(L.LightningModule):
                 dist.broadcast(t.data, src=0)
         self.fsdp_units = fsdp_units(self.head)
         for unit in self.fsdp_units:
-            fully_shard(unit, mesh=mesh["data_parallel"])
+            # Each unit is its own FSDP root (the head is not one __call__): resharded after its forward
+            # explicitly, which a root is not by default, so a step holds one unit's whole weights at a time.
+            fully_shard(unit, mesh=mesh["data_parallel"], reshard_after_forward=True)
 
-    def full_head(self) -> DraftHead:
-        """The head with whole weights: itself, or under FSDP an unsharded replica refreshed from the
-        gathered state (a collective: every rank calls it at the same step). Validation, held-out
-        metrics and saving read it."""
+    def full_head(self, here: bool) -> DraftHead | None:
+        """The head with whole weights where `here` (this rank validates or saves), else None: the head
+        itself, or under FSDP an unsharded replica built from the gathered state and dropped by the
+        caller after use. A collective under FSDP: every rank calls it at the same step. Without tensor
+        parallelism only rank 0 reads it, and only rank 0 receives the state (on the CPU)."""
         if not self.fsdp_units:
-            return self.head
+            return self.head if here else None
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-        state = get_model_state_dict(self.head, options=StateDictOptions(full_state_dict=True))
-        if self._replica is None:
-            master = next(self.head.parameters())
-            self._replica = type(self.head)(self.head.config, self.target).to(device=master.device,
-                                                                                 dtype=master.dtype)
-            self._replica.requires_grad_(False)
-        self._replica.load_state_dict(state)
-        return self._replica
+        everyone = self.tp.enabled  # every rank of a tensor-parallel group validates
+        state = get_model_state_dict(self.head, options=StateDictOptions(full_state_dict=True,
+                                                                         cpu_offload=not everyone))
+        if not here:
+            return None
+        master = next(self.head.parameters())
+        with torch.device("meta"):
+            replica = type(self.head)(self.head.config, self.target)
+        replica = replica.to_empty(device=master.device).to(master.dtype)
+        replica.load_state_dict(state)
+        return replica.requires_grad_(False)
 
     # ------------------------------------------------------------------------------------ losses
 

@@ -107,6 +107,7 @@ def checkpoint_step(path: Path, max_steps: int | None = None) -> int:
         missing = [n for n in (SHARDED_META, ".metadata") if not (path / n).is_file()]
         if missing:
             raise DataError(damaged + f" (a sharded checkpoint without its {' and '.join(missing)})")
+        _check_shards(path, damaged)
         state = path / SHARDED_META
     if not zipfile.is_zipfile(state):
         raise DataError(damaged + " (not a complete checkpoint archive)")
@@ -123,6 +124,27 @@ def checkpoint_step(path: Path, max_steps: int | None = None) -> int:
         raise ConfigError(f"--resume: {path} is at step {step} and train.max_steps is {max_steps}; nothing would "
                           f"be trained: raise train.max_steps above {step} (--set train.max_steps=N)")
     return step
+
+
+def _check_shards(path: Path, damaged: str) -> None:
+    """Every byte range torch.distributed.checkpoint's .metadata names is in its shard file (a shard
+    cut short or deleted is named here, not found by a reader's traceback mid-load)."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    try:
+        meta = FileSystemReader(str(path)).read_metadata()
+    except Exception:  # a damaged .metadata raises pickle's, torch's or the reader's own errors
+        raise DataError(damaged + " (its .metadata cannot be read)") from None
+    ends: dict[str, int] = {}
+    for item in (meta.storage_data or {}).values():
+        name = str(item.relative_path)
+        ends[name] = max(ends.get(name, 0), int(item.offset) + int(item.length))
+    for name, end in sorted(ends.items()):
+        f = path / name
+        if not f.is_file():
+            raise DataError(damaged + f" (the shard {name} is missing)")
+        if f.stat().st_size < end:
+            raise DataError(damaged + f" (the shard {name} is cut short: {f.stat().st_size:,} of {end:,} bytes)")
 
 
 def check_resume(out: Path, identity: dict[str, Any], resume: bool, rank: int = 0) -> Path | None:

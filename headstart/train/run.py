@@ -141,7 +141,7 @@ class Outputs(L.Callback):
             self.checkpoint(trainer)
         if trainer.global_step != self.last_val_step:
             self.validate(trainer, module)
-        head = module.full_head()  # every rank: a collective under FSDP
+        head = module.full_head(here=trainer.is_global_zero)  # every rank: a collective under FSDP
         if trainer.is_global_zero:
             save_head(head, run_dir(self.run.recipe) / "head-final", overwrite=True)
 
@@ -165,8 +165,9 @@ class Outputs(L.Callback):
 
     def validate(self, trainer: L.Trainer, module: HeadModule) -> None:
         self.last_val_step = trainer.global_step
-        head = module.full_head()  # every rank: a collective under FSDP
-        if trainer.is_global_zero or self.run.tp.enabled:  # under TP the ranks of a group validate together
+        # Under TP the ranks of a group validate together; a collective under FSDP (every rank calls it).
+        head = module.full_head(here=trainer.is_global_zero or self.run.tp.enabled)
+        if head is not None:
             metrics = self.run.validate(module, head, trainer.precision_plugin.forward_context)
         if trainer.is_global_zero:
             metrics.update(step=trainer.global_step, tokens=module.tokens_seen, skipped_steps=module.skipped_steps)
@@ -416,16 +417,21 @@ def join_tensor_parallel(size: int, devices: int, num_nodes: int, use_cuda: bool
         return SINGLE
     world = devices * num_nodes
     launched = int(os.environ.get("WORLD_SIZE", "0"))
-    if launched != world:
-        how = f"WORLD_SIZE={launched}" if launched else "no WORLD_SIZE in the environment"
+    if world % size:
+        raise ConfigError(f"engine.tensor_parallel {size} does not divide trainer.devices x trainer.num_nodes = "
+                          f"{world}: set trainer.devices to a multiple of {size}")
+    if not launched:
         raise ConfigError(f"engine.tensor_parallel {size}: train shards the target over ranks that torchrun (or "
-                          f"SLURM + torchrun) launched, and finds {how} for trainer.devices x num_nodes = {world}; "
-                          f"launch with torchrun --nnodes {num_nodes} --nproc-per-node {devices} -m headstart.cli "
-                          "train RECIPE")
+                          "SLURM + torchrun) launched, and finds no WORLD_SIZE in the environment; launch with "
+                          f"torchrun --nnodes {num_nodes} --nproc-per-node {devices} -m headstart.cli train RECIPE")
+    if launched != world:
+        raise ConfigError(f"engine.tensor_parallel {size}: torchrun launched WORLD_SIZE={launched} ranks but "
+                          f"trainer.devices x trainer.num_nodes = {devices} x {num_nodes} = {world}; set them to "
+                          f"match (e.g. --set trainer.devices={launched // max(num_nodes, 1)})")
     if use_cuda:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     try:
-        tp, _, _ = init_tensor_parallel(size)
+        tp, _, _ = init_tensor_parallel(size, backend="nccl" if use_cuda else "gloo")
     except ValueError as e:
         raise ConfigError(f"engine.tensor_parallel: {e}") from None
     return tp
