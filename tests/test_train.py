@@ -316,7 +316,6 @@ def test_more_bad_input_is_refused_before_any_work(tmp_path, chat_model_dir, cap
 
     if not torch.cuda.is_available():
         fails("--set", "trainer.accelerator=gpu", match="no CUDA GPU is visible")
-        fails("--set", "trainer.strategy=fsdp", match="fsdp needs GPUs")
     fails("--set", "head.type=eagle3", "--set", "train.loss_weights.kl=0", match="learns from the KL term only")
     out.mkdir(exist_ok=True)
     (out / "metrics.csv").write_text("my own numbers\n")
