@@ -505,3 +505,19 @@ def test_two_ranks_from_shards_equal_one_process(tmp_path, chat_model_dir, strat
     _, err = p.communicate(timeout=900)
     assert p.returncode == 0, err.decode()[-3000:]
     _same_heads(tmp_path / "one", tmp_path / "two", chat_model_dir)
+
+
+def test_the_head_starts_from_the_recipe_seed(tmp_path, chat_model_dir):
+    """eagle3 keeps random q/k/v after its init from the target: two builds of one recipe start from the
+    same head (so a rerun, a resume and every rank agree), another seed from another."""
+    from headstart.train.run import TrainRun
+
+    def head(name, seed):
+        path = _recipe(tmp_path, chat_model_dir, name=name, head="eagle3", train={"max_steps": 1})
+        recipe = load_recipe(path, [f"seed={seed}"])
+        return TrainRun(recipe, progress=False).head.state_dict()
+
+    a, b, c = head("a", 3), head("b", 3), head("c", 4)
+    for name in a:
+        torch.testing.assert_close(a[name], b[name], rtol=0, atol=0, msg=name)
+    assert not torch.equal(a["layers.0.self_attn.qkv_proj.weight"], c["layers.0.self_attn.qkv_proj.weight"])

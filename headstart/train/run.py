@@ -272,6 +272,9 @@ class TrainRun:
             raise DataError(f"{recipe.data.source}: the training split is empty (data.limit={recipe.data.limit}, "
                             f"heldout_fraction={recipe.data.heldout_fraction}); nothing to train on")
         from_rank0 = self.target.partial and not self.tp.enabled  # cannot run its init: rank 0's is broadcast
+        # The head's random parameters (those its init does not copy) come from recipe.seed: a rerun, a
+        # resume's rebuild and every rank start from the same head.
+        torch.manual_seed(recipe.seed)
         self.head = build_head(head_config_from_recipe(recipe.head), self.target,
                                init_from_target=recipe.head.init_from_target and not from_rank0)
         if cfg.loss_weights.kl == 0 and self.head.config.head_type in ("eagle3", "medusa", "draft_lm"):
