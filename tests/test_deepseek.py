@@ -336,3 +336,42 @@ def test_the_tiny_deepseek_recipe_runs_end_to_end(tiny_v3_dir, tmp_path, capsys)
     c = load_head(tmp_path / "from-checkpoint", target)
     for (name, x), (_, y) in zip(a.state_dict().items(), c.state_dict().items()):
         torch.testing.assert_close(x, y.to(x.dtype), msg=name)
+
+
+def test_with_the_cpu_kernels_a_tokens_logits_do_not_depend_on_its_batch(tmp_path):
+    """The engine's row-invariant path (per-head absorbed projections, the fp32 router, experts,
+    attention): each prompt's logits alone equal, bit for bit, its rows in a batch of four. At this
+    size the batched einsums of training are not row-invariant in fp32 (one row alone, a decode step,
+    gets other bits), nor is torch's fp32 sigmoid over 16 experts (a vector tail), which is why the
+    engine uses neither."""
+    from headstart.inference.backends import TorchAttention
+    from headstart.inference.kv_cache import KVCache, KVCacheSpec, PageAllocator
+    from headstart.inference.runner import build_metadata
+
+    hf = _hf_model("v3", dict(vocab_size=8192, hidden_size=512, intermediate_size=1408, moe_intermediate_size=256,
+                              num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=8, q_lora_rank=192,
+                              kv_lora_rank=128, qk_nope_head_dim=64, qk_rope_head_dim=32, v_head_dim=64,
+                              n_routed_experts=16, num_experts_per_tok=4, n_group=4, topk_group=2))
+    hf.save_pretrained(tmp_path)
+    model = load_target(tmp_path, "fp32")
+    got = model.enable_cpu_kernels(True, None)
+    assert got and all(k == "rows" for k in got)
+    backend = TorchAttention(rowwise=True, max_rows=None)
+
+    def logits(prompts):
+        alloc = PageAllocator(64, 16)
+        cache = KVCache(KVCacheSpec.of(model), 64, 16, "cpu")
+        for i, p in enumerate(prompts):
+            alloc.reserve(str(i), len(p))
+        meta = build_metadata(alloc, [(str(i), 0, len(p)) for i, p in enumerate(prompts)], torch.device("cpu"))
+        with torch.inference_mode():
+            h, _ = model(torch.tensor([t for p in prompts for t in p]), meta, cache.layers, backend)
+            return model.compute_logits(h)
+
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(2, 8000, (n,), generator=g).tolist() for n in (37, 64, 1, 11)]  # 1: a decode-sized step
+    together = logits(prompts)
+    row = 0
+    for p in prompts:
+        assert torch.equal(logits([p]), together[row:row + len(p)])
+        row += len(p)

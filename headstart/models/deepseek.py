@@ -13,10 +13,10 @@ both the keys and the values of a single KV head:
 - attention runs with q = [q_lat, q_pe] against k = [c, k_pe] and v = the same [c, k_pe]; the
   first kv_lora_rank columns of the output are the attention-weighted latent, and W_UV (kv_b_proj's
   value rows) takes it to each head's value space before o_proj.
-It is exactly HF's expanded computation reordered (the tests compare logits in fp32). The per-head
-W_UK / W_UV products are batched matmuls (torch.einsum), not the engine's row-invariant CPU kernels,
-and the router is an fp32 matmul: on CPU the last bits of those may depend on how many rows share a
-step (every other projection, the experts and the attention take the row-invariant kernels).
+It is exactly HF's expanded computation reordered (the tests compare logits in fp32). With the
+engine's CPU kernels (`enable_cpu_kernels`) the per-head W_UK / W_UV products run as one row-invariant
+Linear per head and the fp32 router as an fp32 Linear, so a token's bits do not depend on what shares
+its step (greedy speculation equals greedy decoding); training (autograd) uses batched einsums.
 
 MoE. Layers from first_k_dense_replace on (every moe_layer_freq-th) replace the MLP with shared
 experts (always on) plus n_routed_experts routed ones, num_experts_per_tok per token: scores are
@@ -204,6 +204,12 @@ class DeepseekConfig:
         return self.parameter_count() - moe_layers * max(idle, 0) * 3 * self.hidden_size * self.moe_intermediate_size
 
 
+def _version(w: torch.Tensor) -> tuple[int, int]:
+    """What identifies a weight's current values: its storage and in-place version (a load or an
+    optimizer step changes it; inference tensors have no version and never change)."""
+    return w.data_ptr(), -1 if w.is_inference() else w._version
+
+
 class KVUpProjection(nn.Module):
     """kv_b_proj's weight (H x (qk_nope + v), kv_lora_rank): W_UK and W_UV of the absorbed form. Never
     called as a Linear (the expanded keys and values are never formed)."""
@@ -242,6 +248,27 @@ class MLAttention(nn.Module):
         self.rope = rope
         self.scale = cfg.softmax_scale
 
+    def own_cpu_kernels(self, rowwise: bool, max_rows: int | None) -> list[str]:
+        """Per-head Linears of W_UK (nope -> rank) and W_UV (rank -> v), copies of kv_b_proj's rows with the
+        CPU kernels, used by no-grad forwards while kv_b_proj's weight is unchanged (not registered: derived)."""
+        w = self.kv_b_proj.weight
+        uk, uv = [], []
+        for keys, values in zip(self.kv_b_proj.keys(), self.kv_b_proj.values()):  # (nope, rank), (v, rank)
+            a, b = Linear(self.nope, self.rank, bias=False), Linear(self.rank, self.v, bias=False)
+            a.to(w.device, w.dtype).weight.data.copy_(keys.t())
+            b.to(w.device, w.dtype).weight.data.copy_(values)
+            uk.append(a.requires_grad_(False))
+            uv.append(b.requires_grad_(False))
+        got = [lin.enable_cpu_kernels(rowwise, max_rows) for lin in uk + uv]
+        object.__setattr__(self, "_absorbed", (_version(w), uk, uv))
+        return got
+
+    def _per_head(self) -> tuple[list[Linear], list[Linear]] | None:
+        ab = self.__dict__.get("_absorbed")
+        if ab is None or torch.is_grad_enabled() or ab[0] != _version(self.kv_b_proj.weight):
+            return None
+        return ab[1], ab[2]
+
     def forward(self, x: torch.Tensor, meta: AttentionMetadata, cache: KVPages,
                 backend: AttentionBackend) -> torch.Tensor:
         n, h = x.shape[0], self.num_heads
@@ -250,11 +277,18 @@ class MLAttention(nn.Module):
         c, k_pe = self.kv_a_proj_with_mqa(x).split([self.rank, self.rope_dim], dim=-1)
         c = self.kv_a_layernorm(c)
         q_pe, k_pe = self.rope(q_pe, k_pe.view(n, 1, self.rope_dim), meta.positions, meta.step_cache)
-        q_lat = torch.einsum("nhd,hdr->nhr", q_nope, self.kv_b_proj.keys())  # q_nope . k_nope = q_lat . c
+        per_head = self._per_head()
+        if per_head is not None:  # row-invariant kernels, one Linear per head
+            q_lat = torch.stack([lin(q_nope[:, j]) for j, lin in enumerate(per_head[0])], dim=1)
+        else:
+            q_lat = torch.einsum("nhd,hdr->nhr", q_nope, self.kv_b_proj.keys())  # q_nope . k_nope = q_lat . c
         query = torch.cat([q_lat, q_pe], dim=-1)  # (N, H, rank + rope)
         latent = torch.cat([c.unsqueeze(1), k_pe], dim=-1)  # (N, 1, rank + rope): the cached row
         o = backend.forward(query, latent, latent, cache, meta, self.scale)[..., : self.rank]  # (N, H, rank)
-        out = torch.einsum("nhr,hvr->nhv", o, self.kv_b_proj.values())  # (N, H, v)
+        if per_head is not None:
+            out = torch.stack([lin(o[:, j]) for j, lin in enumerate(per_head[1])], dim=1)
+        else:
+            out = torch.einsum("nhr,hvr->nhv", o, self.kv_b_proj.values())  # (N, H, v)
         return self.o_proj(out.reshape(n, h * self.v))
 
 
@@ -269,11 +303,28 @@ class Router(nn.Module):
             # It only chooses experts (no gradient reaches it): never trained, loaded like a weight.
             self.e_score_correction_bias = nn.Parameter(torch.zeros(cfg.n_routed_experts), requires_grad=False)
 
+    def own_cpu_kernels(self, rowwise: bool, max_rows: int | None) -> list[str]:
+        """An fp32 copy of the router weight with the CPU kernels (used by no-grad forwards while the weight
+        is unchanged), so the scores' bits do not depend on the step's rows."""
+        lin = Linear(self.weight.shape[1], self.weight.shape[0], bias=False).to(self.weight.device)
+        lin.weight.data.copy_(self.weight.float())
+        lin.requires_grad_(False)
+        got = lin.enable_cpu_kernels(rowwise, max_rows)
+        object.__setattr__(self, "_fp32", (_version(self.weight), lin))
+        return [got]
+
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x (N, D) -> weights (N, k) fp32, expert ids (N, k)."""
         cfg = self.cfg
-        logits = torch.nn.functional.linear(x.float(), self.weight.float())
-        scores = logits.softmax(-1) if cfg.scoring_func == "softmax" else logits.sigmoid()
+        own = self.__dict__.get("_fp32")
+        if own is not None and not torch.is_grad_enabled() and own[0] == _version(self.weight):
+            logits = own[1](x.float())
+        else:
+            logits = torch.nn.functional.linear(x.float(), self.weight.float())
+        # In float64, rounded to fp32: torch's vectorised fp32 sigmoid / softmax give other bits in a vector's
+        # tail (the step's row count moves the tail), which would make the choice depend on the batch.
+        wide = logits.double()
+        scores = (wide.softmax(-1) if cfg.scoring_func == "softmax" else wide.sigmoid()).float()
         choice = scores + self.e_score_correction_bias.float() if cfg.topk_method == "noaux_tc" else scores
         if cfg.topk_method != "greedy" and cfg.n_group > 1:
             grouped = choice.view(x.shape[0], cfg.n_group, -1)
@@ -286,7 +337,11 @@ class Router(nn.Module):
         ids = choice.topk(cfg.num_experts_per_tok, dim=-1).indices
         weights = scores.gather(1, ids)
         if cfg.norm_topk_prob and cfg.num_experts_per_tok > 1:
-            weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
+            # Summed column by column: a vectorised sum's order may depend on the number of rows.
+            total = weights[:, 0]
+            for j in range(1, weights.shape[1]):
+                total = total + weights[:, j]
+            weights = weights / (total.unsqueeze(-1) + 1e-20)
         return weights * cfg.routed_scaling_factor, ids
 
 

@@ -90,8 +90,15 @@ class Linear(nn.Linear):
 
 
 def enable_cpu_kernels(module: nn.Module, rowwise_kernels: bool = True, max_rows: int | None = MAX_ROWS) -> list[str]:
-    """enable_cpu_kernels on every Linear of a module; returns the kernel each got."""
-    return [m.enable_cpu_kernels(rowwise_kernels, max_rows) for m in module.modules() if isinstance(m, Linear)]
+    """enable_cpu_kernels on every Linear of a module, and on the derived ones of modules that keep
+    their own (`own_cpu_kernels`: e.g. MLA's per-head absorbed projections); returns what each got."""
+    got: list[str] = []
+    for m in module.modules():
+        if isinstance(m, Linear):
+            got.append(m.enable_cpu_kernels(rowwise_kernels, max_rows))
+        elif hasattr(m, "own_cpu_kernels"):
+            got.extend(m.own_cpu_kernels(rowwise_kernels, max_rows))
+    return got
 
 
 @contextlib.contextmanager
