@@ -356,7 +356,9 @@ def cmd_export(args: argparse.Namespace) -> int:
 
     check_export_output(args.out, overwrite=args.force, source=args.head, native=args.format == "native")
     cfg = read_head_config(args.head)
-    target = load_target(resolve_model(args.model), dtype="fp32")
+    # A head reads only the target's embedding, final norm and lm_head: the decoder layers stay on disk
+    # (a DeepSeek-V3 target is 671 B parameters).
+    target = load_target(resolve_model(args.model), dtype="fp32", layers=[])
     head = load_head(args.head, target, allow_other_target=args.allow_other_target)
     target = target.to(head.dtype)
     info = export_head(head, target, args.format, args.out, overwrite=args.force, source=args.head)
@@ -379,7 +381,7 @@ def cmd_import(args: argparse.Namespace) -> int:
     from headstart.models import load_target
 
     check_head_output(args.out, overwrite=args.force)
-    target = load_target(resolve_model(args.target), dtype="fp32")
+    target = load_target(resolve_model(args.target), dtype="fp32", layers=[])  # what a head reads (see export)
     head = import_head(args.src, args.format, target, args.out, overwrite=args.force,
                        allow_other_target=args.allow_other_target)
     n = sum(p.numel() for p in head.parameters())

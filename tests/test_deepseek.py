@@ -19,6 +19,9 @@ from headstart.nn.attention import PackedCausalAttention, packed_metadata
 ROOT = Path(__file__).resolve().parents[1]
 YARN = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 64,
         "beta_fast": 32, "beta_slow": 1, "mscale": 0.707, "mscale_all_dim": 0.707}
+# Unequal mscales (the attention factor and the softmax scale both != 1) and an untruncated ramp.
+YARN_V3 = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 64,
+           "beta_fast": 32, "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 0.5, "truncate": False}
 COMMON = dict(vocab_size=160, hidden_size=64, intermediate_size=96, moe_intermediate_size=24, num_hidden_layers=3,
               num_attention_heads=4, num_key_value_heads=4, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=8,
               v_head_dim=12,
@@ -32,7 +35,7 @@ CONFIGS = {
                               routed_scaling_factor=2.0, rope_parameters=YARN)),
     # DeepSeek-V3's: q LoRA, sigmoid + bias-corrected noaux_tc over groups, renormalised, YaRN
     "v3": ("v3", dict(q_lora_rank=24, n_group=2, topk_group=1, routed_scaling_factor=2.5, norm_topk_prob=True,
-                      rope_parameters=YARN)),
+                      rope_parameters=YARN_V3)),
     # V3 with rope_interleave false, two dense layers, no q LoRA
     "v3-plain-rope": ("v3", dict(q_lora_rank=None, n_group=4, topk_group=2, rope_interleave=False,
                                  first_k_dense_replace=2)),
@@ -56,7 +59,7 @@ def _hf_model(kind, overrides, seed=0):
                 p.normal_(0, 0.08 if "gate.weight" in name else 0.05)
         for name, b in model.named_buffers():
             if name.endswith("e_score_correction_bias"):
-                b.copy_(0.1 * torch.randn_like(b))
+                b.copy_(-1 + 0.3 * torch.randn_like(b))  # negative choices: masked groups must be -inf
     return model
 
 
@@ -137,6 +140,12 @@ def _config(**changes):
     ({"num_experts_per_tok": 5}, "num_experts_per_tok"),
     ({"rope_parameters": {"rope_type": "dynamic", "rope_theta": 1e4, "factor": 2.0}}, "RoPE scaling 'dynamic'"),
     ({"kv_lora_rank": None}, "kv_lora_rank"),
+    ({"q_lora_rank": 0}, "q_lora_rank = 0"),
+    ({"v_head_dim": None}, "v_head_dim = None"),
+    ({"mlp_bias": True}, "mlp_bias"),
+    ({"partial_rotary_factor": 0.5}, "partial_rotary_factor"),
+    ({"num_experts_per_tok": None}, "num_experts_per_tok is not set"),
+    ({"n_group": None}, "n_group is not set"),
 ])
 def test_what_is_not_supported_is_refused_by_name(changes, named):
     raw = _config(**changes)
@@ -192,6 +201,21 @@ def test_a_deepseek_mtp_head_has_the_targets_own_block(pair):
     dense = _mtp_head(ours, dense_block=True)
     assert isinstance(dense.layers[0].mlp, GatedMLP)
     assert (head.cache_heads, head.cache_head_dim, head.cache_shared) == (1, ours.config.latent_dim, True)
+    # The copied block computes what the target's last layer computes (its RoPE, YaRN included).
+    x = torch.randn(9, ours.config.hidden_size)
+    with torch.no_grad():
+        a = layer(x, packed_metadata([9]), None, PackedCausalAttention())
+        b = last(x, packed_metadata([9]), None, PackedCausalAttention())
+    torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)  # the target may run its kernel path, the head einsums
+    from headstart.inference.kv_cache import KVCacheSpec, pages_for_budget
+    from headstart.inference.proposers import draft_kv_spec
+
+    spec = draft_kv_spec(head)
+    assert spec.shared and spec.num_kv_heads == 1 and spec.head_dim == ours.config.latent_dim
+    assert spec.bytes_per_page(4) == 1 * 4 * ours.config.latent_dim * 4  # one layer, one tensor, fp32
+    target_spec = KVCacheSpec.of(ours)
+    assert pages_for_budget(1.0, [target_spec], 4) == int(1024**3 // (ours.num_layers * 4 * ours.config.latent_dim
+                                                                        * 4))
 
 
 def test_the_unrolled_mla_head_is_the_engine_draft_step(pair):

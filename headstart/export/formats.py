@@ -311,6 +311,9 @@ class DeepSeekMTP(Layout):
         cfg = head.config
         if cfg.num_layers != 1:
             return f"the DeepSeek MTP module holds one decoder block; this head has {cfg.num_layers}"
+        if cfg.dense_block and head.target.model.config.is_moe_layer(head.target.model.config.num_hidden_layers):
+            return ("the DeepSeek MTP loaders build the block at model.layers.{L} from the target's config, which "
+                    "routes experts there; this head has a dense MLP (head.dense_block): export it as native")
         if cfg.head_type == "mtp" and _norm_flags(cfg) != _norm_flags(HeadConfig(head_type="mtp")):
             return "only an mtp head with the default norm flags maps onto enorm / hnorm / eh_proj / shared_head.norm"
         return None

@@ -51,6 +51,21 @@ SCORING = ("softmax", "sigmoid")
 TOPK_METHODS = ("greedy", "group_limited_greedy", "noaux_tc")
 
 
+def _yarn_defaults(cfg: dict[str, Any]) -> dict[str, Any]:
+    """HF's YaRN defaults for what a config leaves out: original_max_position_embeddings is the model's
+    max_position_embeddings, factor their ratio."""
+    out = dict(cfg)
+    for section in ("rope_scaling", "rope_parameters"):
+        sc = out.get(section)
+        if isinstance(sc, dict) and sc.get("rope_type", sc.get("type")) == "yarn":
+            sc = dict(sc)
+            sc.setdefault("original_max_position_embeddings", out.get("max_position_embeddings", 4096))
+            if sc.get("factor") is None:
+                sc["factor"] = out.get("max_position_embeddings", 4096) / sc["original_max_position_embeddings"]
+            out[section] = sc
+    return out
+
+
 @dataclass(kw_only=True)
 class DeepseekConfig:
     model_type: str
@@ -79,6 +94,7 @@ class DeepseekConfig:
     n_group: int = 1
     topk_group: int = 1
     norm_topk_prob: bool = False
+    normalise_one: bool = False  # norm_topk_prob with one expert per token too (HF's V3; V2's code skips it)
     first_k_dense_replace: int = 0
     moe_layer_freq: int = 1
     num_nextn_predict_layers: int = 0  # MTP layers the checkpoint ships after the decoder layers
@@ -115,9 +131,34 @@ class DeepseekConfig:
             raise AssetError(f"{where}: model_type {mt!r} is not supported by headstart.models.deepseek "
                              f"(supported: {', '.join(SUPPORTED_MODEL_TYPES)})")
         v3 = mt == "deepseek_v3"
+        experts = cfg.get("n_routed_experts")
+        # A routed-expert config must say how it routes: HF's and DeepSeek's own code default these
+        # differently, so an absent one is refused rather than guessed.
+        needed = ["num_experts_per_tok", "moe_intermediate_size", "routed_scaling_factor"]
+        if v3 or cfg.get("topk_method") == "group_limited_greedy":
+            needed += ["n_group", "topk_group"]
+        for key in needed if experts else []:
+            if cfg.get(key) is None:
+                raise AssetError(f"{where}: n_routed_experts is {experts} but {key} is not set; state it (the "
+                                 "checkpoint's config.json does)")
+        for key in ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"):
+            value = cfg.get(key)
+            if key in cfg and not (isinstance(value, int) and not isinstance(value, bool) and value > 0):
+                raise AssetError(f"{where}: {key} = {value!r} is not supported: it must be a positive integer")
+        q_rank = cfg.get("q_lora_rank")
+        if q_rank is not None and not (isinstance(q_rank, int) and not isinstance(q_rank, bool) and q_rank > 0):
+            raise AssetError(f"{where}: q_lora_rank = {q_rank!r} is not supported: a positive integer, or null for "
+                             "a plain q_proj")
+        for key, why in (("mlp_bias", "the MLPs and experts here have no biases"),
+                         ("use_sliding_window", "MLA runs full attention")):
+            if cfg.get(key):
+                raise AssetError(f"{where}: {key} = {cfg[key]!r} is not supported: {why}")
+        if float(cfg.get("partial_rotary_factor", 1.0)) != 1.0:
+            raise AssetError(f"{where}: partial_rotary_factor = {cfg['partial_rotary_factor']!r} is not supported: "
+                             "the rope part (qk_rope_head_dim) is rotated whole")
+        cfg = _yarn_defaults(cfg)
         try:
             eos = cfg.get("eos_token_id")
-            experts = cfg.get("n_routed_experts")
             out = cls(
                 model_type=mt, vocab_size=cfg["vocab_size"], hidden_size=cfg["hidden_size"],
                 intermediate_size=cfg["intermediate_size"], num_hidden_layers=cfg["num_hidden_layers"],
@@ -137,7 +178,7 @@ class DeepseekConfig:
                 scoring_func=cfg.get("scoring_func") or ("sigmoid" if v3 else "softmax"),
                 topk_method=cfg.get("topk_method") or ("noaux_tc" if v3 else "greedy"),
                 n_group=cfg.get("n_group") or 1, topk_group=cfg.get("topk_group") or 1,
-                norm_topk_prob=bool(cfg.get("norm_topk_prob", v3)),
+                norm_topk_prob=bool(cfg.get("norm_topk_prob", v3)), normalise_one=v3,
                 first_k_dense_replace=cfg.get("first_k_dense_replace") or 0,
                 moe_layer_freq=cfg.get("moe_layer_freq") or 1,
                 num_nextn_predict_layers=cfg.get("num_nextn_predict_layers") or 0,
@@ -185,6 +226,12 @@ class DeepseekConfig:
 
     def parameter_count(self) -> int:
         """Parameters of the model as built here (the MTP layers a checkpoint ships are not)."""
+        d = self.hidden_size
+        layers = sum(self.layer_parameter_count(j) for j in range(self.num_hidden_layers))
+        return layers + self.vocab_size * d * (1 if self.tie_word_embeddings else 2) + d
+
+    def layer_parameter_count(self, j: int) -> int:
+        """Parameters of decoder layer j (MLA, its MLP or MoE, two norms)."""
         d, h = self.hidden_size, self.num_attention_heads
         q = (d * self.q_lora_rank + self.q_lora_rank + self.q_lora_rank * h * self.qk_head_dim
              if self.q_lora_rank else d * h * self.qk_head_dim)
@@ -193,8 +240,7 @@ class DeepseekConfig:
         dense = 3 * d * self.intermediate_size
         moe = (3 * d * self.moe_intermediate_size * ((self.n_routed_experts or 0) + (self.n_shared_experts or 0))
                + (self.n_routed_experts or 0) * (d + (self.topk_method == "noaux_tc")))  # router, its bias
-        layers = sum(attn + 2 * d + (moe if self.is_moe_layer(j) else dense) for j in range(self.num_hidden_layers))
-        return layers + self.vocab_size * d * (1 if self.tie_word_embeddings else 2) + d
+        return attn + 2 * d + (moe if self.is_moe_layer(j) else dense)
 
 
     def active_parameter_count(self) -> int:
@@ -336,13 +382,21 @@ class Router(nn.Module):
             choice = choice.masked_fill(~keep.repeat_interleave(cfg.n_routed_experts // cfg.n_group, dim=1), fill)
         ids = choice.topk(cfg.num_experts_per_tok, dim=-1).indices
         weights = scores.gather(1, ids)
-        if cfg.norm_topk_prob and cfg.num_experts_per_tok > 1:
+        if cfg.norm_topk_prob and (cfg.num_experts_per_tok > 1 or cfg.normalise_one):
             # Summed column by column: a vectorised sum's order may depend on the number of rows.
             total = weights[:, 0]
             for j in range(1, weights.shape[1]):
                 total = total + weights[:, j]
             weights = weights / (total.unsqueeze(-1) + 1e-20)
         return weights * cfg.routed_scaling_factor, ids
+
+
+def keep_routers_fp32(module: nn.Module) -> None:
+    """The routers' weight and bias stay fp32 in a bf16 model, as HF keeps them (the expert choice is a
+    ranking: bf16 weights would send some tokens to other experts)."""
+    for m in module.modules():
+        if isinstance(m, Router):
+            m.float()
 
 
 class MoE(nn.Module):
@@ -447,21 +501,39 @@ class DeepseekForCausalLM(CausalLM):
         return {"gate_proj": ("gate_up_proj", 0, [-1, -1]), "up_proj": ("gate_up_proj", 1, [-1, -1])}
 
 
-def check_memory(cfg: DeepseekConfig, dtype: torch.dtype, device: torch.device | str, where: str) -> None:
-    """Refuse a model whose weights exceed what the device has, before anything is allocated."""
-    need = cfg.parameter_count() * dtype.itemsize
+def check_memory(cfg: DeepseekConfig, dtype: torch.dtype, device: torch.device | str, where: str,
+                 layers: Sequence[int] | None = None) -> None:
+    """Refuse a model whose weights (of the kept `layers`, all by default) exceed what the device has,
+    before anything is allocated."""
+    params = cfg.parameter_count()
+    if layers is not None:
+        keep = {j % cfg.num_hidden_layers for j in layers}
+        per_layer = [cfg.layer_parameter_count(j) for j in range(cfg.num_hidden_layers)]
+        params -= sum(n for j, n in enumerate(per_layer) if j not in keep)
+    need = params * dtype.itemsize
     device = torch.device(device)
     if device.type == "cuda":
         have = torch.cuda.mem_get_info(device)[0]
     elif device.type == "cpu":
-        import os
-
-        have = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+        have = _available_host_memory()
     else:
         return
     if need > have:
-        raise AssetError(f"{where}: the weights need {need / 1e9:.1f} GB ({cfg.parameter_count() / 1e9:.2f} B "
-                         f"parameters x {dtype.itemsize} B) and {device} has {have / 1e9:.1f} GB available")
+        raise AssetError(f"{where}: the weights need {need / 1e9:.1f} GB ({params / 1e9:.2f} B parameters x "
+                         f"{dtype.itemsize} B) and {device} has {have / 1e9:.1f} GB available")
+
+
+def _available_host_memory() -> int:
+    """MemAvailable (free + reclaimable page cache: a machine that just read the weights has little free)."""
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    import os
+
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
 def load_deepseek(model_dir: str | Path, dtype: str | torch.dtype = "fp32", device: str | torch.device = "cpu",
@@ -477,7 +549,7 @@ def load_deepseek(model_dir: str | Path, dtype: str | torch.dtype = "fp32", devi
     if tp.enabled:
         raise AssetError(f"{where}: tensor parallelism is not implemented for DeepSeek targets (MLA + MoE); use "
                          "engine.tensor_parallel 1")
-    check_memory(cfg, torch_dtype, device, where)
+    check_memory(cfg, torch_dtype, device, where, layers)
     with torch.device("meta"):
         model = DeepseekForCausalLM(cfg)
     if layers is not None:
@@ -486,6 +558,7 @@ def load_deepseek(model_dir: str | Path, dtype: str | torch.dtype = "fp32", devi
             if j not in keep:
                 model.model.layers[j] = AbsentLayer(j)
     model = model.to_empty(device=device).to(torch_dtype)
+    keep_routers_fp32(model)
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
     load_weights(model, model_dir, model.packed_names(), skip=("rotary_emb.inv_freq",))
