@@ -100,6 +100,11 @@ def _read_head_config(path: str | Path) -> tuple[HeadConfig, str]:
     return cfg, sha
 
 
+# HeadConfig fields added after heads were saved (the shipped one among them), with the value every
+# earlier head had: a record without one was saved with that value.
+LATER_FIELDS = {"dense_block": False}
+
+
 def check_head_files(path: str | Path, cfg: HeadConfig, sha256: str) -> None:
     """The weights file is the one config.json records (sha256), and config.json says what the
     weights were saved with: both checked before anything is built from the config."""
@@ -129,6 +134,9 @@ def _check_config_record(f: Path, cfg: HeadConfig) -> None:
     if not isinstance(saved, dict):
         raise AssetError(f"{f}: its {CONFIG_RECORD} record is not a JSON object")
     have = dataclasses.asdict(cfg)
+    for key, default in LATER_FIELDS.items():  # added after heads were saved: absent means the default
+        if key not in saved and have.get(key) == default:
+            have.pop(key)
     for key in sorted(set(saved) | set(have)):
         if saved.get(key) != have.get(key):
             raise AssetError(f"{f.parent / 'config.json'}: {key} is {str(have.get(key))[:80]} but the weights were "

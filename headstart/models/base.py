@@ -37,6 +37,10 @@ class AbsentLayer(nn.Module):
                            "head trains against) cannot run a forward")
 
 
+# RopeConfig fields added after fingerprints were recorded, with the value every earlier model had.
+LATER_ROPE_FIELDS = {"interleaved": False}
+
+
 class CausalLM(nn.Module):
     """Base of the target families (see the module docstring)."""
 
@@ -79,6 +83,10 @@ class CausalLM(nn.Module):
         a manifest or a checkpoint was made with."""
         if self._fingerprint is None:
             fields = dataclasses.asdict(self.config)
+            rope = fields.get("rope")
+            for key, default in LATER_ROPE_FIELDS.items():  # RopeConfig fields added later, hashed only where set
+                if isinstance(rope, dict) and rope.get(key) == default:
+                    rope.pop(key)
             for key, default in self.later_fields.items():  # hashed only where set: older fingerprints stay valid
                 if fields.get(key) == default:
                     fields.pop(key)
