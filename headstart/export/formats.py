@@ -37,6 +37,7 @@ from headstart.export.layout import (
 )
 from headstart.heads import DraftHead, HeadConfig
 from headstart.heads.base import EAGLE_FLAGS
+from headstart.models.deepseek import SUPPORTED_MODEL_TYPES as DEEPSEEK_MODEL_TYPES
 from headstart.models.llama import LlamaForCausalLM
 
 SPECULATORS_VERSION = "0.9.0"
@@ -288,7 +289,6 @@ class VLLM(Layout):
 # Targets whose decoder block the DeepSeek MTP loaders build: vLLM's DeepSeekMTP and SGLang's
 # DeepseekV3ForCausalLMNextN construct the MTP layer's block from the target's config as a DeepSeek
 # (MLA + MoE) layer, so a Llama-family block under model.layers.{L} is read by none of them.
-DEEPSEEK_MODEL_TYPES = ("deepseek_v2", "deepseek_v3")
 
 
 def _not_deepseek(target: LlamaForCausalLM) -> str | None:

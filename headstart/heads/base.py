@@ -96,7 +96,9 @@ class HeadConfig:
     def resolve(self, target: LlamaForCausalLM) -> HeadConfig:
         """A copy with every dimension filled from the target, checked against it."""
         t = target.config
-        if t.model_type in ("deepseek_v2", "deepseek_v3") and self.head_type not in DEEPSEEK_TARGET_HEADS:
+        from headstart.models.deepseek import SUPPORTED_MODEL_TYPES as DEEPSEEK
+
+        if t.model_type in DEEPSEEK and self.head_type not in DEEPSEEK_TARGET_HEADS:
             raise AssetError(f"a {self.head_type} head on a DeepSeek target ({t.model_type}) is not built: its block "
                              "would be a Llama layer; train a deepseek_mtp head (the target's own MLA / MoE block) "
                              "or medusa")

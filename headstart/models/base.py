@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +21,7 @@ import torch
 from torch import nn
 
 from headstart.models.loading import safetensors_files
+from headstart.nn.attention import AttentionBackend, AttentionMetadata, KVPages
 from headstart.nn.linear import enable_cpu_kernels
 from headstart.nn.parallel import SINGLE, TensorParallel
 
@@ -69,6 +71,23 @@ class CausalLM(nn.Module):
         """True for a model loaded with only some of its decoder layers (no forward)."""
         return any(isinstance(layer, AbsentLayer) for layer in self.model.layers)
 
+    def forward(
+        self, input_ids: torch.Tensor, meta: AttentionMetadata, caches: list[KVPages], backend: AttentionBackend,
+        capture: tuple[int, ...] = (),
+    ) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
+        """input_ids (N,) -> h (N, D) pre-norm last hidden state, {j: (N, D) hidden state entering layer j}."""
+        cfg = self.config
+        backend.plan(meta, self.num_local_heads, self.cache_heads, self.cache_head_dim, self.dtype)
+        h = self.embed(input_ids)
+        aux: dict[int, torch.Tensor] = {}
+        for j, layer in enumerate(self.model.layers):
+            if j in capture:
+                aux[j] = h
+            h = layer(h, meta, caches[j], backend)
+        if cfg.num_hidden_layers in capture:
+            aux[cfg.num_hidden_layers] = h
+        return h, aux
+
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:  # (N,) -> (N, D)
         return self.model.embed_tokens(input_ids)
 
@@ -114,3 +133,22 @@ class CausalLM(nn.Module):
     @property
     def dtype(self) -> torch.dtype:
         return self.model.embed_tokens.weight.dtype
+
+
+def materialise(model: CausalLM, device: str | torch.device, dtype: torch.dtype,
+                layers: Sequence[int] | None = None) -> CausalLM:
+    """A model built on the meta device -> empty tensors on `device` in `dtype`, ready for load_weights.
+    With `layers`, only those decoder layers are kept (the others become AbsentLayer: a partial model);
+    tied embeddings are tied again (to_empty unties them)."""
+    if layers is not None:
+        if model.tp.enabled:
+            raise ValueError("a partial model (layers=) is loaded whole, not as a tensor-parallel shard")
+        n = model.config.num_hidden_layers
+        keep = {j % n for j in layers}
+        for j in range(n):
+            if j not in keep:
+                model.model.layers[j] = AbsentLayer(j)
+    model = model.to_empty(device=device).to(dtype)  # rotary tables are rebuilt in fp32 on the way
+    if model.config.tie_word_embeddings:
+        model.lm_head.weight = model.model.embed_tokens.weight
+    return model

@@ -37,7 +37,7 @@ import torch
 from torch import nn
 
 from headstart.errors import AssetError
-from headstart.models.base import AbsentLayer, CausalLM
+from headstart.models.base import CausalLM, materialise
 from headstart.models.loading import load_weights
 from headstart.nn.attention import AttentionBackend, AttentionMetadata, KVPages
 from headstart.nn.linear import Linear
@@ -478,23 +478,6 @@ class DeepseekForCausalLM(CausalLM):
     def num_local_kv_heads(self) -> int:
         return 1
 
-    def forward(
-        self, input_ids: torch.Tensor, meta: AttentionMetadata, caches: list[KVPages], backend: AttentionBackend,
-        capture: tuple[int, ...] = (),
-    ) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
-        """input_ids (N,) -> h (N, D) pre-norm last hidden state, {j: (N, D) hidden state entering layer j}."""
-        cfg = self.config
-        backend.plan(meta, cfg.num_attention_heads, 1, cfg.latent_dim, self.dtype)
-        h = self.embed(input_ids)
-        aux: dict[int, torch.Tensor] = {}
-        for j, layer in enumerate(self.model.layers):
-            if j in capture:
-                aux[j] = h
-            h = layer(h, meta, caches[j], backend)
-        if cfg.num_hidden_layers in capture:
-            aux[cfg.num_hidden_layers] = h
-        return h, aux
-
     @staticmethod
     def packed_names() -> dict[str, tuple[str, int, list[int]]]:
         """HF fragment -> (our fused parameter, block, block sizes): gate/up of every MLP and expert."""
@@ -552,15 +535,8 @@ def load_deepseek(model_dir: str | Path, dtype: str | torch.dtype = "fp32", devi
     check_memory(cfg, torch_dtype, device, where, layers)
     with torch.device("meta"):
         model = DeepseekForCausalLM(cfg)
-    if layers is not None:
-        keep = {j % cfg.num_hidden_layers for j in layers}
-        for j in range(cfg.num_hidden_layers):
-            if j not in keep:
-                model.model.layers[j] = AbsentLayer(j)
-    model = model.to_empty(device=device).to(torch_dtype)
+    model = materialise(model, device, torch_dtype, layers)
     keep_routers_fp32(model)
-    if cfg.tie_word_embeddings:
-        model.lm_head.weight = model.model.embed_tokens.weight
     load_weights(model, model_dir, model.packed_names(), skip=("rotary_emb.inv_freq",))
     model.source_dir = model_dir
     return model.eval().requires_grad_(False)

@@ -19,9 +19,8 @@ import torch
 from torch import nn
 
 from headstart.errors import AssetError
-from headstart.models.base import AbsentLayer, CausalLM
+from headstart.models.base import CausalLM, materialise
 from headstart.models.loading import load_weights
-from headstart.nn.attention import AttentionBackend, AttentionMetadata, KVPages
 from headstart.nn.decoder import DecoderLayer, DecoderLayerConfig
 from headstart.nn.norm import RMSNorm
 from headstart.nn.parallel import SINGLE, TensorParallel, VocabParallelEmbedding, VocabParallelLinear
@@ -155,23 +154,6 @@ class LlamaForCausalLM(CausalLM):
     def cache_head_dim(self) -> int:
         return self.config.head_dim
 
-    def forward(
-        self, input_ids: torch.Tensor, meta: AttentionMetadata, caches: list[KVPages], backend: AttentionBackend,
-        capture: tuple[int, ...] = (),
-    ) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
-        """input_ids (N,) -> h (N, D) pre-norm last hidden state, {j: (N, D) hidden state entering layer j}."""
-        cfg = self.config
-        backend.plan(meta, self.num_local_heads, self.num_local_kv_heads, cfg.head_dim, self.dtype)
-        h = self.embed(input_ids)
-        aux: dict[int, torch.Tensor] = {}
-        for j, layer in enumerate(self.model.layers):
-            if j in capture:
-                aux[j] = h
-            h = layer(h, meta, caches[j], backend)
-        if cfg.num_hidden_layers in capture:
-            aux[cfg.num_hidden_layers] = h
-        return h, aux
-
     def packed_names(self) -> dict[str, tuple[str, int, list[int]]]:
         """HF fragment -> (our fused parameter, block, block sizes): this rank's sizes under tensor parallelism."""
         c = self.config
@@ -245,16 +227,7 @@ def load_llama(model_dir: str | Path, dtype: str | torch.dtype = "fp32", device:
             model = LlamaForCausalLM(cfg, tp)
     except ValueError as e:  # a shape the tensor-parallel size cannot split
         raise AssetError(f"{model_dir / 'config.json'}: {e}") from None
-    if layers is not None:
-        if tp.enabled:
-            raise ValueError("a partial model (layers=) is loaded whole, not as a tensor-parallel shard")
-        keep = {j % cfg.num_hidden_layers for j in layers}
-        for j in range(cfg.num_hidden_layers):
-            if j not in keep:
-                model.model.layers[j] = AbsentLayer(j)
-    model = model.to_empty(device=device).to(torch_dtype)  # rotary tables are rebuilt in fp32 on the way
-    if cfg.tie_word_embeddings:
-        model.lm_head.weight = model.model.embed_tokens.weight
+    model = materialise(model, device, torch_dtype, layers)
     load_weights(model, model_dir, model.packed_names(), skip=("rotary_emb.inv_freq",), shard=model.shard_of)
     model.source_dir = model_dir
     return model.eval().requires_grad_(False)
