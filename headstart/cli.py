@@ -71,10 +71,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--page-size", type=int, default=16)
     p.add_argument("--raw", action="store_true", help="--prompt text is not wrapped in the chat template")
     p.add_argument("--json", action="store_true", help="one JSON object per prompt, then a summary object")
-    p.add_argument("--spec", choices=["chain", "draft", "medusa", "tree", "ngram"], default=None,
-                   help="speculative decoding: a head chain, a draft model, Medusa heads, an EAGLE-2 tree, or "
-                        "prompt lookup (ngram: no model)")
-    p.add_argument("--head", default=None, help="head checkpoint directory (--spec chain / medusa / tree)")
+    p.add_argument("--spec", choices=["chain", "draft", "medusa", "tree", "ngram", "block"], default=None,
+                   help="speculative decoding: a head chain, a draft model, Medusa heads, an EAGLE-2 tree, "
+                        "prompt lookup (ngram: no model), or a DFlash block (block: k drafts in one forward)")
+    p.add_argument("--head", default=None, help="head checkpoint directory (--spec chain / medusa / tree / block)")
     p.add_argument("--draft", default=None, help="draft model: name, HF directory or draft_lm head (--spec draft)")
     p.add_argument("--k", type=int, default=3, help="draft tokens per step")
     p.add_argument("--draft-threshold", type=float, default=None,
@@ -117,7 +117,9 @@ def build_parser() -> argparse.ArgumentParser:
     head_verbs = p.add_subparsers(dest="head_verb", metavar="ACTION", required=True)
     q = head_verbs.add_parser("init", help="build a head for a target (initialised from it) and save it")
     q.add_argument("--model", default="smollm2-135m", help="the target: embedded name or local directory")
-    q.add_argument("--type", required=True, choices=["mtp", "eagle1", "deepseek_mtp", "eagle3", "medusa", "draft_lm"])
+    q.add_argument("--type", required=True,
+                   choices=["mtp", "eagle1", "deepseek_mtp", "eagle3", "medusa", "draft_lm", "dflash"])
+    q.add_argument("--block-size", type=int, default=None, help="dflash: positions per drafted block (default 8)")
     q.add_argument("--num-layers", type=int, default=1, help="decoder layers (draft_lm: its depth)")
     q.add_argument("--medusa-heads", type=int, default=4)
     q.add_argument("--postnorm-features", action="store_true",

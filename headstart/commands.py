@@ -240,7 +240,7 @@ def cmd_head_init(args: argparse.Namespace) -> int:
         if args.postnorm_features and args.type not in POSTNORM_FAMILIES:  # named by the flag, not the field
             raise ValueError(f"--postnorm-features applies to {', '.join(POSTNORM_FAMILIES)} heads, not {args.type}")
         cfg = HeadConfig(head_type=args.type, num_layers=args.num_layers, medusa_num_heads=args.medusa_heads,
-                         postnorm_features=True if args.postnorm_features else None)
+                         postnorm_features=True if args.postnorm_features else None, block_size=args.block_size)
     except ValueError as e:
         raise HeadstartError(f"head init: {e}") from None
     target = load_target(resolve_model(args.model), dtype=args.dtype)

@@ -26,7 +26,7 @@ MAX_TTT_STEPS = 16  # train.ttt_steps: unrolled draft steps, bounded (activation
 
 Dtype = Literal["auto", "bf16", "fp16", "fp32"]
 DataFormat = Literal["auto", "sharegpt", "messages", "prompt"]
-HeadType = Literal["mtp", "eagle1", "deepseek_mtp", "eagle3", "medusa", "draft_lm"]
+HeadType = Literal["mtp", "eagle1", "deepseek_mtp", "eagle3", "medusa", "draft_lm", "dflash"]
 
 
 @dataclass(kw_only=True)
@@ -87,9 +87,23 @@ class HeadSection:
     # deepseek_mtp on a DeepSeek target: the block is the target's own kind (MLA, and MoE where the
     # target routes experts at the MTP layer's index, as DeepSeek-V3's MTP layer does); true: a dense MLP.
     dense_block: bool = False
+    # dflash: positions per drafted block, the anchor (the verified bonus token) and block_size - 1 drafts
+    # (None: 8, speculators' default); head.k may be at most block_size - 1.
+    block_size: int | None = None
+    mask_token_id: int | None = None  # dflash: the token in the draft slots (None: the tokenizer's mask/unk/pad)
+    # dflash training: anchored blocks per micro-batch (speculators' max_anchors), drawn among its supervised rows
+    max_anchors: int = 512
 
     def __post_init__(self) -> None:
         _require(self.num_layers >= 1, "head.num_layers", f"must be >= 1, got {self.num_layers}")
+        _require(self.type == "dflash" or (self.block_size is None and self.mask_token_id is None),
+                 "head.block_size", f"block_size and mask_token_id apply to dflash heads, not {self.type}")
+        _require(self.block_size is None or 2 <= self.block_size <= 32, "head.block_size",
+                 f"must be in 2..32, got {self.block_size}")
+        _require(self.type != "dflash" or self.k <= (self.block_size or 8) - 1, "head.k",
+                 f"a dflash block of {self.block_size or 8} drafts at most {(self.block_size or 8) - 1} tokens, "
+                 f"got k={self.k}")
+        _require(self.max_anchors >= 1, "head.max_anchors", "must be >= 1")
         _require(not self.dense_block or self.type == "deepseek_mtp", "head.dense_block",
                  f"applies to deepseek_mtp heads, not {self.type}")
         _require(1 <= self.k <= 16, "head.k", f"must be in [1, 16], got {self.k}")
@@ -184,6 +198,7 @@ class TrainConfig:
     loss_weights: LossWeights = field(default_factory=LossWeights)
     ttt_steps: int = 1  # training-time test: unrolled draft steps (1 = plain teacher forcing)
     ttt_decay: float = 0.8  # step j's loss is weighted by ttt_decay ** j
+    block_decay_gamma: float = 4.0  # dflash: draft slot i's loss is weighted exp(-(i - 1) / gamma) (speculators')
     loss_chunk_tokens: int = 256  # rows per vocabulary-sized chunk (no [tokens x vocab] tensor is kept)
     val_every_steps: int = 200  # engine validation interval (0: only at the end)
     val_prompts: int = 16  # held-out prompts (first user turns) decoded by the engine at each validation
@@ -198,6 +213,7 @@ class TrainConfig:
                     "max_bad_steps"):
             _require(getattr(self, key) >= 1, f"train.{key}", f"must be >= 1, got {getattr(self, key)}")
         _require(self.epochs is None or self.epochs >= 1, "train.epochs", "must be >= 1 or null")
+        _require(self.block_decay_gamma > 0, "train.block_decay_gamma", f"must be > 0, got {self.block_decay_gamma}")
         _require(self.lr > 0, "train.lr", f"must be > 0, got {self.lr}")
         _require(0 <= self.min_lr_ratio <= 1, "train.min_lr_ratio", "must be in [0, 1]")
         for key in ("warmup_steps", "weight_decay", "grad_clip", "val_every_steps", "val_prompts", "val_loss_batches"):

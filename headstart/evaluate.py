@@ -146,6 +146,8 @@ def _settings(heads: dict[str, Any], labels: dict[str, str], plan: EvalPlan) -> 
             for k in plan.ks:
                 if spec_method(head.config.head_type) == "medusa" and k > head.config.medusa_num_heads:
                     continue
+                if spec_method(head.config.head_type) == "block" and k > head.config.block_size - 1:
+                    continue
                 out.append(_Setting(labels[path], path, head, method, k))
     if plan.baseline:
         out += [_Setting("ngram (no training)", None, None, "ngram", k) for k in plan.ks]

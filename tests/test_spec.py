@@ -12,7 +12,7 @@ from headstart.inference import Engine, SamplingParams
 from headstart.inference.proposers import Proposal, SpecConfig, _Proposer
 from headstart.models.llama import load_llama
 
-KINDS = ["mtp", "eagle1", "deepseek_mtp", "eagle3", "medusa", "draft_lm"]
+KINDS = ["mtp", "eagle1", "deepseek_mtp", "eagle3", "medusa", "draft_lm", "dflash"]
 
 
 @pytest.fixture(scope="module")
@@ -28,10 +28,10 @@ def _prompts(n, seed=0):
 
 
 def _spec(target, kind, k=3, **kw):
-    cfg = HeadConfig(head_type=kind, aux_layer_ids=[0, 1, 2] if kind == "eagle3" else None,
-                     num_layers=1 if kind == "draft_lm" else 1)
+    cfg = HeadConfig(head_type=kind, aux_layer_ids=[0, 1, 2] if kind in ("eagle3", "dflash") else None,
+                     num_layers=2 if kind == "dflash" else 1, block_size=4 if kind == "dflash" else None)
     head = build_head(cfg, target)
-    method = {"medusa": "medusa", "draft_lm": "draft"}.get(kind, "chain")
+    method = {"medusa": "medusa", "draft_lm": "draft", "dflash": "block"}.get(kind, "chain")
     if method == "draft":
         return SpecConfig(method=method, k=k, draft=head, **kw)
     return SpecConfig(method=method, k=k, head=head, **kw)
@@ -54,7 +54,7 @@ def test_greedy_is_lossless_for_every_proposer(target, kind):
     assert outs[1].spec_metrics["steps"] > 0
 
 
-@pytest.mark.parametrize("kind", ["mtp", "draft_lm", "medusa"])
+@pytest.mark.parametrize("kind", ["mtp", "draft_lm", "medusa", "dflash"])
 def test_lossless_under_preemption_and_stop_tokens(target, kind):
     prompts = _prompts(12, seed=3)
     params = [SamplingParams(max_tokens=16, ignore_eos=True, stop_token_ids=[7, 11]) for _ in prompts]
@@ -301,7 +301,7 @@ def _exact_first_tokens(target, prompt, params, n=3):
 
 
 @pytest.mark.parametrize("method", ["chain", "full_q", "full_q_draft_vocab", "full_q_shared_draft_vocab", "draft",
-                                    "tree", "tree_draft_vocab", "ngram"])
+                                    "tree", "tree_draft_vocab", "ngram", "block_full_q_draft_vocab"])
 def test_sampled_speculation_follows_the_target_law_at_every_position(target, method, request):
     """T = 0.8, top-k 3: the first three emitted tokens (one from prefill, two from a speculative
     step) follow the target's own sequential law, for every proposer and rule."""
@@ -320,6 +320,8 @@ def test_sampled_speculation_follows_the_target_law_at_every_position(target, me
         spec = SpecConfig(method="chain", k=2, head=request.getfixturevalue("fitted")["mtp"], draft_sampling=True)
     elif method == "draft":
         spec = _spec(target, "draft_lm", k=2)
+    elif method == "block_full_q_draft_vocab":  # a fitted DFlash block: q per slot, sampled drafts
+        spec = SpecConfig(method="block", k=2, head=fitted_dflash(target), draft_sampling=True)
     elif method == "full_q_draft_vocab":  # q over 64 draft tokens, spread onto the target vocabulary
         spec = SpecConfig(method="chain", k=2, head=request.getfixturevalue("fitted")["eagle3"],
                           draft_sampling=True)
@@ -373,6 +375,40 @@ def fitted(target):
             opt.step()
         heads[kind] = head.requires_grad_(False)
     return heads
+
+
+_FITTED_DFLASH = {}
+
+
+def fitted_dflash(target):
+    """A dflash head (block 4, two layers, a 64-token draft vocabulary) fitted for a few seconds with the
+    block objective to the target's greedy continuations of four prompts and of the target-law prompt."""
+    if id(target) in _FITTED_DFLASH:
+        return _FITTED_DFLASH[id(target)]
+    from headstart.config import recipe_from_dict
+    from headstart.heads import PackedBatch, build_vocab_maps
+    from headstart.train.module import HeadModule, target_forward
+
+    prompts = _prompts(4, seed=0) + _prompts(1, seed=LAW_PROMPT_SEED)
+    ref = Engine(target, page_size=4).generate(prompts, SamplingParams(max_tokens=24, ignore_eos=True))
+    seqs = [p + o.token_ids for p, o in zip(prompts, ref)]
+    ids = torch.tensor([t for s in seqs for t in s])
+    mask = torch.tensor([float(i >= len(p) - 1) for p, s in zip(prompts, seqs) for i in range(len(s))])
+    torch.manual_seed(0)
+    head = build_head(HeadConfig(head_type="dflash", draft_vocab_size=64, aux_layer_ids=[0, 1, 2], num_layers=2,
+                                 block_size=4), target)
+    head.set_vocab_maps(*build_vocab_maps(torch.bincount(ids[mask > 0], minlength=320).float(), 64))
+    module = HeadModule(recipe_from_dict({"head": {"type": "dflash", "block_size": 4}}), target, head)
+    batch = target_forward(target, PackedBatch(ids, [len(s) for s in seqs], None, None, mask), [0, 1, 2])
+    opt = torch.optim.AdamW([p for p in head.parameters() if p.requires_grad], lr=3e-3)
+    for step in range(200):
+        module.consumed = step  # new anchors each step
+        loss, _ = module.losses(batch, with_stats=False)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    _FITTED_DFLASH[id(target)] = head.requires_grad_(False)
+    return head
 
 
 @pytest.mark.parametrize("kind", ["eagle3", "medusa", "mtp"])

@@ -8,6 +8,7 @@
 | `eagle3`       | EAGLE-3: 3 fused target layers, reduced draft vocabulary     | eagle3.py       |
 | `medusa`       | k residual-MLP heads                                         | medusa.py       |
 | `draft_lm`     | a small standalone LM for draft-target decoding              | draft_lm.py     |
+| `dflash`       | DFlash: a block of drafts in one non-causal forward          | dflash.py       |
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ from headstart.heads.checkpoint import (
     save_head,
 )
 from headstart.heads.deepseek_mtp import DeepSeekMTPHead
+from headstart.heads.dflash import DFlashHead
 from headstart.heads.draft_lm import DraftLM
 from headstart.heads.eagle import EagleHead
 from headstart.heads.eagle3 import Eagle3Head
@@ -44,7 +46,7 @@ from headstart.models.llama import LlamaForCausalLM
 
 FAMILIES: dict[str, type[DraftHead]] = {
     "mtp": EagleHead, "eagle1": EagleHead, "deepseek_mtp": DeepSeekMTPHead, "eagle3": Eagle3Head,
-    "medusa": MedusaHead, "draft_lm": DraftLM,
+    "medusa": MedusaHead, "draft_lm": DraftLM, "dflash": DFlashHead,
 }
 
 
@@ -54,7 +56,7 @@ def head_config_from_recipe(section: HeadSection) -> HeadConfig:
         head_type=section.type, num_layers=section.num_layers, aux_layer_ids=section.aux_layer_ids,
         draft_vocab_size=section.draft_vocab_size, medusa_num_heads=section.medusa_num_heads,
         medusa_num_layers=section.medusa_num_layers, postnorm_features=section.postnorm_features,
-        dense_block=section.dense_block,
+        dense_block=section.dense_block, block_size=section.block_size, mask_token_id=section.mask_token_id,
     )
 
 

@@ -21,6 +21,7 @@ import contextlib
 import dataclasses
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -32,7 +33,10 @@ from headstart.nn.attention import AttentionBackend, AttentionMetadata, KVPages
 from headstart.nn.decoder import DecoderLayer, DecoderLayerConfig
 from headstart.nn.rope import RotaryEmbedding
 
-HEAD_TYPES = ("mtp", "eagle1", "deepseek_mtp", "eagle3", "medusa", "draft_lm")
+HEAD_TYPES = ("mtp", "eagle1", "deepseek_mtp", "eagle3", "medusa", "draft_lm", "dflash")
+# Families that fuse the hidden states entering several target layers (head.aux_layer_ids).
+AUX_FAMILIES = ("eagle3", "dflash")
+MAX_BLOCK_SIZE = 32  # dflash: positions per drafted block (the drafts per step + 1)
 HIDDEN_STATE_CONVENTION = {
     "last_hidden": "output of the last decoder layer before the final norm",
     "aux_layers": "hidden state entering decoder layer j (HF hidden_states[j]; j = 0 is the embedding output)",
@@ -76,6 +80,8 @@ class HeadConfig:
     postnorm_features: bool | None = None
     fc_bias: bool | None = None
     dense_block: bool = False  # deepseek_mtp on a DeepSeek target: a dense MLP instead of the target's MoE
+    block_size: int | None = None  # dflash: positions per block (anchor + block_size - 1 drafts); None: 8
+    mask_token_id: int | None = None  # dflash: the token filling the block's draft slots; None: the tokenizer's
     # Filled by resolve(): the target this head belongs to.
     target: dict[str, Any] = field(default_factory=dict)
 
@@ -87,6 +93,10 @@ class HeadConfig:
         if self.medusa_num_heads < 1 or self.medusa_num_layers < 1:
             raise ValueError(f"medusa_num_heads and medusa_num_layers must be >= 1, got {self.medusa_num_heads} "
                              f"and {self.medusa_num_layers}")
+        if self.head_type != "dflash" and (self.block_size is not None or self.mask_token_id is not None):
+            raise ValueError(f"block_size and mask_token_id apply to dflash heads, not {self.head_type}")
+        if self.block_size is not None and not 2 <= self.block_size <= MAX_BLOCK_SIZE:
+            raise ValueError(f"block_size must be in 2..{MAX_BLOCK_SIZE}, got {self.block_size}")
         if self.postnorm_features and self.head_type not in POSTNORM_FAMILIES:
             raise ValueError(f"postnorm_features applies to {', '.join(POSTNORM_FAMILIES)} heads, not {self.head_type}")
         for name, value in EAGLE_FLAGS.get(self.head_type, {}).items():
@@ -110,9 +120,15 @@ class HeadConfig:
         # A DeepSeek (MLA) target has no GQA head shape: a Llama-style block would use full heads.
         cfg.num_key_value_heads = cfg.num_key_value_heads or getattr(t, "num_key_value_heads", t.num_attention_heads)
         cfg.head_dim = cfg.head_dim or block_head_dim(t)
-        if cfg.head_type == "eagle3" and cfg.aux_layer_ids is None:
-            n = t.num_hidden_layers
-            cfg.aux_layer_ids = [min(2, n - 1), n // 2, max(n - 3, 0)]
+        if cfg.head_type in AUX_FAMILIES and cfg.aux_layer_ids is None:
+            cfg.aux_layer_ids = default_aux_layers(t.num_hidden_layers)
+        if cfg.head_type == "dflash":
+            cfg.block_size = cfg.block_size or 8
+            if cfg.mask_token_id is None:
+                cfg.mask_token_id = default_mask_token(target)
+            if not 0 <= cfg.mask_token_id < t.vocab_size:
+                raise AssetError(f"mask_token_id={cfg.mask_token_id} is outside the target's vocabulary "
+                                 f"(0..{t.vocab_size - 1})")
         cfg.target = {
             "model_type": t.model_type, "hidden_size": t.hidden_size, "vocab_size": t.vocab_size,
             "num_hidden_layers": t.num_hidden_layers, "fingerprint": target.fingerprint(),
@@ -129,6 +145,31 @@ class HeadConfig:
         )
         kw.update(overrides)
         return DecoderLayerConfig(**kw)
+
+
+def default_aux_layers(num_layers: int) -> list[int]:
+    """EAGLE-3's (and DFlash's) default fused layers: low, middle and high."""
+    return [min(2, num_layers - 1), num_layers // 2, max(num_layers - 3, 0)]
+
+
+def default_mask_token(target: LlamaForCausalLM) -> int:
+    """The token a dflash block's draft slots hold when head.mask_token_id is not set: the target
+    tokenizer's mask token, else its unknown, pad or EOS token (speculators' order, less the option of
+    adding a token); without a tokenizer the first EOS id, else 0."""
+    source = getattr(target, "source_dir", None)
+    if source is not None and (Path(source) / "tokenizer_config.json").is_file():
+        try:
+            from transformers import AutoTokenizer
+
+            tok = AutoTokenizer.from_pretrained(str(source))
+        except Exception:  # a tokenizer transformers cannot read: fall back to the config's ids
+            tok = None
+        for name in ("mask_token_id", "unk_token_id", "pad_token_id", "eos_token_id"):
+            value = getattr(tok, name, None) if tok is not None else None
+            if isinstance(value, int):
+                return value
+    eos = target.config.eos_token_ids
+    return int(eos[0]) if eos else 0
 
 
 def block_head_dim(t: Any) -> int:

@@ -102,7 +102,7 @@ def _read_head_config(path: str | Path) -> tuple[HeadConfig, str]:
 
 # HeadConfig fields added after heads were saved (the shipped one among them), with the value every
 # earlier head had: a record without one was saved with that value.
-LATER_FIELDS = {"dense_block": False}
+LATER_FIELDS = {"dense_block": False, "block_size": None, "mask_token_id": None}
 
 
 def check_head_files(path: str | Path, cfg: HeadConfig, sha256: str) -> None:

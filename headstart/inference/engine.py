@@ -23,6 +23,7 @@ from headstart.inference.detok import IncrementalText
 from headstart.inference.kv_cache import KVCache, KVCacheSpec, PageAllocator, pages_for_budget
 from headstart.inference.ngram import NgramProposer
 from headstart.inference.proposers import (
+    BlockProposer,
     DraftModelProposer,
     HeadChainProposer,
     MedusaProposer,
@@ -148,7 +149,8 @@ class Engine(SpeculativeSteps):
             else:
                 draft_runner = ModelRunner(draft, KVCache(draft_spec, num_pages, page_size, self.device),
                                            self.allocator, self.backend, self.device)
-                kind = {"chain": HeadChainProposer, "tree": TreeProposer, "draft": DraftModelProposer}[spec.method]
+                kind = {"chain": HeadChainProposer, "tree": TreeProposer, "draft": DraftModelProposer,
+                        "block": BlockProposer}[spec.method]
                 self.proposer = kind(spec, draft_runner)
         self.spec_metrics = SpecMetrics(positions=spec.k if spec is not None and spec.method == "tree" else None)
         self.scheduler = Scheduler(self.allocator, max_batch_size, max_batched_tokens, self.device)

@@ -1,4 +1,4 @@
-"""Speculative decoding: proposers (draft model, hidden-state head chains, Medusa) and metrics.
+"""Speculative decoding: proposers (draft model, hidden-state head chains, Medusa, DFlash blocks) and metrics.
 
 A proposer runs its model through a ModelRunner (its own KV tensors; the page bookkeeping is the
 scheduler's allocator, shared with the target: a draft entry for position i lives in the same slot
@@ -28,14 +28,15 @@ from headstart.inference.runner import ModelRunner
 from headstart.inference.sampler import draw, processed_probs
 from headstart.inference.scheduler import DraftState, Sequence
 
-SpecMethod = Literal["chain", "draft", "medusa", "tree", "ngram"]
+SpecMethod = Literal["chain", "draft", "medusa", "tree", "ngram", "block"]
+SPEC_METHODS = ("chain", "draft", "medusa", "tree", "ngram", "block")
 
 
 @dataclass(kw_only=True)
 class SpecConfig:
     method: SpecMethod
     k: int = 3  # draft tokens per step (Medusa: at most its number of heads)
-    head: Any = None  # a DraftHead (chain: mtp/eagle1/deepseek_mtp/eagle3; medusa), or a checkpoint dir
+    head: Any = None  # a DraftHead (chain: mtp/eagle1/deepseek_mtp/eagle3; medusa; block: dflash), or a checkpoint dir
     draft: Any = None  # method "draft": a DraftLM head, a LlamaForCausalLM, or a model name / directory
     draft_sampling: bool = False  # sample drafts from q and verify with the full-q rule (else argmax + one-hot)
     tree_topk: int = 4  # tree: children per expanded node, and nodes expanded per depth
@@ -48,8 +49,8 @@ class SpecConfig:
     ngram_max: int = 4  # ngram: longest suffix looked up (tried first)
 
     def __post_init__(self) -> None:
-        if self.method not in ("chain", "draft", "medusa", "tree", "ngram"):
-            raise ValueError(f"unknown speculation method {self.method!r}; choose chain, draft, medusa, tree or ngram")
+        if self.method not in SPEC_METHODS:
+            raise ValueError(f"unknown speculation method {self.method!r}; choose {', '.join(SPEC_METHODS)}")
         if self.k < 1:
             raise ValueError(f"k must be >= 1, got {self.k}")
         if self.draft_threshold is not None:
@@ -356,6 +357,69 @@ class MedusaProposer(_Proposer):
         return Proposal(drafts, [torch.stack(q) if q else None for q in qs])
 
     def after_verify(self, seq: Sequence, n: int, accepted: int) -> None:
+        seq.draft.cached = n
+
+
+class BlockProposer(_Proposer):
+    """A DFlash head: the context K/V of every verified position is written into its cache from the
+    target's fused states (absorb), and each step runs one block [t_n, m, ..., m] at positions
+    n..n+k in the k + 1 slots the speculative step reserved, attending to the context and to the
+    whole block; slot j drafts d_j. Drafts are conditionally independent given the context, so a
+    sampled d_j is drawn from slot j's q alone and the full-q rule stays exact."""
+
+    method = "block"
+
+    def __init__(self, config: SpecConfig, runner: ModelRunner) -> None:
+        super().__init__(config, runner)
+        self.head = runner.model
+        if config.k > self.head.block_size - 1:
+            raise ValueError(f"k={config.k} exceeds what a dflash block of {self.head.block_size} drafts "
+                             f"({self.head.block_size - 1})")
+        self.to_target = self.head.to_target_ids
+
+    def capture(self) -> tuple[int, ...]:
+        return tuple(self.head.config.aux_layer_ids)
+
+    def absorb(self, items: list[tuple[Sequence, int, int, list[int]]], hidden: torch.Tensor,
+               aux: dict[int, torch.Tensor]) -> None:
+        """Context K/V for the positions [start, end) the target just computed (rows of `aux`)."""
+        for seq, start, _, _ in items:
+            if start == 0:
+                self.forget(seq)
+            if seq.draft.cached != start:
+                raise RuntimeError(f"{seq.id}: the drafter's context has {seq.draft.cached} positions but the "
+                                   f"target step starts at {start}")
+        rows = torch.tensor([r for *_, rs in items for r in rs], device=hidden.device)
+        with torch.inference_mode():
+            states = self.head.target_features(None, torch.stack([aux[j][rows] for j in self.capture()], dim=1))
+        self.runner.write_context([(seq.id, s, e) for seq, s, e, _ in items], states)
+        for seq, _, e, _ in items:
+            seq.draft.cached = e
+
+    def ready(self, seq: Sequence) -> bool:
+        return seq.draft.cached == seq.num_cached
+
+    def propose(self, seqs: list[Sequence], k: int) -> Proposal:
+        n = [s.num_cached for s in seqs]
+        tokens = self.head.block_tokens([s.token_ids[-1] for s in seqs], k + 1)
+        masks = [torch.ones(k + 1, m + k + 1, dtype=torch.bool) for m in n]  # the context and the whole block
+        h, _, _ = self.runner.run(tokens, [(s.id, m, m + k + 1) for s, m in zip(seqs, n)], masks=masks)
+        rows = torch.tensor([b * (k + 1) + j for b in range(len(seqs)) for j in range(1, k + 1)])
+        logits = self.runner.logits(h, rows).view(len(seqs), k, -1)  # slot j drafts d_j
+        sample = self.config.draft_sampling and not all(s.params.greedy for s in seqs)
+        gens = self.generators(seqs) if sample else []
+        drafts: list[list[int]] = [[] for _ in seqs]
+        qs: list[list[torch.Tensor]] = [[] for _ in seqs]
+        for j in range(k):
+            choice, q = _draft_choice(logits[:, j], seqs, sample, gens, self.to_target)
+            for b, c in enumerate(choice):
+                drafts[b].append(c)
+                if q[b] is not None:
+                    qs[b].append(spread_to_target(q[b], self.head.target.vocab_size, self.to_target))
+        return Proposal(drafts, [torch.stack(q) if q else None for q in qs])
+
+    def after_verify(self, seq: Sequence, n: int, accepted: int) -> None:
+        """The block's K/V at n.. are not context: absorb() writes the verified positions over them."""
         seq.draft.cached = n
 
 

@@ -96,6 +96,13 @@ class ModelRunner:
         h, aux = self.forward(tokens, meta, features, capture)
         return h, aux, meta
 
+    def write_context(self, items: Items, states: torch.Tensor) -> None:
+        """A DFlash drafter's context: K/V of KV indices [start, end) of each item computed from
+        `states` (one row per index) and written into every layer's cache, with no query."""
+        meta = self.metadata(items)
+        with torch.inference_mode():
+            self.model.write_context(states, meta, self.cache.layers)
+
     def logits(self, h: torch.Tensor, rows: torch.Tensor | list[int] | None = None) -> torch.Tensor:
         """Logits (fp32 for the target) of the hidden states, at `rows` only if given."""
         if rows is not None:

@@ -48,13 +48,14 @@ class SpeculativeSteps:
         """The proposer's model: a head (chain / medusa) or a draft LM, loaded if given as a path."""
         from headstart.heads import DraftHead, DraftLM, is_head_checkpoint, load_head
 
-        if spec.method in ("chain", "medusa", "tree"):
+        if spec.method in ("chain", "medusa", "tree", "block"):
             head = spec.head
             if head is None:
                 raise ValueError(f"--spec {spec.method} needs a head (a checkpoint directory)")
             if not isinstance(head, DraftHead):
                 head = load_head(head, self.model, allow_other_target=spec.allow_other_target)
-            kinds = ("medusa",) if spec.method == "medusa" else ("mtp", "eagle1", "deepseek_mtp", "eagle3")
+            kinds = {"medusa": ("medusa",), "block": ("dflash",)}.get(spec.method,
+                                                                        ("mtp", "eagle1", "deepseek_mtp", "eagle3"))
             if head.config.head_type not in kinds:
                 raise ValueError(f"--spec {spec.method} cannot use a {head.config.head_type!r} head "
                                  f"(it takes {', '.join(kinds)})")

@@ -41,12 +41,14 @@ def output_dir(recipe: Recipe) -> Path:
 
 
 def aux_layers_for(recipe: Recipe, num_layers: int) -> list[int]:
-    """What the recipe's head consumes beyond the last hidden state (eagle3: three target layers)."""
-    if recipe.head.type != "eagle3":
+    """What the recipe's head consumes beyond the last hidden state (eagle3, dflash: three target layers)."""
+    from headstart.heads.base import AUX_FAMILIES, default_aux_layers
+
+    if recipe.head.type not in AUX_FAMILIES:
         return []
     if recipe.head.aux_layer_ids is not None:
         return list(recipe.head.aux_layer_ids)
-    return [min(2, num_layers - 1), num_layers // 2, max(num_layers - 3, 0)]
+    return default_aux_layers(num_layers)
 
 
 def plan_shards(lengths: list[int], shard_tokens: int) -> list[tuple[int, int]]:

@@ -174,6 +174,8 @@ class HeadModule(L.LightningModule):
                 rows = torch.nonzero(mask[:, j]).flatten()
                 per_step.append(distill(head, states[:, j], target_h, rows, None, self.cfg.loss_chunk_tokens,
                                         with_stats=with_stats))
+        elif kind == "dflash":
+            return self._block_losses(head, batch, with_stats, same_in_group)
         else:  # draft_lm: KL to the target's next-token distribution
             h, sh = head.train_forward(batch)
             rows = torch.nonzero(sh.token_mask.to(device) > 0).flatten()
@@ -187,6 +189,44 @@ class HeadModule(L.LightningModule):
             total = total + (self.cfg.ttt_decay ** j if kind in CHAIN_HEADS else 1.0) * step_loss
         stats: dict[str, Any] = {"rows": [p.rows for p in per_step], "tokens": int(batch.input_ids.numel())}
         if with_stats:  # host syncs: only when asked
+            stats.update(correct=[float(p.correct) for p in per_step], accept=[float(p.accept) for p in per_step],
+                         mass=[float(p.mass) for p in per_step],
+                         kl=[float(p.kl.detach()) / max(p.rows, 1) for p in per_step])
+        return total, stats
+
+    def _block_losses(self, head: DraftHead, batch: PackedBatch, with_stats: bool,
+                      heldout: bool) -> tuple[torch.Tensor, dict[str, Any]]:
+        """DFlash's block objective, as speculators trains it (models/dflash: fixed-exp-decay):
+        forward KL to the target's distribution at every supervised draft slot, slot i weighted
+        exp(-(i - 1) / gamma) (gamma = block_decay_gamma), the anchor slot not at all, the weighted sum
+        divided by the number of supervised slots. Per-slot statistics are the "steps" of the log.
+        Anchors are drawn from a generator seeded by the recipe, the rank and the micro-batch count,
+        so a resumed run draws what the uninterrupted one would; held-out batches take evenly spread
+        anchors (no draw): val_loss is comparable across validations."""
+        device = batch.hidden.device
+        g = torch.Generator().manual_seed(self.recipe.seed * 1_000_003 + self.global_rank * 7919 + self.consumed)
+        from headstart.heads.dflash import choose_anchors
+
+        blocks = choose_anchors(batch, head.block_size, self.recipe.head.max_anchors, g, heldout=heldout)
+        if blocks is None:  # no sequence holds a whole block: a step with no supervised row
+            zero = sum(p.sum() for p in head.trainable_parameters()) * 0.0
+            return zero, {"rows": [0] * (head.block_size - 1), "tokens": int(batch.input_ids.numel()),
+                          **({k: [0.0] * (head.block_size - 1) for k in ("correct", "accept", "mass", "kl")}
+                             if with_stats else {})}
+        h = head.train_forward(batch, blocks)
+        bs, rows = head.block_size, blocks.rows.to(device)
+        mask = batch.loss_mask.to(device)[rows] > 0 if batch.loss_mask is not None else torch.ones_like(rows).bool()
+        slot = torch.arange(rows.numel(), device=device) % bs
+        per_step = []
+        target_h = batch.hidden[rows - 1]  # slot i (row a + i) predicts its token: the target's prediction at a + i - 1
+        for i in range(1, bs):
+            sel = torch.nonzero(mask & (slot == i)).flatten()
+            per_step.append(distill(head, h, target_h, sel, None, self.cfg.loss_chunk_tokens, with_stats=with_stats))
+        n = max(sum(p.rows for p in per_step), 1)
+        gamma = self.cfg.block_decay_gamma
+        total = sum(math.exp(-(i - 1) / gamma) * p.kl for i, p in enumerate(per_step, start=1)) / n
+        stats: dict[str, Any] = {"rows": [p.rows for p in per_step], "tokens": int(batch.input_ids.numel())}
+        if with_stats:
             stats.update(correct=[float(p.correct) for p in per_step], accept=[float(p.accept) for p in per_step],
                          mass=[float(p.mass) for p in per_step],
                          kl=[float(p.kl.detach()) / max(p.rows, 1) for p in per_step])

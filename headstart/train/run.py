@@ -277,7 +277,7 @@ class TrainRun:
         torch.manual_seed(recipe.seed)
         self.head = build_head(head_config_from_recipe(recipe.head), self.target,
                                init_from_target=recipe.head.init_from_target and not from_rank0)
-        if cfg.loss_weights.kl == 0 and self.head.config.head_type in ("eagle3", "medusa", "draft_lm"):
+        if cfg.loss_weights.kl == 0 and self.head.config.head_type in ("eagle3", "medusa", "draft_lm", "dflash"):
             raise ConfigError(f"train.loss_weights.kl=0: a {self.head.config.head_type} head learns from the KL "
                               "term only (it has no feature loss), so nothing would be trained")
         if self.head.config.draft_vocab_size:

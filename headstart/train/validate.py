@@ -24,7 +24,7 @@ def serving_copy(head: DraftHead, target: LlamaForCausalLM) -> DraftHead:
 
 
 def spec_method(head_type: str) -> str:
-    return {"medusa": "medusa", "draft_lm": "draft"}.get(head_type, "chain")
+    return {"medusa": "medusa", "draft_lm": "draft", "dflash": "block"}.get(head_type, "chain")
 
 
 def engine_acceptance(target: LlamaForCausalLM, head: DraftHead, prompts: list[list[int]], *, k: int,
@@ -41,6 +41,8 @@ def engine_acceptance(target: LlamaForCausalLM, head: DraftHead, prompts: list[l
     method = spec_method(copy.config.head_type)
     if method == "medusa":
         k = min(k, copy.config.medusa_num_heads)
+    if method == "block":
+        k = min(k, copy.config.block_size - 1)
     spec = SpecConfig(method=method, k=k, head=copy if method != "draft" else None,
                       draft=copy if method == "draft" else None)
     page = 16

@@ -1,0 +1,204 @@
+"""DFlash: a block-parallel drafter. One forward fills a block [anchor, mask, ..., mask] of
+`block_size` positions; slot i > 0 drafts the token at anchor + i, so a step drafts block_size - 1
+tokens with one drafter forward and one lm_head pass (speculators' `dflash`, vLLM `method: dflash`).
+
+    c_p = hidden_norm(fc(cat(aux states at p)))          context state of each verified position p
+    per layer l:  K/V of position p < a: k_norm(k_proj_l(c_p)), v_proj_l(c_p) (RoPE at p), no query
+                  the block: a Qwen3 decoder layer over x (input norm, q/k norm, gated MLP) whose
+                  queries attend to the context keys before a and to every key of the block
+    x_0 = embed([t_a, m, ..., m]) at positions a .. a + bs - 1   (the target's frozen embedding)
+    logits = lm_head(norm(x_L))                           (the target's frozen rows; a draft vocab)
+
+The context keys read the fused target states directly (not the block's residual stream), so the
+engine writes them into the drafter's paged cache once per verified position (`write_context`) and
+each step runs only the block. Training runs the same layers over anchored blocks of packed
+sequences (`train_blocks`), the context keys of each layer computed by the same `context_kv`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from headstart.heads.base import TEMPER, HeadConfig, PackedBatch, SharedVocabHead, copy_layer
+from headstart.models.llama import LlamaForCausalLM
+from headstart.nn.attention import Attention, AttentionBackend, AttentionMetadata, KVPages, packed_metadata
+from headstart.nn.decoder import DecoderLayer
+from headstart.nn.linear import Linear
+from headstart.nn.norm import RMSNorm
+
+
+def context_kv(attn: Attention, states: torch.Tensor, positions: torch.Tensor,
+               step_cache: dict | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(N, d) context states -> this layer's keys (normed, rotated) and values, (N, Hkv, Dh) each."""
+    n = states.shape[0]
+    _, k, v = attn.qkv_proj(states).split([attn.q_size, attn.kv_size, attn.kv_size], dim=-1)
+    k = k.view(n, attn.num_kv_heads, attn.head_dim)
+    v = v.view(n, attn.num_kv_heads, attn.head_dim)
+    if attn.k_norm is not None:
+        k = attn.k_norm(k)
+    _, k = attn.rope(k[:, :0], k, positions, step_cache)
+    return k, v
+
+
+@dataclass
+class AnchoredBlocks:
+    """A micro-batch's training blocks: anchor j of sequence s covers packed rows anchors[j] + i."""
+
+    anchors: torch.Tensor  # (A,) packed row of each anchor, sorted
+    seq_of: torch.Tensor  # (A,) the sequence each anchor lies in
+    block_size: int
+
+    @property
+    def rows(self) -> torch.Tensor:
+        """(A * bs,) the packed row each block slot stands at (anchor + slot)."""
+        return (self.anchors[:, None] + torch.arange(self.block_size)).reshape(-1)
+
+
+def choose_anchors(batch: PackedBatch, block_size: int, max_anchors: int, generator: torch.Generator,
+                   heldout: bool = False) -> AnchoredBlocks | None:
+    """Random anchors over the packed micro-batch (speculators' `select_anchors`, per sequence):
+    a row whose token is supervised and whose whole block stays inside its sequence, so slot i's
+    target, the target's prediction at anchor + i - 1, exists. At most `max_anchors`, sorted."""
+    mask = batch.loss_mask if batch.loss_mask is not None else torch.ones(batch.input_ids.numel(), dtype=torch.long)
+    valid, seq_of, start = [], [], 0
+    for s, n in enumerate(batch.seq_lens):
+        if n >= block_size:
+            rows = start + torch.nonzero(mask[start:start + n - block_size + 1].cpu() > 0).flatten()
+            valid.append(rows)
+            seq_of.append(torch.full_like(rows, s))
+        start += n
+    if not valid or not sum(v.numel() for v in valid):
+        return None
+    rows, seqs = torch.cat(valid), torch.cat(seq_of)
+    if rows.numel() > max_anchors:
+        pick = torch.randperm(rows.numel(), generator=generator)[:max_anchors] if not heldout else \
+            torch.linspace(0, rows.numel() - 1, max_anchors).long()  # held out: evenly spread, no draw
+        pick = pick.sort().values
+        rows, seqs = rows[pick], seqs[pick]
+    return AnchoredBlocks(rows, seqs, block_size)
+
+
+class _BlockTrainingAttention:
+    """Training backend of one drafter layer: each sequence's block queries attend to the context
+    keys of that layer (positions before the block's anchor) and to their own block's keys."""
+
+    name = "dflash-train"
+
+    def __init__(self, ctx_k: torch.Tensor, ctx_v: torch.Tensor, plan: list[tuple[int, int, int, int, torch.Tensor]]):
+        self.ctx_k, self.ctx_v, self.plan = ctx_k, ctx_v, plan
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: KVPages | None,
+                meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        outs = []
+        for c0, c1, b0, b1, mask in self.plan:  # context rows [c0, c1), block rows [b0, b1), mask over both
+            keys = torch.cat([self.ctx_k[c0:c1], k[b0:b1]])
+            values = torch.cat([self.ctx_v[c0:c1], v[b0:b1]])
+            o = torch.nn.functional.scaled_dot_product_attention(
+                q[b0:b1].transpose(0, 1).unsqueeze(0), keys.transpose(0, 1).unsqueeze(0),
+                values.transpose(0, 1).unsqueeze(0), attn_mask=mask, scale=scale, enable_gqa=q.shape[1] != k.shape[1])
+            outs.append(o[0].transpose(0, 1))
+        return torch.cat(outs) if len(outs) > 1 else outs[0]
+
+
+class DFlashHead(SharedVocabHead):
+    def __init__(self, cfg: HeadConfig, target: LlamaForCausalLM) -> None:
+        super().__init__(cfg, target)
+        d, eps = cfg.hidden_size, target.config.rms_norm_eps
+        a = len(cfg.aux_layer_ids)
+        self.fc = Linear(a * target.config.hidden_size, d, bias=False)
+        self.hidden_norm = RMSNorm(d, eps)
+        self.rotary = self.make_rotary(target)
+        # Qwen3 layers whatever the target's family: q/k norms, no biases (speculators' layer).
+        layer = cfg.layer_config(target, qk_norm=True, qkv_bias=False, o_bias=False, mlp_bias=False)
+        self.layers = nn.ModuleList(DecoderLayer(layer, self.rotary) for _ in range(cfg.num_layers))
+        self.norm = RMSNorm(d, eps)
+
+    @property
+    def block_size(self) -> int:
+        return self.config.block_size
+
+    @property
+    def mask_token_id(self) -> int:
+        return self.config.mask_token_id
+
+    def target_features(self, hidden: torch.Tensor | None, aux: torch.Tensor | None = None) -> torch.Tensor:
+        """(N, A, d) aux states -> the context states c (N, d)."""
+        if aux is None:
+            raise ValueError(f"dflash needs the hidden states entering layers {self.config.aux_layer_ids}")
+        n, a, d = aux.shape
+        return self.hidden_norm(self.fc(aux.reshape(n, a * d).to(self.fc.weight.dtype)))
+
+    def write_context(self, states: torch.Tensor, meta: AttentionMetadata, caches: list[KVPages]) -> None:
+        """Write every layer's context K/V for the positions of `meta` (no query runs)."""
+        for layer, (kc, vc) in zip(self.layers, caches):
+            k, v = context_kv(layer.self_attn, states, meta.positions, meta.step_cache)
+            kc.view(-1, kc.shape[2], kc.shape[3]).index_copy_(0, meta.slot_mapping, k.to(kc.dtype))
+            vc.view(-1, vc.shape[2], vc.shape[3]).index_copy_(0, meta.slot_mapping, v.to(vc.dtype))
+
+    def block_tokens(self, anchor_tokens: list[int], slots: int) -> list[int]:
+        """[t_a, m, ..., m] for each anchor, `slots` positions per block."""
+        return [t for a in anchor_tokens for t in [a] + [self.mask_token_id] * (slots - 1)]
+
+    def forward_hidden(self, tokens: torch.Tensor, features: torch.Tensor | None, meta: AttentionMetadata,
+                       caches: list[KVPages] | None, backend: AttentionBackend | list) -> torch.Tensor:
+        """The block's tokens (N,) -> drafter states (N, d) before the final norm. The context is in
+        `caches` (engine) or, in training, one backend per layer holds it (`backend` a list)."""
+        x = self.embed(tokens)
+        for j, layer in enumerate(self.layers):
+            b = backend[j] if isinstance(backend, list) else backend
+            x = layer(x, meta, caches[j] if caches is not None else None, b)
+        return x
+
+    def compute_logits(self, h: torch.Tensor) -> torch.Tensor:
+        return self.lm_logits(self.norm(h))
+
+    def train_forward(self, batch: PackedBatch, blocks: AnchoredBlocks) -> torch.Tensor:
+        """Packed sequences and their anchored blocks (`choose_anchors`) -> drafter states (A * bs, d),
+        block after block. Slot i of anchor a is supervised by the target's prediction at a + i - 1
+        (packed row), iff loss_mask[a + i] and i > 0."""
+        device = batch.aux_hidden.device
+        states = self.target_features(None, batch.aux_hidden)  # (N, d)
+        positions = packed_metadata(batch.seq_lens, device=device).positions
+        bs = self.block_size
+        tokens = torch.full((blocks.anchors.numel(), bs), self.mask_token_id, dtype=torch.long)
+        tokens[:, 0] = batch.input_ids[blocks.anchors].cpu()
+        rows = blocks.rows.to(device)
+        meta = packed_metadata([int(rows.numel())], device=device)
+        meta.positions = positions[rows]
+        plan, starts, b0 = [], [0], 0
+        for n in batch.seq_lens:
+            starts.append(starts[-1] + n)
+        counts = torch.bincount(blocks.seq_of, minlength=len(batch.seq_lens)).tolist()
+        for s, count in enumerate(counts):
+            if not count:
+                continue
+            c0, c1, b1 = starts[s], starts[s + 1], b0 + count * bs
+            anchor_pos = (blocks.anchors[b0 // bs:b1 // bs] - c0).to(device)
+            qa = anchor_pos.repeat_interleave(bs)  # (q,) anchor position of each query
+            ctx = torch.arange(c1 - c0, device=device)[None, :] < qa[:, None]
+            blk = torch.arange(count, device=device).repeat_interleave(bs)
+            own = blk[:, None] == blk[None, :]
+            plan.append((c0, c1, b0, b1, torch.cat([ctx, own], dim=1)))
+            b0 = b1
+        backends = []
+        for layer in self.layers:
+            k, v = context_kv(layer.self_attn, states, positions)
+            backends.append(_BlockTrainingAttention(k, v, plan))
+        return self.forward_hidden(tokens.reshape(-1).to(device), None, meta, None, backends)
+
+    def init_from_target(self, target: LlamaForCausalLM) -> None:
+        """Layers copied from the target's last ones where shapes match (q/k norms start at one), fc
+        passing the deepest aux state through (the identity on its block), the final norm the
+        target's at TEMPER (a copy of the target's prediction at the wrong place: see TEMPER)."""
+        n = len(target.model.layers)
+        for i, layer in enumerate(self.layers):
+            copy_layer(layer, target.model.layers[n - len(self.layers) + i])
+        d = target.config.hidden_size
+        with torch.no_grad():
+            self.fc.weight.zero_()
+            if self.fc.weight.shape[0] == d:
+                self.fc.weight[:, -d:] = torch.eye(d, dtype=self.fc.weight.dtype, device=self.fc.weight.device)
+            self.norm.weight.copy_(target.model.norm.weight * TEMPER)

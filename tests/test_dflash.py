@@ -1,0 +1,194 @@
+"""DFlash heads (block-parallel drafting): the training forward's block logits equal the engine's draft
+logits for the same context; the block objective's anchors, targets and weights; checkpoints; config
+errors. Lossless greedy / sampled speculation with dflash heads is in test_spec.py with every proposer."""
+
+import math
+
+import pytest
+import torch
+from test_spec import _prompts
+from tiny_models import make_hf_model
+
+from headstart.config import ConfigError, recipe_from_dict
+from headstart.heads import HeadConfig, PackedBatch, build_head, load_head, save_head
+from headstart.heads.dflash import AnchoredBlocks, choose_anchors
+from headstart.inference import Engine, SamplingParams
+from headstart.inference.proposers import SpecConfig
+from headstart.models.llama import load_llama
+from headstart.train.module import HeadModule, target_forward
+
+
+@pytest.fixture(scope="module")
+def target(tmp_path_factory):
+    d = tmp_path_factory.mktemp("dflash-target")
+    make_hf_model("llama", d, seed=4)
+    return load_llama(d, "fp32")
+
+
+def _head(target, bs=4, layers=2, vocab=None, seed=0):
+    torch.manual_seed(seed)
+    head = build_head(HeadConfig(head_type="dflash", aux_layer_ids=[0, 1, 2], num_layers=layers, block_size=bs,
+                                 draft_vocab_size=vocab), target)
+    with torch.no_grad():  # away from the init's identities, so every weight matters
+        for p in head.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    return head.requires_grad_(False)
+
+
+@pytest.mark.parametrize("k", [3, 2])
+def test_engine_block_logits_equal_the_training_forward(target, k):
+    """Each step's draft logits (slots 1..k of the block at the pending token) equal the training
+    forward's for an anchor at the same position over the same tokens: context keys, RoPE positions,
+    the mask token and the non-causal block must all match (k < block_size - 1: a shorter block)."""
+    head = _head(target)
+    eng = Engine(target, page_size=4, spec=SpecConfig(method="block", k=k, head=head))
+    seen, logits_of = [], []
+    propose, logits = eng.proposer.propose, eng.proposer.runner.logits
+
+    def recording(seqs, kk):
+        seen.extend(list(s.token_ids) for s in seqs)
+        return propose(seqs, kk)
+
+    def record_logits(h, rows=None):
+        out = logits(h, rows)  # (B * k, V): slots 1..k of each block
+        logits_of.extend(out.view(-1, k, out.shape[-1]))
+        return out
+
+    eng.proposer.propose = recording
+    eng.proposer.runner.logits = record_logits
+    eng.generate(_prompts(3, seed=9), SamplingParams(max_tokens=14, ignore_eos=True))
+    assert len(seen) == len(logits_of) >= 6
+    for tokens, got in zip(seen, logits_of):
+        n = len(tokens) - 1  # t_n is pending: the anchor
+        # Whole-block training needs bs - 1 positions after the anchor; they are masked, so any token does.
+        padded = tokens + [5] * (head.block_size - 1)
+        batch = target_forward(target, PackedBatch(torch.tensor(padded), [len(padded)], None, None, None), [0, 1, 2])
+        blocks = AnchoredBlocks(torch.tensor([n]), torch.tensor([0]), k + 1)
+        with torch.no_grad():
+            short = head.block_size
+            head.config.block_size = k + 1  # the engine's block of k + 1 slots
+            try:
+                h = head.train_forward(batch, blocks)
+            finally:
+                head.config.block_size = short
+            want = head.compute_logits(h[1:])
+        torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-4)
+
+
+def test_block_queries_see_no_later_context(target):
+    """A block at anchor a reads the context before a only: changing tokens at or after a (other
+    than the anchor itself) leaves its logits unchanged, changing one before a does not."""
+    head = _head(target)
+    ids = torch.tensor(_prompts(1, seed=3)[0] + list(range(40, 52)))
+    a = 8
+
+    def block_logits(x):
+        batch = target_forward(target, PackedBatch(x, [x.numel()], None, None, None), [0, 1, 2])
+        with torch.no_grad():
+            return head.compute_logits(head.train_forward(batch, AnchoredBlocks(torch.tensor([a]), torch.tensor([0]), 4)))
+
+    base = block_logits(ids)
+    later = ids.clone()
+    later[a + 1:] = 7
+    torch.testing.assert_close(block_logits(later), base)
+    earlier = ids.clone()
+    earlier[a - 2] = (int(ids[a - 2]) + 1) % 320
+    assert not torch.allclose(block_logits(earlier), base)
+
+
+def test_anchors_are_supervised_rows_with_a_whole_block_in_their_sequence():
+    ids = torch.arange(30)
+    mask = torch.tensor([0] * 5 + [1] * 7 + [0] * 3 + [1] * 15)  # sequences of 12, 3 and 15 rows
+    batch = PackedBatch(ids, [12, 3, 15], None, None, mask)
+    g = torch.Generator().manual_seed(0)
+    blocks = choose_anchors(batch, 4, 100, g)
+    starts = [0, 12, 15]
+    for row, s in zip(blocks.anchors.tolist(), blocks.seq_of.tolist()):
+        assert mask[row] == 1 and row + 4 <= starts[s] + [12, 3, 15][s] and row >= starts[s]
+    assert blocks.anchors.numel() == 4 + 12  # rows 5..8 of sequence 0, 15..26 of sequence 2; none in the 3-row one
+    assert torch.equal(blocks.anchors, blocks.anchors.sort().values)
+    few = choose_anchors(batch, 4, 5, torch.Generator().manual_seed(1))
+    assert few.anchors.numel() == 5 and set(few.anchors.tolist()) <= set(blocks.anchors.tolist())
+    held = [choose_anchors(batch, 4, 5, torch.Generator().manual_seed(s), heldout=True).anchors for s in (1, 2)]
+    assert torch.equal(*held)  # held out: no draw
+    assert choose_anchors(PackedBatch(ids[:3], [3], None, None, mask[:3] + 1), 4, 5, g) is None
+
+
+def test_block_loss_weights_slots_as_speculators_does(target):
+    """The loss is sum_i exp(-(i-1)/gamma) KL_i / (supervised slots): recomputed here by hand from
+    the head's logits and the target's distributions at a + i - 1, with the anchors the module draws."""
+    from headstart.heads.dflash import choose_anchors as choose
+
+    head = _head(target, bs=4, layers=1)
+    recipe = recipe_from_dict({"head": {"type": "dflash", "block_size": 4, "max_anchors": 6},
+                               "train": {"block_decay_gamma": 2.0}})
+    module = HeadModule(recipe, target, head)
+    seqs = _prompts(3, seed=4)
+    ids = torch.tensor([t for s in seqs for t in s])
+    mask = torch.ones(ids.numel())
+    mask[:4] = 0
+    batch = target_forward(target, PackedBatch(ids, [len(s) for s in seqs], None, None, mask), [0, 1, 2])
+    with torch.no_grad():
+        loss, stats = module.losses(batch)
+    g = torch.Generator().manual_seed(recipe.seed * 1_000_003 + module.consumed)
+    blocks = choose(batch, 4, 6, g)
+    with torch.no_grad():
+        q = torch.log_softmax(head.compute_logits(head.train_forward(batch, blocks)), -1)
+        rows = blocks.rows
+        p = torch.log_softmax(target.compute_logits(batch.hidden[rows - 1]).float(), -1)
+    kl = (p.exp() * (p - q)).sum(-1)
+    slot = torch.arange(rows.numel()) % 4
+    sup = (mask[rows] > 0) & (slot > 0)
+    weights = torch.exp(-(slot - 1).clamp(min=0) / 2.0)
+    want = (kl * weights * sup).sum() / sup.sum()
+    assert float(loss) == pytest.approx(float(want), rel=1e-4)
+    assert stats["rows"] == [int((sup & (slot == i)).sum()) for i in (1, 2, 3)]
+    assert math.isfinite(float(loss)) and sum(stats["rows"]) > 0
+
+
+def test_a_trained_dflash_head_accepts_in_the_engine(target):
+    """Fitted for a few seconds to the target's greedy continuations, the block drafter accepts most
+    drafts, greedy and with sampled drafts (the full-q rule), and stays lossless."""
+    from test_spec import fitted_dflash
+
+    head = fitted_dflash(target)
+    prompts = _prompts(4, seed=0)
+    greedy = SamplingParams(max_tokens=24, ignore_eos=True)
+    ref = Engine(target, page_size=4).generate(prompts, greedy)
+    eng = Engine(target, page_size=4, spec=SpecConfig(method="block", k=3, head=head))
+    assert [o.token_ids for o in eng.generate(prompts, greedy)] == [o.token_ids for o in ref]
+    s = eng.spec_metrics.summary()
+    assert s["tau"] > 2.0, s
+    sampled = [SamplingParams(max_tokens=24, temperature=0.5, seed=i, ignore_eos=True) for i in range(4)]
+    eng = Engine(target, page_size=4, spec=SpecConfig(method="block", k=3, head=head, draft_sampling=True))
+    eng.generate(prompts, sampled)
+    assert eng.spec_metrics.summary()["alpha"] > 0.05
+
+
+def test_save_and_load_round_trip(target, tmp_path):
+    head = _head(target, vocab=64)
+    save_head(head, tmp_path / "h")
+    back = load_head(tmp_path / "h", target)
+    assert back.config.block_size == 4 and back.config.mask_token_id == head.config.mask_token_id
+    for (n, a), (_, b) in zip(head.state_dict().items(), back.state_dict().items()):
+        assert torch.equal(a, b), n
+
+
+def test_config_errors(target):
+    with pytest.raises(ValueError, match="block_size must be in 2..32"):
+        HeadConfig(head_type="dflash", block_size=1)
+    with pytest.raises(ValueError, match="apply to dflash heads"):
+        HeadConfig(head_type="mtp", block_size=4)
+    with pytest.raises(ConfigError, match="head.k"):
+        recipe_from_dict({"head": {"type": "dflash", "block_size": 4, "k": 4}})
+    with pytest.raises(ConfigError, match="head.block_size"):
+        recipe_from_dict({"head": {"type": "eagle3", "block_size": 4}})
+    with pytest.raises(Exception, match="mask_token_id=999"):
+        build_head(HeadConfig(head_type="dflash", mask_token_id=999), target)
+    head = _head(target)
+    with pytest.raises(ValueError, match="exceeds what a dflash block of 4"):
+        Engine(target, spec=SpecConfig(method="block", k=4, head=head))
+    with pytest.raises(ValueError, match="cannot use a 'dflash' head"):
+        Engine(target, spec=SpecConfig(method="chain", head=head))
+    cfg = build_head(HeadConfig(head_type="dflash"), target).config
+    assert cfg.block_size == 8 and cfg.aux_layer_ids == [1, 1, 0]  # a 2-layer target: the defaults clipped
