@@ -1,8 +1,9 @@
 """Run inside the serving venv (`make serving-env`: speculators 0.9.0 and its transformers pin): load an
 export with speculators' own classes and compare its first-step logits with ours.
 
-    python serving_check.py eagle3|mtp EXPORT_DIR VERIFIER_DIR CASE.safetensors
-CASE holds `input_ids` (T,), `hidden` (T, n_aux*H or H) and `expected` (our step-0 logits).
+    python serving_check.py eagle3|mtp|dflash EXPORT_DIR VERIFIER_DIR CASE.safetensors
+CASE holds `input_ids` (T,), `hidden` (T, n_aux*H or H) and `expected` (our step-0 logits; dflash: the
+draft slots of the block at `anchor`).
 Prints one JSON line: {"max_abs_diff": ..., "argmax_equal": ...}.
 """
 
@@ -33,6 +34,21 @@ def main(kind: str, export_dir: str, verifier_dir: str, case_path: str) -> None:
             model(hidden_states=hidden[None, : t - 1], input_ids=ids[None, 1:], document_ids=torch.zeros(1, t - 1,
                   dtype=torch.long), ttt_steps=1)
         got = seen[0][0]
+    elif kind == "dflash":  # one anchor at case["anchor"]: the only supervised row outside the last block
+        from speculators.models.dflash import DFlashDraftModel
+
+        model = DFlashDraftModel.from_pretrained(export_dir, attn_implementation="eager").float().eval()
+        model.embed_tokens.weight.data.copy_(verifier["model.embed_tokens.weight"])
+        if not model.use_draft_vocab:
+            model.lm_head.weight.data.copy_(verifier.get("lm_head.weight", verifier["model.embed_tokens.weight"]))
+        t, a, bs = ids.numel(), int(case["anchor"]), model.block_size
+        loss_mask = torch.zeros(1, t, dtype=torch.long)
+        loss_mask[0, a] = 1
+        with torch.no_grad():
+            _, logits, _, _, _ = model._backbone_forward(
+                hidden[None], ids[None], loss_mask, torch.zeros(1, t, hidden.shape[-1] // 3),
+                torch.zeros(1, t, dtype=torch.long), max_anchors=1)
+        got = logits[0][1:bs]  # the draft slots of the block at the anchor
     else:
         from speculators.models.mtp import MTPDraftModel
 

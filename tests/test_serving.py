@@ -64,3 +64,39 @@ def test_speculators_loads_our_export_with_the_same_logits(tmp_path, family, kin
     assert result["rows"] >= 8 and result["argmax_equal"]
     assert result["max_abs_diff"] < 1e-4, result
     assert sys.executable != str(SERVING_PY)  # the check ran in the other environment
+
+
+@pytest.mark.parametrize("vocab", [64, None])
+def test_speculators_loads_our_dflash_export_with_the_same_block_logits(tmp_path, vocab):
+    """speculators' DFlashDraftModel, fed the aux states as vLLM captures them, gives our block logits
+    at an anchor (its own anchored-block mask, context keys and RoPE): with a draft vocabulary (its
+    lm_head the target's rows, d2t) and without (the verifier's lm_head)."""
+    from headstart.heads.dflash import AnchoredBlocks
+
+    make_hf_model("llama", tmp_path / "target", seed=4)
+    target = load_llama(tmp_path / "target", "fp32")
+    torch.manual_seed(1)
+    head = build_head(HeadConfig(head_type="dflash", draft_vocab_size=vocab, aux_layer_ids=[0, 1, 2], num_layers=2,
+                                 block_size=4), target)
+    if vocab:
+        head.set_vocab_maps(*build_vocab_maps(torch.rand(320), 64))
+    with torch.no_grad():
+        for p in head.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    export_head(head, target, "vllm", tmp_path / "export")
+    config = json.loads((tmp_path / "export" / "config.json").read_text())
+    assert config["speculators_model_type"] == "dflash" and config["block_size"] == 4
+    ids = torch.randint(0, 320, (16,), generator=torch.Generator().manual_seed(3))
+    anchor = 7
+    batch = target_forward(target, PackedBatch(ids, [16]), [0, 1, 2])
+    with torch.no_grad():
+        h = head.train_forward(batch, AnchoredBlocks(torch.tensor([anchor]), torch.tensor([0]), 4))
+        expected = head.compute_logits(h[1:])
+    save_file({"input_ids": ids, "hidden": batch.aux_hidden.reshape(16, -1).contiguous(),
+               "expected": expected.contiguous(), "anchor": torch.tensor(anchor)}, str(tmp_path / "case.safetensors"))
+    run = subprocess.run([str(SERVING_PY), str(ROOT / "tests" / "serving_check.py"), "dflash", str(tmp_path / "export"),
+                          str(tmp_path / "target"), str(tmp_path / "case.safetensors")], capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr[-2000:]
+    result = json.loads(run.stdout.strip().splitlines()[-1])
+    assert result["rows"] == 3 and result["argmax_equal"]
+    assert result["max_abs_diff"] < 1e-4, result

@@ -324,14 +324,22 @@ def _same_outputs(a: DraftHead, b: DraftHead) -> bool:
     """Both heads on the same random inputs give identical logits."""
     gen = torch.Generator().manual_seed(0)
     t = a.target.model.config
-    n = 12
+    bs = a.config.block_size or 0
+    n = max(12, 2 * bs + 2)
     ids = torch.randint(0, t.vocab_size, (n,), generator=gen)
     device = a.target.model.model.embed_tokens.weight.device
     hidden = torch.randn(n, t.hidden_size, generator=gen).to(device, a.target.model.dtype)
     aux_ids = a.config.aux_layer_ids or []
     aux = torch.randn(n, len(aux_ids), t.hidden_size, generator=gen).to(device, a.target.model.dtype) \
         if aux_ids else None
-    batch = PackedBatch(ids.to(device), [5, 7], hidden, aux, None)
+    batch = PackedBatch(ids.to(device), [5, n - 5] if not bs else [n // 2, n - n // 2], hidden, aux, None)
+    if a.config.head_type == "dflash":  # a block at the start of each sequence and one that reads a context
+        from headstart.heads.dflash import AnchoredBlocks
+
+        blocks = AnchoredBlocks(torch.tensor([0, 1, n // 2 + 1]), torch.tensor([0, 0, 1]), bs)
+        with torch.no_grad():
+            return torch.equal(a.compute_logits(a.train_forward(batch, blocks)),
+                               b.compute_logits(b.train_forward(batch, blocks)))
     with torch.no_grad():
         ha, _ = a.train_forward(batch)
         hb, _ = b.train_forward(batch)

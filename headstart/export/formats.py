@@ -3,7 +3,8 @@
 | format         | heads                  | loader it targets                                                      |
 |----------------|------------------------|------------------------------------------------------------------------|
 | `sglang`       | eagle3, eagle1         | SGLang `LlamaForCausalLMEagle3` / `LlamaForCausalLMEagle` (EAGLE code) |
-| `vllm`         | eagle3, mtp (Qwen3)    | vLLM speculators format (`speculators` 0.9.0 `eagle3` / `mtp`)         |
+| `vllm`         | eagle3, mtp (Qwen3),   | vLLM speculators format (`speculators` 0.9.0 `eagle3` / `mtp` /        |
+|                | dflash                 | `dflash`)                                                              |
 | `deepseek-mtp` | deepseek_mtp, mtp      | DeepSeek-V3 MTP module at `model.layers.{L}` (vLLM/SGLang MTP loaders), |
 |                |                        | DeepSeek targets only: those loaders build a DeepSeek block            |
 | `medusa`       | medusa                 | vLLM `Medusa` (`blocks.*`, `lm_heads.*`, `token_map`)                 |
@@ -196,10 +197,12 @@ class SGLang(Layout):
 
 class VLLM(Layout):
     name = "vllm"
-    families = ("eagle3", "mtp")
+    families = ("eagle3", "mtp", "dflash")
     optional = ("t2d",)  # vLLM ignores t2d; a checkpoint without it gets one rebuilt from d2t
 
     def refuse(self, head: DraftHead) -> str | None:
+        if head.config.head_type == "dflash":  # speculators' dflash keeps a reduced lm_head: the rows are written
+            return None
         why = super().refuse(head)
         if why:
             return (why + "; eagle1 heads: use --format sglang (the EAGLE layout); speculators "
@@ -231,6 +234,8 @@ class VLLM(Layout):
 
     def write(self, head, target):  # noqa: ANN001, ANN201
         cfg = head.config
+        if cfg.head_type == "dflash":
+            return self._write_dflash(head, target)
         family = "qwen3" if cfg.target.get("model_type") == "qwen3" else "llama"
         layer = _layer_config(head, target, family)
         verifier = {"name_or_path": str(target.source_dir) if target.source_dir else None,
@@ -253,14 +258,91 @@ class VLLM(Layout):
         config["headstart"] = _meta(head, self.name)
         return config, state
 
+    @staticmethod
+    def _verifier(target: LlamaForCausalLM) -> dict[str, Any]:
+        return {"name_or_path": str(target.source_dir) if target.source_dir else None,
+                "architectures": target_hf_config(target).get("architectures") or ["LlamaForCausalLM"]}
+
+    def _write_dflash(self, head: DraftHead, target: LlamaForCausalLM) -> tuple[dict[str, Any], dict[str, Any]]:
+        """speculators' `dflash` (DFlashDraftModel): fc, hidden_norm, layers.* (Qwen3 layers: q/k norms),
+        norm; with a draft vocabulary lm_head.weight (the target's rows of its tokens) and d2t / t2d;
+        the embedding and the full lm_head come from the verifier. aux_hidden_state_layer_ids name
+        the hidden states entering those layers (speculators' and vLLM's convention, as ours)."""
+        cfg = head.config
+        state = split_fused(native_state(head), cfg)
+        layer = _layer_config(head, target, "qwen3")
+        layer.update(attention_bias=False, mlp_bias=False)
+        vd = cfg.draft_vocab_size or target.config.vocab_size
+        if cfg.draft_vocab_size:
+            ids = torch.arange(vd) + state["d2t"]
+            state["lm_head.weight"] = target.lm_head.weight.detach().cpu()[ids].clone()
+        config = {"speculators_model_type": "dflash", "architectures": ["DFlashSpeculator"],
+                  "transformer_layer_config": layer, "speculators_version": SPECULATORS_VERSION,
+                  "draft_vocab_size": vd, "block_size": cfg.block_size, "target_hidden_size": target.config.hidden_size,
+                  "aux_hidden_state_layer_ids": list(cfg.aux_layer_ids), "mask_token_id": cfg.mask_token_id,
+                  "sliding_window_non_causal": False, "sample_from_anchor": False,
+                  "speculators_config": {"algorithm": "dflash", "default_proposal_method": "greedy",
+                                         "verifier": self._verifier(target),
+                                         "proposal_methods": [{"proposal_type": "greedy",
+                                                               "speculative_tokens": cfg.block_size - 1}]},
+                  "headstart": _meta(head, self.name)}
+        return config, state
+
+    def _read_dflash(self, config: dict[str, Any], tensors: dict[str, Any],
+                     target: LlamaForCausalLM) -> tuple[HeadConfig, dict[str, Any]]:
+        layer = config_dict(config, "transformer_layer_config")
+        if config.get("sample_from_anchor"):
+            raise AssetError("config.json: sample_from_anchor is true (the anchor slot drafts too, as DSpark); our "
+                             "dflash heads draft from the mask slots only")
+        if layer.get("layer_types") and any(t != "full_attention" for t in layer["layer_types"]):
+            raise AssetError(f"config.json: transformer_layer_config.layer_types {layer['layer_types']} has "
+                             "sliding-window layers; our dflash heads attend over the whole context")
+        if layer.get("attention_bias"):
+            raise AssetError("config.json: transformer_layer_config.attention_bias is true; our dflash layers have "
+                             "no biases")
+        ids = config_ids(config.get("aux_hidden_state_layer_ids"), "aux_hidden_state_layer_ids")
+        vocab = target.config.vocab_size
+        vd = config_int(config, "draft_vocab_size", vocab)
+        mask = config.get("mask_token_id")
+        if isinstance(mask, bool) or not isinstance(mask, int):
+            raise AssetError(f"config.json: mask_token_id must be a token id, got {str(mask)[:20]!r}")
+        cfg = _head_config(config, "dflash", target, aux_layer_ids=list(ids) if ids else None,
+                           num_layers=config_int(layer, "num_hidden_layers", 1),
+                           block_size=config_int(config, "block_size", 8, least=2), mask_token_id=mask,
+                           draft_vocab_size=vd if vd != vocab else None, **_dims(layer))
+        state = join_fused(tensors)
+        for extra in ("embed_tokens.weight", "verifier_lm_head.weight", "verifier_norm.weight"):
+            state.pop(extra, None)
+        if vd != vocab:
+            if "d2t" not in state or "lm_head.weight" not in state:
+                raise AssetError(f"draft_vocab_size {vd} is not the target's {vocab}, and d2t or lm_head.weight "
+                                 "is missing")
+            if "t2d" not in state:
+                t2d = torch.zeros(vocab, dtype=torch.bool)
+                t2d[(torch.arange(state["d2t"].numel()) + state["d2t"]).clamp(0, vocab - 1)] = True
+                state["t2d"] = t2d
+            rows = (torch.arange(state["d2t"].numel()) + state["d2t"]).clamp(0, vocab - 1)
+            own = state.pop("lm_head.weight")
+            want = target.lm_head.weight.detach().cpu()[rows].to(own.dtype)
+            if own.shape != want.shape or not torch.allclose(own.float(), want.float(), atol=1e-3, rtol=1e-2):
+                raise AssetError("lm_head.weight is not the target's rows of the draft tokens (a draft lm_head "
+                                 "trained on its own); our dflash heads predict through the target's frozen "
+                                 "lm_head rows, so this checkpoint cannot be imported")
+        elif "lm_head.weight" in state:
+            raise AssetError("lm_head.weight is present without a draft vocabulary; our dflash heads predict "
+                             "through the target's frozen lm_head")
+        return cfg, state
+
     def recognise(self, config):  # noqa: ANN001, ANN201
         kind = config.get("speculators_model_type")
-        if kind in ("eagle3", "mtp"):
+        if kind in ("eagle3", "mtp", "dflash"):
             return None
-        return f"speculators_model_type {kind!r} (expected 'eagle3' or 'mtp')"
+        return f"speculators_model_type {kind!r} (expected 'eagle3', 'mtp' or 'dflash')"
 
     def read(self, config, tensors, target):  # noqa: ANN001, ANN201
         kind = config["speculators_model_type"]
+        if kind == "dflash":
+            return self._read_dflash(config, tensors, target)
         require(config, "transformer_layer_config", "config.json")
         layer = config_dict(config, "transformer_layer_config")
         state = rename(join_fused(tensors), invert(self._rules(kind)))
