@@ -161,6 +161,8 @@ def _timed_setting(ar_engine: Any, engine: Any, prompts: list[list[int]], temp: 
     b = plan.batch_size
     outs, ar_outs, ratios = [], [], []
     ar_tok = ar_sec = sp_tok = sp_sec = 0.0
+    m = engine.spec_metrics
+    d0, v0, n0 = m.draft_seconds, m.verify_seconds, m.steps
     for first in range(0, len(prompts), b):
         group = prompts[first:first + b]
         for rep in range(plan.repeats):
@@ -176,8 +178,10 @@ def _timed_setting(ar_engine: Any, engine: Any, prompts: list[list[int]], temp: 
             if rep == 0:
                 outs += s_out
                 ar_outs += a_out
+    steps = max(m.steps - n0, 1)  # the draft (propose + absorb) and verify time of a speculative step
     return {"outputs": outs, "ar_outputs": ar_outs, "ratios": ratios, "tokens": sp_tok, "seconds": sp_sec,
-            "ar_tokens_per_s": ar_tok / ar_sec}
+            "ar_tokens_per_s": ar_tok / ar_sec, "draft_ms_per_step": 1e3 * (m.draft_seconds - d0) / steps,
+            "verify_ms_per_step": 1e3 * (m.verify_seconds - v0) / steps}
 
 
 def _quantile(sorted_values: list[float], q: float) -> float:
@@ -327,7 +331,8 @@ def _summarise(st: _Setting, temp: float, timed: dict[str, Any], categories: lis
            "speedup_p25": _quantile(ratios, 0.25), "speedup_p75": _quantile(ratios, 0.75),
            # the middle half's width relative to the median: robust to one odd group
            "speedup_spread": (_quantile(ratios, 0.75) - _quantile(ratios, 0.25)) / median,
-           "timing_pairs": len(ratios),
+           "timing_pairs": len(ratios), "draft_ms_per_step": timed.get("draft_ms_per_step"),
+           "verify_ms_per_step": timed.get("verify_ms_per_step"),
            "tau_by_category": {c: 1 + a / n for c, (a, n) in sorted(per_cat.items())}}
     if temp == 0:
         same = sum(o.token_ids == ref for o, ref in zip(outs, ar["outputs"]))

@@ -20,6 +20,8 @@ CASES = [  # (target family, head type, draft vocab, format)
     ("llama", "mtp", None, "deepseek-mtp"), ("llama", "deepseek_mtp", None, "deepseek-mtp"),
     ("qwen2", "deepseek_mtp", None, "deepseek-mtp"), ("llama", "medusa", None, "medusa"),
     ("llama", "medusa", 64, "medusa"), ("llama", "draft_lm", None, "hf"), ("llama", "mtp", None, "native"),
+    ("llama", "dflash", None, "vllm"), ("llama", "dflash", 64, "vllm"), ("qwen3", "dflash", 64, "vllm"),
+    ("llama", "dflash", 64, "native"),
 ]
 
 
@@ -61,12 +63,13 @@ def _head(target, kind, dv, seed=1, aux=(1, 1, 2), postnorm=True):
     postnorm: mtp / deepseek_mtp heads read the post-norm state, as the engines that serve them feed."""
     torch.manual_seed(seed)
     head = build_head(HeadConfig(head_type=kind, draft_vocab_size=dv,
-                                 aux_layer_ids=list(aux) if kind == "eagle3" else None,
-                                 postnorm_features=True if postnorm and kind in ("mtp", "deepseek_mtp") else None),
+                                 aux_layer_ids=list(aux) if kind in ("eagle3", "dflash") else None,
+                                 postnorm_features=True if postnorm and kind in ("mtp", "deepseek_mtp") else None,
+                                 num_layers=2 if kind == "dflash" else 1, block_size=4 if kind == "dflash" else None),
                       target)
     if dv:
         d2t, t2d = build_vocab_maps(torch.rand(320), dv)
-        head.set_vocab_maps(d2t, t2d) if kind == "eagle3" else head.set_vocab_maps(d2t)
+        head.set_vocab_maps(d2t, t2d) if kind in ("eagle3", "dflash") else head.set_vocab_maps(d2t)
     with torch.no_grad():  # away from the target-copied start, so a swapped tensor shows
         for p in head.parameters():
             p.add_(0.05 * torch.randn_like(p))
@@ -79,6 +82,12 @@ def _logits(head, target):
     aux = len(head.config.aux_layer_ids or [])
     batch = PackedBatch(torch.randint(0, 320, (n,), generator=gen), [4, 5], torch.randn(n, d, generator=gen),
                         torch.randn(n, aux, d, generator=gen) if aux else None, None)
+    if head.config.head_type == "dflash":  # blocks of 4 at row 0 (first sequence, twice) and 5 (second)
+        from headstart.heads.dflash import AnchoredBlocks
+
+        with torch.no_grad():
+            h = head.train_forward(batch, AnchoredBlocks(torch.tensor([0, 0, 5]), torch.tensor([0, 0, 1]), 4))
+            return head.compute_logits(h)
     with torch.no_grad():
         h, _ = head.train_forward(batch)
         return head.compute_logits(h)
