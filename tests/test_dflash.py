@@ -84,8 +84,9 @@ def test_block_queries_see_no_later_context(target):
 
     def block_logits(x):
         batch = target_forward(target, PackedBatch(x, [x.numel()], None, None, None), [0, 1, 2])
+        blocks = AnchoredBlocks(torch.tensor([a]), torch.tensor([0]), 4)
         with torch.no_grad():
-            return head.compute_logits(head.train_forward(batch, AnchoredBlocks(torch.tensor([a]), torch.tensor([0]), 4)))
+            return head.compute_logits(head.train_forward(batch, blocks))
 
     base = block_logits(ids)
     later = ids.clone()
