@@ -5,15 +5,16 @@ speedup over plain decoding of each, side by side with their ratio.
 The arms are the repository's recipes with only the data and the budget changed:
 - `dflash`: recipes/smollm2-135m-dflash.yaml (2 layers, block 4 = 3 drafts per forward, lr 4e-3);
 - `mtp`: recipes/smollm2-135m-mtp.yaml at lr 4e-3, the best arm of benchmarks/head_budget.md.
-Both train online (the target runs every step) on the first --limit embedded ShareGPT conversations,
-for the steps their measured step cost buys in the same CPU time (`--cost dflash=X`: a dflash step in
-mtp steps; benchmarks/dflash.md gives the probe). Steps, not a clock, set each budget, so a loaded
-machine slows an arm without changing what it learns. `headstart eval` then runs both heads and plain
-decoding together (greedy, k = 3).
+Both train from the same shards (the first --limit embedded ShareGPT conversations, precomputed once
+with the last hidden state and dflash's three aux layers; the mtp arm reads only the former). Equal CPU
+time: a short probe of each arm (--probe-steps, same shards, quiet machine) measures its training
+tokens/s; the mtp arm gets --steps and the dflash arm the steps its measured cost buys in the same time.
+Steps, not a clock, then set each budget, so a loaded machine slows an arm without changing what it
+learns. `headstart eval` runs both heads and plain decoding together (greedy, k = 3, one prompt at a time).
 
-    .venv/bin/python benchmarks/dflash.py --steps 120 --cost dflash=1.0
+    .venv/bin/python benchmarks/dflash.py --steps 400
 
-Everything lands under runs/dflash-bench/ and resumes: rerunning skips the finished arms.
+Everything lands under runs/dflash-bench/ and resumes: rerunning skips what is done.
 """
 
 from __future__ import annotations
@@ -32,16 +33,16 @@ ROOT = Path(__file__).resolve().parents[1]
 OUT = ROOT / "runs" / "dflash-bench"
 
 
-def _recipe(arm: str, steps: int, limit: int) -> Path:
+def _recipe(arm: str, name: str, limit: int, **train: object) -> Path:
     r = yaml.safe_load((ROOT / "recipes" / f"smollm2-135m-{arm}.yaml").read_text())
     r.pop("regenerate", None)
-    r["name"] = f"dflash-bench-{arm}"
-    r["output_dir"] = str(OUT / arm)
-    r["data"].update(source="sharegpt", limit=limit, max_length=512, split_key="id_prefix")
-    r["train"].update(source="online", max_steps=steps, lr=0.004, warmup_steps=min(30, steps // 4),
-                      val_every_steps=0, ckpt_every_steps=20)
+    r["name"] = f"dflash-bench-{name}"
+    r["output_dir"] = str(OUT / name)
+    r["data"].update(source="sharegpt", limit=limit, split_key="id_prefix")
+    r["train"].update(source="shards", shards_dir=str(OUT / "shards" / "precompute"), lr=0.004,
+                      val_every_steps=0, ckpt_every_steps=50, **train)
     r["logging"]["wandb"] = False
-    path = OUT / f"{arm}.yaml"
+    path = OUT / f"{name}.yaml"
     OUT.mkdir(parents=True, exist_ok=True)
     atomic_write_text(path, yaml.safe_dump(r, sort_keys=False))
     return path
@@ -52,23 +53,44 @@ def _headstart(*args: str) -> None:
     subprocess.run([sys.executable, "-m", "headstart.cli", *args], check=True, cwd=ROOT)
 
 
+def _train(path: Path, out: Path) -> None:
+    if (out / "head-final" / "config.json").exists():
+        print(f"{out.name}: trained already")
+        return
+    resume = ["--resume"] if (out / "checkpoints" / "last.ckpt").exists() else []
+    _headstart("train", str(path), "--no-progress", *resume)
+
+
+def _probe_rate(arm: str, steps: int, limit: int) -> float:
+    """Training tokens/s of `arm` over a short run from the shards (the first logged rows skipped)."""
+    out = OUT / f"probe-{arm}"
+    _train(_recipe(arm, f"probe-{arm}", limit, max_steps=steps, warmup_steps=2, val_prompts=1, val_max_tokens=4,
+                   val_loss_batches=1), out)
+    rows = [r.split(",") for r in (out / "metrics.csv").read_text().splitlines()[1:] if r.startswith("train,")]
+    rates = [float(r[5]) for r in rows[1:]]
+    return sum(rates) / len(rates)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--steps", type=int, default=120, help="steps of the mtp arm (dflash: steps / cost)")
-    ap.add_argument("--cost", default="dflash=1.0", help="dflash=X: a dflash step in mtp steps")
-    ap.add_argument("--limit", type=int, default=3000, help="ShareGPT conversations to train on")
+    ap.add_argument("--steps", type=int, default=400, help="steps of the mtp arm (dflash: what the same time buys)")
+    ap.add_argument("--limit", type=int, default=4000, help="ShareGPT conversations to precompute and train on")
+    ap.add_argument("--probe-steps", type=int, default=12)
     ap.add_argument("--heldout", type=int, default=16, help="held-out prompts for the engine's figures")
     ap.add_argument("--max-tokens", type=int, default=64)
     args = ap.parse_args()
-    cost = float(args.cost.split("=", 1)[1])
+    shards = _recipe("dflash", "shards", args.limit)
+    if not (OUT / "shards" / "precompute" / "manifest.json").exists():
+        resume = ["--resume"] if (OUT / "shards" / "precompute" / "run.json").exists() else []
+        _headstart("precompute", str(shards), *resume)
+    rate = {arm: _probe_rate(arm, args.probe_steps, args.limit) for arm in ("mtp", "dflash")}
+    cost = rate["mtp"] / rate["dflash"]  # a dflash step in mtp steps
     steps = {"mtp": args.steps, "dflash": max(1, round(args.steps / cost))}
-    recipes = {arm: _recipe(arm, n, args.limit) for arm, n in steps.items()}
+    print(f"probe: mtp {rate['mtp']:.0f} tok/s, dflash {rate['dflash']:.0f} tok/s: a dflash step costs {cost:.3f} "
+          f"mtp steps -> mtp {steps['mtp']} steps, dflash {steps['dflash']}")
+    recipes = {arm: _recipe(arm, arm, args.limit, max_steps=n, warmup_steps=30) for arm, n in steps.items()}
     for arm, path in recipes.items():
-        if (OUT / arm / "head-final" / "config.json").exists():
-            print(f"{arm}: trained already (runs/dflash-bench/{arm}/head-final)")
-            continue
-        resume = ["--resume"] if (OUT / arm / "checkpoints" / "last.ckpt").exists() else []
-        _headstart("train", str(path), "--no-progress", *resume)
+        _train(path, OUT / arm)
     report = OUT / "eval"
     if not (report / "report.json").exists():
         _headstart("eval", str(recipes["dflash"]), "--head", str(OUT / "dflash" / "head-final"), "--head",
@@ -76,21 +98,18 @@ def main() -> None:
                    "--max-tokens", str(args.max_tokens), "--no-baseline", "--batch-size", "1", "--out", str(report),
                    "--no-progress")
     rows = json.loads((report / "report.json").read_text())["rows"]
-    by_arm = {}
-    for row in rows:
-        name = "dflash" if "dflash" in str(row.get("head", "")) else "mtp"
-        by_arm[name] = row
+    by_arm = {("dflash" if "dflash" in str(row.get("head", "")) else "mtp"): row for row in rows}
     keys = ("tau", "accept_rate_per_pos", "draft_ms_per_step", "verify_ms_per_step", "tokens_per_s",
             "ar_tokens_per_s", "speedup", "lossless_check")
-    print(f"{'':22}{'mtp (AR)':>12}{'dflash':>12}{'dflash / mtp':>14}")
-    print(f"{'training steps':22}{steps['mtp']:>12}{steps['dflash']:>12}")
+    print(f"{'':22}{'mtp (AR)':>16}{'dflash':>16}{'dflash / mtp':>14}")
+    print(f"{'training steps':22}{steps['mtp']:>16}{steps['dflash']:>16}")
     for key in keys:
         a, b = by_arm["mtp"].get(key), by_arm["dflash"].get(key)
         num = isinstance(a, int | float) and isinstance(b, int | float)
         ratio = f"{b / a:.3f}" if num and a else "-"
         show = [f"{v:.3f}" if isinstance(v, float) else "/".join(f"{x:.2f}" for x in v) if isinstance(v, list)
                 else str(v) for v in (a, b)]
-        print(f"{key:22}{show[0]:>12}{show[1]:>12}{ratio:>14}")
+        print(f"{key:22}{show[0]:>16}{show[1]:>16}{ratio:>14}")
 
 
 if __name__ == "__main__":

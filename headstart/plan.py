@@ -207,6 +207,16 @@ def make_plan(recipe: Recipe, target_cfg: dict[str, Any], *, device: str = "H100
                      f"{tr.batch_tokens:,} tokens x {tr.ttt_steps} TTT steps x (({22 + 2 * aux} d + 6 I) x 2 B)"),
                 Term("chunked loss", 3 * tr.loss_chunk_tokens * vd * 4,
                      f"{tr.loss_chunk_tokens:,} rows x {vd:,} logits x fp32 x 3 (logits, softmax, grad)")]
+    if hc.head_type == "dflash":  # anchored blocks instead of token rows; every layer's context K/V and scores
+        bs = hc.block_size or 8
+        q = min(recipe.head.max_anchors, tr.batch_tokens) * bs
+        kv = 2 * hc.num_key_value_heads * hc.head_dim
+        ph.terms[2] = Term("head activations", q * per_tok * hc.num_layers + tr.batch_tokens * (d + kv * hc.num_layers)
+                           * act, f"{q:,} block rows x {hc.num_layers} layers x (({22 + 2 * aux} d + 6 I) x 2 B), + "
+                                  f"{tr.batch_tokens:,} context rows x (d + {hc.num_layers} x 2 KV)")
+        ph.terms.append(Term("block attention scores", 4 * heads * q * (seq + q),
+                             f"{heads} heads x {q:,} block queries x ({seq:,} context + {q:,} block keys) x fp32, "
+                             "one layer (an upper bound: fused SDPA kernels keep none)"))
     if tr.ttt_steps > 1:
         from headstart.train.ttt import QUERY_BLOCK
 
@@ -216,7 +226,7 @@ def make_plan(recipe: Recipe, target_cfg: dict[str, Any], *, device: str = "H100
         block = min(QUERY_BLOCK, seq)
         ph.terms.append(Term("TTT attention scores", 5 * 4 * heads * block * seq,
                              f"{heads} heads x {block:,} queries x {seq:,} keys x fp32 x 5 (one checkpointed block)"))
-    if hc.draft_vocab_size and hc.head_type in ("mtp", "eagle1", "deepseek_mtp"):
+    if hc.draft_vocab_size and hc.head_type in ("mtp", "eagle1", "deepseek_mtp", "dflash"):
         ph.terms.append(Term("restricted lm_head", vd * d * act, f"{vd:,} target rows gathered once"))
     parts_term = None
     if tp > 1:

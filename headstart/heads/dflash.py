@@ -83,19 +83,22 @@ def choose_anchors(batch: PackedBatch, block_size: int, max_anchors: int, genera
 
 class _BlockTrainingAttention:
     """Training backend of one drafter layer: each sequence's block queries attend to the context
-    keys of that layer (positions before the block's anchor) and to their own block's keys."""
+    keys of that layer (positions before the block's anchor) and to their own block's keys. The
+    context K/V are computed here, inside the layer's forward, where FSDP has gathered its weights."""
 
     name = "dflash-train"
 
-    def __init__(self, ctx_k: torch.Tensor, ctx_v: torch.Tensor, plan: list[tuple[int, int, int, int, torch.Tensor]]):
-        self.ctx_k, self.ctx_v, self.plan = ctx_k, ctx_v, plan
+    def __init__(self, attn: Attention, states: torch.Tensor, positions: torch.Tensor,
+                 plan: list[tuple[int, int, int, int, torch.Tensor]]) -> None:
+        self.attn, self.states, self.positions, self.plan = attn, states, positions, plan
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: KVPages | None,
                 meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        ctx_k, ctx_v = context_kv(self.attn, self.states, self.positions)
         outs = []
         for c0, c1, b0, b1, mask in self.plan:  # context rows [c0, c1), block rows [b0, b1), mask over both
-            keys = torch.cat([self.ctx_k[c0:c1], k[b0:b1]])
-            values = torch.cat([self.ctx_v[c0:c1], v[b0:b1]])
+            keys = torch.cat([ctx_k[c0:c1], k[b0:b1]])
+            values = torch.cat([ctx_v[c0:c1], v[b0:b1]])
             o = torch.nn.functional.scaled_dot_product_attention(
                 q[b0:b1].transpose(0, 1).unsqueeze(0), keys.transpose(0, 1).unsqueeze(0),
                 values.transpose(0, 1).unsqueeze(0), attn_mask=mask, scale=scale, enable_gqa=q.shape[1] != k.shape[1])
@@ -183,10 +186,7 @@ class DFlashHead(SharedVocabHead):
             own = blk[:, None] == blk[None, :]
             plan.append((c0, c1, b0, b1, torch.cat([ctx, own], dim=1)))
             b0 = b1
-        backends = []
-        for layer in self.layers:
-            k, v = context_kv(layer.self_attn, states, positions)
-            backends.append(_BlockTrainingAttention(k, v, plan))
+        backends = [_BlockTrainingAttention(layer.self_attn, states, positions, plan) for layer in self.layers]
         return self.forward_hidden(tokens.reshape(-1).to(device), None, meta, None, backends)
 
     def init_from_target(self, target: LlamaForCausalLM) -> None:
