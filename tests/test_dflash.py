@@ -187,7 +187,7 @@ def test_config_errors(target):
     with pytest.raises(Exception, match="mask_token_id=999"):
         build_head(HeadConfig(head_type="dflash", mask_token_id=999), target)
     head = _head(target)
-    with pytest.raises(ValueError, match="exceeds what a dflash block of 4"):
+    with pytest.raises(ValueError, match="exceeds the drafts a dflash block of 4 positions holds"):
         Engine(target, spec=SpecConfig(method="block", k=4, head=head))
     with pytest.raises(ValueError, match="cannot use a 'dflash' head"):
         Engine(target, spec=SpecConfig(method="chain", head=head))

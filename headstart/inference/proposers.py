@@ -373,8 +373,8 @@ class BlockProposer(_Proposer):
         super().__init__(config, runner)
         self.head = runner.model
         if config.k > self.head.block_size - 1:
-            raise ValueError(f"k={config.k} exceeds what a dflash block of {self.head.block_size} drafts "
-                             f"({self.head.block_size - 1})")
+            raise ValueError(f"k={config.k} exceeds the drafts a dflash block of {self.head.block_size} positions "
+                             f"holds ({self.head.block_size - 1}): use k <= {self.head.block_size - 1}")
         self.to_target = self.head.to_target_ids
 
     def capture(self) -> tuple[int, ...]:
