@@ -13,8 +13,10 @@ Steps, not a clock, then set each budget, so a loaded machine slows an arm witho
 learns. `headstart eval` runs both heads and plain decoding together (greedy, k = 3, one prompt at a time).
 
     .venv/bin/python benchmarks/dflash.py --steps 400
+    .venv/bin/python benchmarks/dflash.py --source online --steps 120 --limit 2200 --probe-steps 8
 
-Everything lands under runs/dflash-bench/ and resumes: rerunning skips what is done.
+Everything lands under runs/dflash-bench/ (--source online: runs/dflash-bench-online/, the target run in
+every training step instead of shards) and resumes: rerunning skips what is done.
 """
 
 from __future__ import annotations
@@ -33,15 +35,22 @@ ROOT = Path(__file__).resolve().parents[1]
 OUT = ROOT / "runs" / "dflash-bench"
 
 
+SOURCE = {"train": "shards"}  # --source
+
+
 def _recipe(arm: str, name: str, limit: int, **train: object) -> Path:
     r = yaml.safe_load((ROOT / "recipes" / f"smollm2-135m-{arm}.yaml").read_text())
     r.pop("regenerate", None)
     r["name"] = f"dflash-bench-{name}"
     r["output_dir"] = str(OUT / name)
     r["data"].update(source="sharegpt", limit=limit, split_key="id_prefix")
-    r["train"].update(source="shards", shards_dir=str(OUT / "shards" / "precompute"), lr=0.004,
-                      val_every_steps=0, ckpt_every_steps=50, **train)
+    r["data"]["max_length"] = 1024 if SOURCE["train"] == "shards" else 512
+    r["train"].update(source=SOURCE["train"], lr=0.004, val_every_steps=0, ckpt_every_steps=20, **train)
+    if SOURCE["train"] == "shards":
+        r["train"]["shards_dir"] = str(OUT / "shards" / "precompute")
     r["logging"]["wandb"] = False
+    if name.startswith("probe-"):
+        r["logging"]["every_steps"] = 2
     path = OUT / f"{name}.yaml"
     OUT.mkdir(parents=True, exist_ok=True)
     atomic_write_text(path, yaml.safe_dump(r, sort_keys=False))
@@ -78,9 +87,15 @@ def main() -> None:
     ap.add_argument("--probe-steps", type=int, default=12)
     ap.add_argument("--heldout", type=int, default=16, help="held-out prompts for the engine's figures")
     ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--source", choices=["shards", "online"], default="shards",
+                    help="online: the target runs in every training step (no precompute; ~4x slower steps here)")
     args = ap.parse_args()
+    global OUT
+    SOURCE["train"] = args.source
+    if args.source == "online":
+        OUT = OUT.with_name(OUT.name + "-online")
     shards = _recipe("dflash", "shards", args.limit)
-    if not (OUT / "shards" / "precompute" / "manifest.json").exists():
+    if args.source == "shards" and not (OUT / "shards" / "precompute" / "manifest.json").exists():
         resume = ["--resume"] if (OUT / "shards" / "precompute" / "run.json").exists() else []
         _headstart("precompute", str(shards), *resume)
     rate = {arm: _probe_rate(arm, args.probe_steps, args.limit) for arm in ("mtp", "dflash")}
