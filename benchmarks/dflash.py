@@ -85,6 +85,9 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=400, help="steps of the mtp arm (dflash: what the same time buys)")
     ap.add_argument("--limit", type=int, default=4000, help="ShareGPT conversations to precompute and train on")
     ap.add_argument("--probe-steps", type=int, default=12)
+    ap.add_argument("--cost", type=float, default=None,
+                    help="a dflash step in mtp steps, measured before on a quiet machine (skips the probe, whose "
+                         "timing a loaded machine spoils)")
     ap.add_argument("--heldout", type=int, default=16, help="held-out prompts for the engine's figures")
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--source", choices=["shards", "online"], default="shards",
@@ -98,11 +101,14 @@ def main() -> None:
     if args.source == "shards" and not (OUT / "shards" / "precompute" / "manifest.json").exists():
         resume = ["--resume"] if (OUT / "shards" / "precompute" / "run.json").exists() else []
         _headstart("precompute", str(shards), *resume)
-    rate = {arm: _probe_rate(arm, args.probe_steps, args.limit) for arm in ("mtp", "dflash")}
-    cost = rate["mtp"] / rate["dflash"]  # a dflash step in mtp steps
+    if args.cost is None:
+        rate = {arm: _probe_rate(arm, args.probe_steps, args.limit) for arm in ("mtp", "dflash")}
+        cost = rate["mtp"] / rate["dflash"]  # a dflash step in mtp steps
+        print(f"probe: mtp {rate['mtp']:.0f} tok/s, dflash {rate['dflash']:.0f} tok/s", flush=True)
+    else:
+        cost = args.cost
     steps = {"mtp": args.steps, "dflash": max(1, round(args.steps / cost))}
-    print(f"probe: mtp {rate['mtp']:.0f} tok/s, dflash {rate['dflash']:.0f} tok/s: a dflash step costs {cost:.3f} "
-          f"mtp steps -> mtp {steps['mtp']} steps, dflash {steps['dflash']}")
+    print(f"a dflash step costs {cost:.3f} mtp steps -> mtp {steps['mtp']} steps, dflash {steps['dflash']}", flush=True)
     recipes = {arm: _recipe(arm, arm, args.limit, max_steps=n, warmup_steps=30) for arm, n in steps.items()}
     for arm, path in recipes.items():
         _train(path, OUT / arm)
