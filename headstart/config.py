@@ -104,6 +104,8 @@ class HeadSection:
                  f"a dflash block of {self.block_size or 8} drafts at most {(self.block_size or 8) - 1} tokens, "
                  f"got k={self.k}")
         _require(self.max_anchors >= 1, "head.max_anchors", "must be >= 1")
+        _require(self.type == "dflash" or self.max_anchors == 512, "head.max_anchors",
+                 f"applies to dflash heads, not {self.type}")
         _require(not self.dense_block or self.type == "deepseek_mtp", "head.dense_block",
                  f"applies to deepseek_mtp heads, not {self.type}")
         _require(1 <= self.k <= 16, "head.k", f"must be in [1, 16], got {self.k}")

@@ -121,18 +121,24 @@ def test_block_loss_weights_slots_as_speculators_does(target):
     from headstart.heads.dflash import choose_anchors as choose
 
     head = _head(target, bs=4, layers=1)
-    recipe = recipe_from_dict({"head": {"type": "dflash", "block_size": 4, "max_anchors": 6},
+    recipe = recipe_from_dict({"head": {"type": "dflash", "block_size": 4, "max_anchors": 12},
                                "train": {"block_decay_gamma": 2.0}})
     module = HeadModule(recipe, target, head)
     seqs = _prompts(3, seed=4)
     ids = torch.tensor([t for s in seqs for t in s])
     mask = torch.ones(ids.numel())
     mask[:4] = 0
+    mask[len(seqs[0]) + 3:len(seqs[0]) + 6] = 0  # a gap inside a sequence: blocks straddle unsupervised slots
     batch = target_forward(target, PackedBatch(ids, [len(s) for s in seqs], None, None, mask), [0, 1, 2])
     with torch.no_grad():
         loss, stats = module.losses(batch)
+        again, _ = module.losses(batch)
+        module.consumed = 1  # the next micro-batch draws other anchors
+        other, _ = module.losses(batch)
+        module.consumed = 0
+    assert float(again) == float(loss) and float(other) != float(loss)
     g = torch.Generator().manual_seed(recipe.seed * 1_000_003 + module.consumed)
-    blocks = choose(batch, 4, 6, g)
+    blocks = choose(batch, 4, 12, g)
     with torch.no_grad():
         q = torch.log_softmax(head.compute_logits(head.train_forward(batch, blocks)), -1)
         rows = blocks.rows
@@ -193,3 +199,101 @@ def test_config_errors(target):
         Engine(target, spec=SpecConfig(method="chain", head=head))
     cfg = build_head(HeadConfig(head_type="dflash"), target).config
     assert cfg.block_size == 8 and cfg.aux_layer_ids == [1, 1, 0]  # a 2-layer target: the defaults clipped
+
+
+def test_sampled_drafts_carry_each_slots_own_q(target):
+    """With sampled drafts, q[j] of a proposal is slot j's processed distribution (placed on the target
+    vocabulary), and d_j is a token q[j] gives mass: the full-q rule then compares p with the q d_j was
+    drawn from."""
+    from headstart.inference.proposers import spread_to_target
+    from headstart.inference.sampler import processed_probs
+
+    head = _head(target, vocab=64)
+    from headstart.heads import build_vocab_maps
+
+    head.set_vocab_maps(*build_vocab_maps(torch.rand(320, generator=torch.Generator().manual_seed(2)), 64))
+    eng = Engine(target, page_size=4, spec=SpecConfig(method="block", k=3, head=head, draft_sampling=True))
+    got, logits_of = [], []
+    propose, logits = eng.proposer.propose, eng.proposer.runner.logits
+
+    def recording(seqs, kk):
+        prop = propose(seqs, kk)
+        got.append((seqs, prop))
+        return prop
+
+    def record_logits(h, rows=None):
+        out = logits(h, rows)
+        logits_of.append(out.view(-1, 3, out.shape[-1]))
+        return out
+
+    eng.proposer.propose, eng.proposer.runner.logits = recording, record_logits
+    params = [SamplingParams(max_tokens=10, temperature=0.8, seed=i, ignore_eos=True) for i in range(2)]
+    eng.generate(_prompts(2, seed=11), params)
+    assert len(got) >= 3
+    for (seqs, prop), lg in zip(got, logits_of):
+        for b, s in enumerate(seqs):
+            for j in range(3):
+                want = spread_to_target(processed_probs(lg[b, j:j + 1], [s.params])[0], 320, head.to_target_ids)
+                torch.testing.assert_close(prop.q[b][j], want)
+                assert float(prop.q[b][j][prop.drafts[b][j]]) > 0
+
+
+def _exported(target, tmp_path, **edits):
+    import json
+
+    from headstart.export import export_head
+
+    head = _head(target, vocab=64)
+    from headstart.heads import build_vocab_maps
+
+    head.set_vocab_maps(*build_vocab_maps(torch.rand(320, generator=torch.Generator().manual_seed(2)), 64))
+    out = tmp_path / "exp"
+    export_head(head, target, "vllm", out)
+    cfg = json.loads((out / "config.json").read_text())
+    for key, value in edits.items():
+        if key.startswith("layer."):
+            cfg["transformer_layer_config"][key[6:]] = value
+        else:
+            cfg[key] = value
+    (out / "config.json").write_text(json.dumps(cfg))
+    return out
+
+
+@pytest.mark.parametrize(("edits", "reason"), [
+    ({"sample_from_anchor": True}, "sample_from_anchor is true"),
+    ({"layer.layer_types": ["sliding_attention", "full_attention"]}, "sliding-window layers"),
+    ({"layer.attention_bias": True}, "attention_bias is true"),
+    ({"mask_token_id": "m"}, "mask_token_id must be a token id"),
+    ({"mask_token_id": 7}, "mask_token_id=7 but the headstart record says"),
+    ({"block_size": 6}, "block_size=6 but the headstart record says"),
+])
+def test_dflash_import_refusals(target, tmp_path, edits, reason):
+    from headstart.errors import AssetError
+    from headstart.export import import_head
+
+    out = _exported(target, tmp_path, **edits)
+    with pytest.raises(AssetError, match=reason):
+        import_head(out, "vllm", target, tmp_path / "back")
+
+
+def test_dflash_import_refuses_a_trained_lm_head_and_export_duplicate_aux_ids(target, tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    from headstart.errors import AssetError
+    from headstart.export import export_head, import_head
+
+    out = _exported(target, tmp_path)
+    tensors = load_file(str(out / "model.safetensors"))
+    tensors["lm_head.weight"] = tensors["lm_head.weight"] + 0.5
+    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(AssetError, match="not the target's rows"):
+        import_head(out, "vllm", target, tmp_path / "back")
+    dup = build_head(HeadConfig(head_type="dflash", aux_layer_ids=[1, 1, 0], block_size=4), target)
+    with pytest.raises(AssetError, match="distinct aux layer ids"):
+        export_head(dup, target, "vllm", tmp_path / "dup")
+    with pytest.raises(ValueError, match="aux_layer_ids is empty"):
+        HeadConfig(head_type="dflash", aux_layer_ids=[])
+    with pytest.raises(ValueError, match="block_size must be an integer"):
+        HeadConfig(head_type="dflash", block_size=4.0)
+    with pytest.raises(ConfigError, match="head.max_anchors"):
+        recipe_from_dict({"head": {"type": "mtp", "max_anchors": 8}})

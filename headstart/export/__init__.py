@@ -198,7 +198,8 @@ def _read_back(layout: Layout, src: Path, target: LlamaForCausalLM, *,
         cfg, state = layout.read(config, tensors, target)
         if isinstance(config.get("headstart"), dict):  # what a serving engine reads must agree with our record
             bare, _ = layout.read({k: v for k, v in config.items() if k != "headstart"}, tensors, target)
-            for key in ("aux_layer_ids", "num_layers", "medusa_num_heads", "medusa_num_layers"):
+            for key in ("aux_layer_ids", "num_layers", "medusa_num_heads", "medusa_num_layers", "block_size",
+                        "mask_token_id", "draft_vocab_size"):
                 if getattr(bare, key) != getattr(cfg, key):
                     raise AssetError(f"config.json gives {key}={getattr(bare, key)!r} but the headstart record "
                                      f"says {getattr(cfg, key)!r} (edited after export?)")

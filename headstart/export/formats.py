@@ -63,7 +63,7 @@ def _layer_config(head: DraftHead, target: LlamaForCausalLM, model_type: str | N
 def feature_convention(head: DraftHead) -> str:
     """Which target state the head reads, as every export records it."""
     cfg = head.config
-    if cfg.head_type == "eagle3":
+    if cfg.head_type in ("eagle3", "dflash"):
         return f"hidden states entering target layers {cfg.aux_layer_ids}, concatenated"
     if cfg.head_type == "draft_lm":
         return "none (tokens only)"
@@ -201,7 +201,10 @@ class VLLM(Layout):
     optional = ("t2d",)  # vLLM ignores t2d; a checkpoint without it gets one rebuilt from d2t
 
     def refuse(self, head: DraftHead) -> str | None:
-        if head.config.head_type == "dflash":  # speculators' dflash keeps a reduced lm_head: the rows are written
+        cfg = head.config
+        if cfg.head_type == "dflash":  # speculators' dflash keeps a reduced lm_head: the rows are written
+            if len(set(cfg.aux_layer_ids)) != len(cfg.aux_layer_ids):
+                return f"speculators' loader needs distinct aux layer ids, this head has {cfg.aux_layer_ids}"
             return None
         why = super().refuse(head)
         if why:

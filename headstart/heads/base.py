@@ -95,6 +95,12 @@ class HeadConfig:
                              f"and {self.medusa_num_layers}")
         if self.head_type != "dflash" and (self.block_size is not None or self.mask_token_id is not None):
             raise ValueError(f"block_size and mask_token_id apply to dflash heads, not {self.head_type}")
+        for name in ("block_size", "mask_token_id"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
+                raise ValueError(f"{name} must be an integer, got {str(value)[:20]!r}")
+        if self.head_type in AUX_FAMILIES and self.aux_layer_ids is not None and not self.aux_layer_ids:
+            raise ValueError(f"a {self.head_type} head fuses at least one target layer: aux_layer_ids is empty")
         if self.block_size is not None and not 2 <= self.block_size <= MAX_BLOCK_SIZE:
             raise ValueError(f"block_size must be in 2..{MAX_BLOCK_SIZE}, got {self.block_size}")
         if self.postnorm_features and self.head_type not in POSTNORM_FAMILIES:
