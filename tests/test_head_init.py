@@ -11,7 +11,7 @@ from headstart.config import recipe_from_dict
 from headstart.heads import HeadConfig, PackedBatch, build_head, build_vocab_maps
 from headstart.train.module import HeadModule
 
-FAMILIES = ["mtp", "eagle1", "deepseek_mtp", "eagle3", "medusa", "draft_lm"]
+FAMILIES = ["mtp", "eagle1", "deepseek_mtp", "eagle3", "medusa", "draft_lm", "dflash"]
 
 
 @pytest.fixture(scope="module")
@@ -48,11 +48,14 @@ def test_every_head_starts_no_worse_than_uniform_on_smollm2(smollm2_batch, kind)
             continue  # its heads share the target's frozen lm_head, unscaled (MedusaHead.init_from_target)
         torch.manual_seed(0)
         head = build_head(HeadConfig(head_type=kind, draft_vocab_size=draft_vocab,
-                                     aux_layer_ids=[2, n // 2, n - 3] if kind == "eagle3" else None), target)
+                                     aux_layer_ids=[2, n // 2, n - 3] if kind in ("eagle3", "dflash") else None,
+                                     # dflash: the CPU recipe's shape (a 1-layer block of 8 starts above log V)
+                                     **({"block_size": 4, "num_layers": 2} if kind == "dflash" else {})), target)
         if draft_vocab:
             head.set_vocab_maps(*build_vocab_maps(counts, draft_vocab))
         _, stats = HeadModule(recipe, target, head).losses(batch)
-        assert len(stats["kl"]) == (head.config.medusa_num_heads if kind == "medusa" else 1)
+        steps = {"medusa": head.config.medusa_num_heads, "dflash": (head.config.block_size or 8) - 1}
+        assert len(stats["kl"]) == steps.get(kind, 1)
         assert max(stats["kl"]) <= math.log(target.config.vocab_size), (draft_vocab, stats["kl"])
 
 
