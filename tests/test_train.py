@@ -117,10 +117,14 @@ def test_validation_runs_as_eval_does_outside_the_training_autocast(tmp_path, ch
     assert run["tau"] == pytest.approx(m["tau"]) and run["steps"] == m["steps"]
 
 
-def test_shards_and_online_give_the_same_first_losses(tmp_path, chat_model_dir):
-    online = _recipe(tmp_path, chat_model_dir, name="online", train={"max_steps": 3, "val_every_steps": 0})
-    shards = _recipe(tmp_path, chat_model_dir, name="shards", train={"max_steps": 3, "val_every_steps": 0,
-                                                                     "source": "shards"})
+@pytest.mark.parametrize("kind", ["mtp", "dflash"])
+def test_shards_and_online_give_the_same_first_losses(tmp_path, chat_model_dir, kind):
+    """dflash: the shards hold its aux layers, and both sources draw the same anchors."""
+    extra = "  block_size: 4\n  max_anchors: 24\n" if kind == "dflash" else ""
+    online = _recipe(tmp_path, chat_model_dir, name="online", head=kind, extra=extra,
+                     train={"max_steps": 3, "val_every_steps": 0})
+    shards = _recipe(tmp_path, chat_model_dir, name="shards", head=kind, extra=extra,
+                     train={"max_steps": 3, "val_every_steps": 0, "source": "shards"})
     assert main(["precompute", str(shards)]) == 0
     assert main(["train", str(online), "--no-progress"]) == 0
     assert main(["train", str(shards), "--no-progress"]) == 0
@@ -208,16 +212,18 @@ def test_two_gloo_processes_equal_one_with_accumulation(tmp_path, chat_model_dir
         torch.testing.assert_close(x, y, rtol=1e-4, atol=1e-5, msg=name)
 
 
-@pytest.mark.parametrize("kind", ["eagle1", "deepseek_mtp", "eagle3", "medusa", "draft_lm"])
+@pytest.mark.parametrize("kind", ["eagle1", "deepseek_mtp", "eagle3", "medusa", "draft_lm", "dflash"])
 def test_every_head_family_trains(tmp_path, chat_model_dir, kind):
-    extra = "  draft_vocab_size: 96\n" if kind in ("eagle3", "medusa") else ""
+    extra = "  draft_vocab_size: 96\n" if kind in ("eagle3", "medusa", "dflash") else ""
+    if kind == "dflash":
+        extra += "  block_size: 4\n"
     path = _recipe(tmp_path, chat_model_dir, head=kind, extra=extra,
                    train={"max_steps": 2, "val_every_steps": 0, "val_prompts": 2, "ttt_steps": 2})
     assert main(["train", str(path), "--no-progress"]) == 0
     m = json.loads((tmp_path / "run" / "metrics.json").read_text())
     assert m["tau"] is not None and m["val_loss"] > 0
     head = load_head(tmp_path / "run" / "head-final", load_llama(chat_model_dir, "fp32"))
-    if kind in ("eagle3", "medusa"):
+    if kind in ("eagle3", "medusa", "dflash"):
         assert head.d2t.numel() == 96 and int(head.d2t.max()) > 0  # the reduced vocabulary was installed
 
 
