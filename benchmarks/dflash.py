@@ -118,8 +118,8 @@ def main() -> None:
                    str(OUT / "mtp" / "head-final"), "--heldout", str(args.heldout), "--k", "3",
                    "--max-tokens", str(args.max_tokens), "--no-baseline", "--batch-size", "1", "--out", str(report),
                    "--no-progress")
-    rows = json.loads((report / "report.json").read_text())["rows"]
-    by_arm = {("dflash" if "dflash" in str(row.get("head", "")) else "mtp"): row for row in rows}
+    rows = json.loads((report / "report.json").read_text())["runs"]
+    by_arm = {row["head_type"]: row for row in rows}
     keys = ("tau", "accept_rate_per_pos", "draft_ms_per_step", "verify_ms_per_step", "tokens_per_s",
             "ar_tokens_per_s", "speedup", "lossless_check")
     print(f"{'':22}{'mtp (AR)':>16}{'dflash':>16}{'dflash / mtp':>14}")
