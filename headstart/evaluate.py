@@ -161,7 +161,9 @@ def _timed_setting(ar_engine: Any, engine: Any, prompts: list[list[int]], temp: 
     b = plan.batch_size
     outs, ar_outs, ratios = [], [], []
     ar_tok = ar_sec = sp_tok = sp_sec = 0.0
-    m = engine.spec_metrics
+    from headstart.inference.proposers import SpecMetrics
+
+    m = getattr(engine, "spec_metrics", None) or SpecMetrics()  # a stand-in engine may keep none
     d0, v0, n0 = m.draft_seconds, m.verify_seconds, m.steps
     for first in range(0, len(prompts), b):
         group = prompts[first:first + b]

@@ -64,7 +64,8 @@ def test_eval_report_is_complete_deterministic_and_lossless_in_fp32(setup, tmp_p
     assert {r["label"] for r in runs if r["method"] == "ngram"} == {"ngram (no training)"}
     b = _report(setup)
     strip = ("seconds", "tokens_per_s", "ar_tokens_per_s", "speedup", "speedup_min", "speedup_max", "speedup_spread",
-             "speedup_p25", "speedup_p75")
+             "speedup_p25", "speedup_p75", "draft_ms_per_step", "verify_ms_per_step")
+    assert all(r["draft_ms_per_step"] >= 0 and r["verify_ms_per_step"] > 0 for r in a["runs"])
     assert [{k: v for k, v in r.items() if k not in strip} for r in a["runs"]] == \
         [{k: v for k, v in r.items() if k not in strip} for r in b["runs"]]
     files = write_reports(a, tmp_path / "rep")
