@@ -64,14 +64,8 @@ def test_engine_block_logits_equal_the_training_forward(target, k):
         padded = tokens + [5] * (head.block_size - 1)
         batch = target_forward(target, PackedBatch(torch.tensor(padded), [len(padded)], None, None, None), [0, 1, 2])
         blocks = AnchoredBlocks(torch.tensor([n]), torch.tensor([0]), k + 1)
-        with torch.no_grad():
-            short = head.block_size
-            head.config.block_size = k + 1  # the engine's block of k + 1 slots
-            try:
-                h = head.train_forward(batch, blocks)
-            finally:
-                head.config.block_size = short
-            want = head.compute_logits(h[1:])
+        with torch.no_grad():  # the engine's block of k + 1 slots
+            want = head.compute_logits(head.train_blocks(batch, blocks)[1:])
         torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-4)
 
 
@@ -86,7 +80,7 @@ def test_block_queries_see_no_later_context(target):
         batch = target_forward(target, PackedBatch(x, [x.numel()], None, None, None), [0, 1, 2])
         blocks = AnchoredBlocks(torch.tensor([a]), torch.tensor([0]), 4)
         with torch.no_grad():
-            return head.compute_logits(head.train_forward(batch, blocks))
+            return head.compute_logits(head.train_blocks(batch, blocks))
 
     base = block_logits(ids)
     later = ids.clone()
@@ -140,7 +134,7 @@ def test_block_loss_weights_slots_as_speculators_does(target):
     g = torch.Generator().manual_seed(recipe.seed * 1_000_003 + module.consumed)
     blocks = choose(batch, 4, 12, g)
     with torch.no_grad():
-        q = torch.log_softmax(head.compute_logits(head.train_forward(batch, blocks)), -1)
+        q = torch.log_softmax(head.compute_logits(head.train_blocks(batch, blocks)), -1)
         rows = blocks.rows
         p = torch.log_softmax(target.compute_logits(batch.hidden[rows - 1]).float(), -1)
     kl = (p.exp() * (p - q)).sum(-1)

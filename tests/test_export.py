@@ -86,7 +86,7 @@ def _logits(head, target):
         from headstart.heads.dflash import AnchoredBlocks
 
         with torch.no_grad():
-            h = head.train_forward(batch, AnchoredBlocks(torch.tensor([0, 0, 5]), torch.tensor([0, 0, 1]), 4))
+            h = head.train_blocks(batch, AnchoredBlocks(torch.tensor([0, 0, 5]), torch.tensor([0, 0, 1]), 4))
             return head.compute_logits(h)
     with torch.no_grad():
         h, _ = head.train_forward(batch)

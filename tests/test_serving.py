@@ -90,7 +90,7 @@ def test_speculators_loads_our_dflash_export_with_the_same_block_logits(tmp_path
     anchor = 7
     batch = target_forward(target, PackedBatch(ids, [16]), [0, 1, 2])
     with torch.no_grad():
-        h = head.train_forward(batch, AnchoredBlocks(torch.tensor([anchor]), torch.tensor([0]), 4))
+        h = head.train_blocks(batch, AnchoredBlocks(torch.tensor([anchor]), torch.tensor([0]), 4))
         expected = head.compute_logits(h[1:])
     save_file({"input_ids": ids, "hidden": batch.aux_hidden.reshape(16, -1).contiguous(),
                "expected": expected.contiguous(), "anchor": torch.tensor(anchor)}, str(tmp_path / "case.safetensors"))

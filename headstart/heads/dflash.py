@@ -158,14 +158,18 @@ class DFlashHead(SharedVocabHead):
     def compute_logits(self, h: torch.Tensor) -> torch.Tensor:
         return self.lm_logits(self.norm(h))
 
-    def train_forward(self, batch: PackedBatch, blocks: AnchoredBlocks) -> torch.Tensor:
+    def train_forward(self, batch: PackedBatch) -> tuple[torch.Tensor, object]:
+        raise TypeError("a dflash head trains on anchored blocks, not shifted rows: use train_blocks(batch, blocks)")
+
+    def train_blocks(self, batch: PackedBatch, blocks: AnchoredBlocks) -> torch.Tensor:
         """Packed sequences and their anchored blocks (`choose_anchors`) -> drafter states (A * bs, d),
-        block after block. Slot i of anchor a is supervised by the target's prediction at a + i - 1
+        block after block (bs = blocks.block_size: the engine's shorter blocks for k < block_size - 1
+        run the same way). Slot i of anchor a is supervised by the target's prediction at a + i - 1
         (packed row), iff loss_mask[a + i] and i > 0."""
         device = batch.aux_hidden.device
         states = self.target_features(None, batch.aux_hidden)  # (N, d)
         positions = packed_metadata(batch.seq_lens, device=device).positions
-        bs = self.block_size
+        bs = blocks.block_size
         tokens = torch.full((blocks.anchors.numel(), bs), self.mask_token_id, dtype=torch.long)
         tokens[:, 0] = batch.input_ids[blocks.anchors].cpu()
         rows = blocks.rows.to(device)

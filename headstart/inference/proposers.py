@@ -171,6 +171,32 @@ class _Proposer:
     def ready(self, seq: Sequence) -> bool:
         return seq.draft.carry is not None
 
+    def _follow(self, items: list[tuple[Sequence, int, int, list[int]]]) -> None:
+        """Before absorbing a target step: a sequence (re)starting at 0 drops its draft state, and the
+        draft's cache must end where the step starts."""
+        for seq, start, _, _ in items:
+            if start == 0:
+                self.forget(seq)
+            if seq.draft.cached != start:
+                raise RuntimeError(f"{seq.id}: the draft cache has {seq.draft.cached} rows but the "
+                                   f"target step starts at {start}")
+
+    def _independent_drafts(self, logits: torch.Tensor, seqs: list[Sequence], vocab: int) -> Proposal:
+        """Drafts that do not condition on each other (Medusa heads, a DFlash block): logits (B, k, V)
+        -> draft j of each sequence from logits[:, j] (argmax, or a draw from its q placed on the
+        target vocabulary for the full-q rule)."""
+        sample = self.config.draft_sampling and not all(s.params.greedy for s in seqs)
+        gens = self.generators(seqs) if sample else []
+        drafts: list[list[int]] = [[] for _ in seqs]
+        qs: list[list[torch.Tensor]] = [[] for _ in seqs]
+        for j in range(logits.shape[1]):
+            choice, q = _draft_choice(logits[:, j], seqs, sample, gens, self.to_target)
+            for b, c in enumerate(choice):
+                drafts[b].append(c)
+                if q[b] is not None:
+                    qs[b].append(spread_to_target(q[b], vocab, self.to_target))
+        return Proposal(drafts, [torch.stack(q) if q else None for q in qs])
+
 
 def _identity(ids: torch.Tensor) -> torch.Tensor:
     return ids
@@ -235,12 +261,7 @@ class HeadChainProposer(_ChainProposer):
                aux: dict[int, torch.Tensor]) -> None:
         """items: (seq, start, end, rows): the target computed positions [start, end) of seq, whose
         hidden states are rows `rows` of `hidden`. Head rows start..end-1 are (h_i, t_{i+1})."""
-        for seq, start, _, _ in items:
-            if start == 0:
-                self.forget(seq)
-            if seq.draft.cached != start:
-                raise RuntimeError(f"{seq.id}: the head cache has {seq.draft.cached} rows but the "
-                                   f"target step starts at {start}")
+        self._follow(items)
         rows = torch.tensor([r for *_, rs in items for r in rs], device=hidden.device)
         tokens = [t for seq, s, e, _ in items for t in seq.token_ids[s + 1:e + 1]]
         with torch.inference_mode():
@@ -344,17 +365,7 @@ class MedusaProposer(_Proposer):
         with torch.inference_mode():
             feats = self.head.target_features(torch.cat([s.draft.carry[0] for s in seqs]))
             _, logits = self.head.draft_step(None, feats)  # (B, heads, V)
-        sample = self.config.draft_sampling and not all(s.params.greedy for s in seqs)
-        gens = self.generators(seqs) if sample else []
-        drafts: list[list[int]] = [[] for _ in seqs]
-        qs: list[list[torch.Tensor]] = [[] for _ in seqs]
-        for j in range(k):  # heads are independent: head j drafts token j + 1
-            choice, q = _draft_choice(logits[:, j], seqs, sample, gens, self.to_target)
-            for b, c in enumerate(choice):
-                drafts[b].append(c)
-                if q[b] is not None:
-                    qs[b].append(spread_to_target(q[b], self.head.target.vocab_size, self.to_target))
-        return Proposal(drafts, [torch.stack(q) if q else None for q in qs])
+        return self._independent_drafts(logits[:, :k], seqs, self.head.target.vocab_size)  # head j drafts t_{n+j+1}
 
     def after_verify(self, seq: Sequence, n: int, accepted: int) -> None:
         seq.draft.cached = n
@@ -383,12 +394,7 @@ class BlockProposer(_Proposer):
     def absorb(self, items: list[tuple[Sequence, int, int, list[int]]], hidden: torch.Tensor,
                aux: dict[int, torch.Tensor]) -> None:
         """Context K/V for the positions [start, end) the target just computed (rows of `aux`)."""
-        for seq, start, _, _ in items:
-            if start == 0:
-                self.forget(seq)
-            if seq.draft.cached != start:
-                raise RuntimeError(f"{seq.id}: the drafter's context has {seq.draft.cached} positions but the "
-                                   f"target step starts at {start}")
+        self._follow(items)
         rows = torch.tensor([r for *_, rs in items for r in rs], device=hidden.device)
         with torch.inference_mode():
             states = self.head.target_features(None, torch.stack([aux[j][rows] for j in self.capture()], dim=1))
@@ -406,17 +412,7 @@ class BlockProposer(_Proposer):
         h, _, _ = self.runner.run(tokens, [(s.id, m, m + k + 1) for s, m in zip(seqs, n)], masks=masks)
         rows = torch.tensor([b * (k + 1) + j for b in range(len(seqs)) for j in range(1, k + 1)])
         logits = self.runner.logits(h, rows).view(len(seqs), k, -1)  # slot j drafts d_j
-        sample = self.config.draft_sampling and not all(s.params.greedy for s in seqs)
-        gens = self.generators(seqs) if sample else []
-        drafts: list[list[int]] = [[] for _ in seqs]
-        qs: list[list[torch.Tensor]] = [[] for _ in seqs]
-        for j in range(k):
-            choice, q = _draft_choice(logits[:, j], seqs, sample, gens, self.to_target)
-            for b, c in enumerate(choice):
-                drafts[b].append(c)
-                if q[b] is not None:
-                    qs[b].append(spread_to_target(q[b], self.head.target.vocab_size, self.to_target))
-        return Proposal(drafts, [torch.stack(q) if q else None for q in qs])
+        return self._independent_drafts(logits, seqs, self.head.target.vocab_size)
 
     def after_verify(self, seq: Sequence, n: int, accepted: int) -> None:
         """The block's K/V at n.. are not context: absorb() writes the verified positions over them."""

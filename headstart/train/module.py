@@ -213,7 +213,7 @@ class HeadModule(L.LightningModule):
             return zero, {"rows": [0] * (head.block_size - 1), "tokens": int(batch.input_ids.numel()),
                           **({k: [0.0] * (head.block_size - 1) for k in ("correct", "accept", "mass", "kl")}
                              if with_stats else {})}
-        h = head.train_forward(batch, blocks)
+        h = head.train_blocks(batch, blocks)
         bs, rows = head.block_size, blocks.rows.to(device)
         mask = batch.loss_mask.to(device)[rows] > 0 if batch.loss_mask is not None else torch.ones_like(rows).bool()
         slot = torch.arange(rows.numel(), device=device) % bs
