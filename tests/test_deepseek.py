@@ -185,6 +185,21 @@ def _mtp_head(target, **kw):
     return build_head(HeadConfig(head_type="deepseek_mtp", **kw), target).eval()
 
 
+def test_a_head_built_without_the_targets_weights_starts_from_a_linear_init(pair):
+    """kv_b_proj and the router hold their weights outside a Linear: built without the target's weights
+    (init_from_target false, or a rank that waits for rank 0's head) they must not be torch.empty's
+    leftovers, which trained on NaN / 1e34 entries in a 2-rank DDP run."""
+    from headstart.heads import HeadConfig, build_head
+
+    name, _, ours = pair
+    torch.manual_seed(0)
+    head = build_head(HeadConfig(head_type="deepseek_mtp"), ours, init_from_target=False)
+    attn, mlp = head.layers[0].self_attn, head.layers[0].mlp
+    for w in (attn.kv_b_proj.weight, mlp.gate.weight):
+        bound = 1 / w.shape[1] ** 0.5  # nn.Linear's: kaiming uniform with a = sqrt(5)
+        assert torch.isfinite(w).all() and w.abs().max() <= bound and w.std() > bound / 4, name
+
+
 def test_a_deepseek_mtp_head_has_the_targets_own_block(pair):
     """MLA always; the MoE MLP where the target routes experts at the MTP layer's index (the tiny
     targets from layer 1 or 2 on), a dense one with dense_block; copied from the last target layer."""

@@ -35,18 +35,15 @@ def _head(target, bs=4, layers=2, vocab=None, seed=0):
     return head.requires_grad_(False)
 
 
-@pytest.mark.parametrize("k", [3, 2])
-def test_engine_block_logits_equal_the_training_forward(target, k):
-    """Each step's draft logits (slots 1..k of the block at the pending token) equal the training
-    forward's for an anchor at the same position over the same tokens: context keys, RoPE positions,
-    the mask token and the non-causal block must all match (k < block_size - 1: a shorter block)."""
-    head = _head(target)
+def _recording_engine(target, head, k):
+    """An engine speculating with `head` at k whose proposer records, per step and sequence, the tokens
+    (t_n pending) and the draft logits of slots 1..k."""
     eng = Engine(target, page_size=4, spec=SpecConfig(method="block", k=k, head=head))
     seen, logits_of = [], []
     propose, logits = eng.proposer.propose, eng.proposer.runner.logits
 
     def recording(seqs, kk):
-        seen.extend(list(s.token_ids) for s in seqs)
+        seen.extend((s.id, list(s.token_ids)) for s in seqs)
         return propose(seqs, kk)
 
     def record_logits(h, rows=None):
@@ -56,17 +53,75 @@ def test_engine_block_logits_equal_the_training_forward(target, k):
 
     eng.proposer.propose = recording
     eng.proposer.runner.logits = record_logits
+    return eng, seen, logits_of
+
+
+def _block_logits(target, head, tokens, anchor, size):
+    """The training forward's logits (size, V) of a block of `size` slots anchored at `anchor`."""
+    # The block needs size - 1 positions after the anchor; they are masked, so any token does.
+    padded = tokens + [5] * (size - 1)
+    batch = target_forward(target, PackedBatch(torch.tensor(padded), [len(padded)], None, None, None), [0, 1, 2])
+    with torch.no_grad():
+        return head.compute_logits(head.train_blocks(batch, AnchoredBlocks(torch.tensor([anchor]),
+                                                                          torch.tensor([0]), size)))
+
+
+@pytest.mark.parametrize("k", [1, 2, 3])
+def test_engine_block_logits_equal_the_training_forward(target, k):
+    """At every k <= block_size - 1, each step's draft logits (slots 1..k of the block at the pending
+    token) equal slots 1..k of the training forward's whole block (block_size slots) anchored at the
+    same position over the same tokens: context keys, RoPE positions, the mask token and the
+    non-causal block must all match, and the engine must run the trained block however few it drafts."""
+    head = _head(target)
+    eng, seen, logits_of = _recording_engine(target, head, k)
     eng.generate(_prompts(3, seed=9), SamplingParams(max_tokens=14, ignore_eos=True))
     assert len(seen) == len(logits_of) >= 6
-    for tokens, got in zip(seen, logits_of):
-        n = len(tokens) - 1  # t_n is pending: the anchor
-        # Whole-block training needs bs - 1 positions after the anchor; they are masked, so any token does.
-        padded = tokens + [5] * (head.block_size - 1)
-        batch = target_forward(target, PackedBatch(torch.tensor(padded), [len(padded)], None, None, None), [0, 1, 2])
-        blocks = AnchoredBlocks(torch.tensor([n]), torch.tensor([0]), k + 1)
-        with torch.no_grad():  # the engine's block of k + 1 slots
-            want = head.compute_logits(head.train_blocks(batch, blocks)[1:])
+    for (_, tokens), got in zip(seen, logits_of):
+        want = _block_logits(target, head, tokens, len(tokens) - 1, head.block_size)[1:k + 1]  # t_n: the anchor
         torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("k", [1, 2])
+def test_the_whole_block_drafts_at_least_as_well_as_a_shorter_one(target, k):
+    """At k < block_size - 1 the fitted head's engine tau (its trained block of 4 slots) equals or beats
+    the tau of a block cut to k + 1 slots, the shape the engine used to run: that one is computed
+    through the head's training forward at every step the engine took, and both are scored against
+    the target's greedy continuation (which reproduces the engine's own tau for the whole block)."""
+    from test_spec import fitted_dflash
+
+    head = fitted_dflash(target)
+    prompts = _prompts(4, seed=0)
+    ref = Engine(target, page_size=4).generate(prompts, SamplingParams(max_tokens=24 + k, ignore_eos=True))
+    eng, seen, logits_of = _recording_engine(target, head, k)
+    outs = eng.generate(prompts, SamplingParams(max_tokens=24, ignore_eos=True))
+    greedy = {o.id: p + r.token_ids for p, o, r in zip(prompts, outs, ref)}
+    whole = short = 0
+    for (seq_id, tokens), got in zip(seen, logits_of):
+        truth = greedy[seq_id][len(tokens):len(tokens) + k]  # t_{n+1} .. t_{n+k}
+        cut = _block_logits(target, head, tokens, len(tokens) - 1, k + 1)[1:]
+        drafts = [head.to_target_ids(x.argmax(-1)).tolist() for x in (got, cut)]
+        runs = [next((i for i, (d, t) in enumerate(zip(ds, truth)) if d != t), k) for ds in drafts]
+        whole, short = whole + runs[0], short + runs[1]
+    assert 1 + whole / len(seen) == pytest.approx(eng.spec_metrics.summary()["tau"])  # the engine's own tau
+    assert whole >= short, (whole, short, len(seen))
+
+
+def test_the_step_reserves_the_whole_block_for_a_head_given_as_a_path(target, tmp_path):
+    """The block's slots past k + 1 are reserved too (SpecConfig.lookahead is the block size), also
+    when the head comes as a checkpoint directory the engine loads; decoding stays the target's,
+    with preemptions (the extra slots come from the same pages) and stop tokens."""
+    head = _head(target)
+    save_head(head, tmp_path / "h")
+    assert SpecConfig(method="block", k=1, head=head).lookahead == 4
+    prompts = _prompts(12, seed=3)
+    params = [SamplingParams(max_tokens=16, ignore_eos=True, stop_token_ids=[7, 11]) for _ in prompts]
+    ref = Engine(target, page_size=2).generate(prompts, params)
+    eng = Engine(target, page_size=2, num_pages=40, max_batch_size=12,
+                 spec=SpecConfig(method="block", k=1, head=str(tmp_path / "h")))
+    assert eng.spec.lookahead == 4
+    assert [o.token_ids for o in eng.generate(prompts, params)] == [o.token_ids for o in ref]
+    assert eng.spec_metrics.steps > 0 and eng.stats.preemptions > 0
+    assert eng.allocator.num_free == eng.allocator.num_pages
 
 
 def test_block_queries_see_no_later_context(target):

@@ -163,9 +163,9 @@ class DFlashHead(SharedVocabHead):
 
     def train_blocks(self, batch: PackedBatch, blocks: AnchoredBlocks) -> torch.Tensor:
         """Packed sequences and their anchored blocks (`choose_anchors`) -> drafter states (A * bs, d),
-        block after block (bs = blocks.block_size: the engine's shorter blocks for k < block_size - 1
-        run the same way). Slot i of anchor a is supervised by the target's prediction at a + i - 1
-        (packed row), iff loss_mask[a + i] and i > 0."""
+        block after block (bs = blocks.block_size: the head's own, in training and in the engine, which
+        drafts from the first k slots at any k). Slot i of anchor a is supervised by the target's
+        prediction at a + i - 1 (packed row), iff loss_mask[a + i] and i > 0."""
         device = batch.aux_hidden.device
         states = self.target_features(None, batch.aux_hidden)  # (N, d)
         positions = packed_metadata(batch.seq_lens, device=device).positions

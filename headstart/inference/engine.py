@@ -120,12 +120,14 @@ class Engine(SpeculativeSteps):
         cfg = self.model.config
         self.max_model_len = min(cfg.max_position_embeddings, cfg.sliding_window or cfg.max_position_embeddings)
         kv_spec = KVCacheSpec.of(self.model)
+        draft = self._resolve_draft(spec, dtype) if spec is not None and spec.method != "ngram" else None
+        if spec is not None and spec.method == "block":  # the lookahead is the head's block: keep the head, not a path
+            spec = dataclasses.replace(spec, head=draft)
         self.spec = spec
         if spec is not None and spec.lookahead >= self.max_model_len:
-            what = "tree_tokens / tree_topk x depth" if spec.method == "tree" else "k"
+            what = {"tree": "tree_tokens / tree_topk x depth", "block": "the dflash block_size"}.get(spec.method, "k")
             raise ValueError(f"speculation would reserve {spec.lookahead} KV slots per step ({what}), more than the "
                              f"model's context of {self.max_model_len}: it could never run; lower {what}")
-        draft = self._resolve_draft(spec, dtype) if spec is not None and spec.method != "ngram" else None
         draft_spec = draft_kv_spec(draft) if draft is not None else None
         specs = [kv_spec] + ([draft_spec] if draft_spec is not None else [])
         if num_pages is None:

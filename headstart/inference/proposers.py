@@ -65,9 +65,13 @@ class SpecConfig:
 
     @property
     def lookahead(self) -> int:
-        """KV slots reserved beyond the sequence for one speculative step."""
+        """KV slots reserved beyond the sequence for one speculative step: the pending token and k
+        drafts, a tree's nodes, or a DFlash head's whole block (its drafter runs every position it was
+        trained on, whatever k; the engine resolves a head given as a path before it reads this)."""
         if self.method == "tree":
             return 1 + max(self.tree_tokens, self.tree_topk * self.k)
+        if self.method == "block" and hasattr(self.head, "block_size"):
+            return max(self.k + 1, self.head.block_size)
         return self.k + 1
 
 
@@ -373,19 +377,25 @@ class MedusaProposer(_Proposer):
 
 class BlockProposer(_Proposer):
     """A DFlash head: the context K/V of every verified position is written into its cache from the
-    target's fused states (absorb), and each step runs one block [t_n, m, ..., m] at positions
-    n..n+k in the k + 1 slots the speculative step reserved, attending to the context and to the
-    whole block; slot j drafts d_j. Drafts are conditionally independent given the context, so a
-    sampled d_j is drawn from slot j's q alone and the full-q rule stays exact."""
+    target's fused states (absorb), and each step runs one block [t_n, m, ..., m] of the head's
+    block_size positions n..n+bs-1, attending to the context and to the whole block; slot j drafts
+    d_j for j <= k. The block is the trained one whatever k: a shorter one changes what each mask
+    position attends to. Its K/V go to the bs slots the speculative step reserved (SpecConfig's
+    lookahead), the sequence's own, above its verified length. Drafts are conditionally independent
+    given the context, so a sampled d_j is drawn from slot j's q alone and the full-q rule stays exact."""
 
     method = "block"
 
     def __init__(self, config: SpecConfig, runner: ModelRunner) -> None:
         super().__init__(config, runner)
         self.head = runner.model
-        if config.k > self.head.block_size - 1:
-            raise ValueError(f"k={config.k} exceeds the drafts a dflash block of {self.head.block_size} positions "
-                             f"holds ({self.head.block_size - 1}): use k <= {self.head.block_size - 1}")
+        bs = self.head.block_size
+        if config.k > bs - 1:
+            raise ValueError(f"k={config.k} exceeds the drafts a dflash block of {bs} positions "
+                             f"holds ({bs - 1}): use k <= {bs - 1}")
+        if config.lookahead < bs:
+            raise ValueError(f"a dflash block runs {bs} positions but the step reserves {config.lookahead} "
+                             "slots: give SpecConfig the resolved head (the engine does)")
         self.to_target = self.head.to_target_ids
 
     def capture(self) -> tuple[int, ...]:
@@ -406,16 +416,17 @@ class BlockProposer(_Proposer):
         return seq.draft.cached == seq.num_cached
 
     def propose(self, seqs: list[Sequence], k: int) -> Proposal:
-        n = [s.num_cached for s in seqs]
-        tokens = self.head.block_tokens([s.token_ids[-1] for s in seqs], k + 1)
-        masks = [torch.ones(k + 1, m + k + 1, dtype=torch.bool) for m in n]  # the context and the whole block
-        h, _, _ = self.runner.run(tokens, [(s.id, m, m + k + 1) for s, m in zip(seqs, n)], masks=masks)
-        rows = torch.tensor([b * (k + 1) + j for b in range(len(seqs)) for j in range(1, k + 1)])
+        bs, n = self.head.block_size, [s.num_cached for s in seqs]
+        tokens = self.head.block_tokens([s.token_ids[-1] for s in seqs], bs)
+        masks = [torch.ones(bs, m + bs, dtype=torch.bool) for m in n]  # the context and the whole block
+        h, _, _ = self.runner.run(tokens, [(s.id, m, m + bs) for s, m in zip(seqs, n)], masks=masks)
+        rows = (torch.arange(len(seqs))[:, None] * bs + torch.arange(1, k + 1)).reshape(-1)  # slots 1..k
         logits = self.runner.logits(h, rows).view(len(seqs), k, -1)  # slot j drafts d_j
         return self._independent_drafts(logits, seqs, self.head.target.vocab_size)
 
     def after_verify(self, seq: Sequence, n: int, accepted: int) -> None:
-        """The block's K/V at n.. are not context: absorb() writes the verified positions over them."""
+        """The block's K/V at n.. are not context: absorb() writes the verified positions over them,
+        and the slots past the verified ones are never read before it does."""
         seq.draft.cached = n
 
 

@@ -28,6 +28,7 @@ are optionally renormalised (norm_topk_prob) and multiplied by routed_scaling_fa
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -256,6 +257,13 @@ def _version(w: torch.Tensor) -> tuple[int, int]:
     return w.data_ptr(), -1 if w.is_inference() else w._version
 
 
+def _init_like_linear(weight: torch.Tensor) -> None:
+    """nn.Linear's default initialisation, for weights held outside a Linear (torch.empty is whatever the
+    allocator returns: a head built without the target's weights trained on NaN or 1e34 entries)."""
+    if weight.device.type != "meta":
+        nn.init.kaiming_uniform_(weight, a=math.sqrt(5))
+
+
 class KVUpProjection(nn.Module):
     """kv_b_proj's weight (H x (qk_nope + v), kv_lora_rank): W_UK and W_UV of the absorbed form. Never
     called as a Linear (the expanded keys and values are never formed)."""
@@ -264,6 +272,7 @@ class KVUpProjection(nn.Module):
         super().__init__()
         self.heads, self.nope, self.v = heads, nope, v
         self.weight = nn.Parameter(torch.empty(heads * (nope + v), rank))
+        _init_like_linear(self.weight)  # a head built without the target's weights starts from this
 
     def keys(self) -> torch.Tensor:  # (H, nope, rank)
         return self.weight.view(self.heads, self.nope + self.v, -1)[:, : self.nope]
@@ -345,6 +354,7 @@ class Router(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.weight = nn.Parameter(torch.empty(cfg.n_routed_experts, cfg.hidden_size))
+        _init_like_linear(self.weight)
         if cfg.topk_method == "noaux_tc":
             # It only chooses experts (no gradient reaches it): never trained, loaded like a weight.
             self.e_score_correction_bias = nn.Parameter(torch.zeros(cfg.n_routed_experts), requires_grad=False)
@@ -417,12 +427,14 @@ class MoE(nn.Module):
         tokens, w = order // k, weights.flatten()[order]
         out = torch.zeros_like(x)
         start = 0
-        for e, count in enumerate(counts):  # a token sums its experts in expert order, in any batch
-            if count:
-                rows = tokens[start:start + count]
-                y = self.experts[e](x[rows]) * w[start:start + count, None]
-                out.index_add_(0, rows, y.to(out.dtype))
-                start += count
+        # A token sums its experts in expert order, in any batch. Every expert runs, an idle one on no
+        # rows: in training each rank must use the same parameters (DDP's reducer, FSDP's reduce-scatter)
+        # whichever experts its tokens chose.
+        for e, count in enumerate(counts):
+            rows = tokens[start:start + count]
+            y = self.experts[e](x[rows]) * w[start:start + count, None]
+            out.index_add_(0, rows, y.to(out.dtype))
+            start += count
         return out + self.shared_experts(x) if self.shared_experts is not None else out
 
 

@@ -20,7 +20,7 @@ from torch import nn
 
 from headstart.errors import AssetError
 from headstart.models.base import CausalLM, materialise
-from headstart.models.loading import load_weights
+from headstart.models.loading import fp8_block_size, load_weights
 from headstart.nn.decoder import DecoderLayer, DecoderLayerConfig
 from headstart.nn.norm import RMSNorm
 from headstart.nn.parallel import SINGLE, TensorParallel, VocabParallelEmbedding, VocabParallelLinear
@@ -203,6 +203,7 @@ def read_hf_config(model_dir: str | Path) -> dict[str, Any]:
     if not path.is_file():
         raise AssetError(f"{model_dir}: not a model directory (no config.json)")
     cfg = json.loads(path.read_text())
+    fp8_block_size(cfg, str(path))  # a quantised checkpoint we cannot read is refused before anything is built
     gen = Path(model_dir) / "generation_config.json"
     if gen.is_file():  # generation_config's eos list (e.g. Llama-3's <|eot_id|>) wins over config's
         eos = json.loads(gen.read_text()).get("eos_token_id")

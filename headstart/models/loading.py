@@ -3,20 +3,60 @@
 A model declares `packed`: HF name fragments that are row blocks of one of our fused parameters,
 e.g. "q_proj" -> ("qkv_proj", 0) means HF's q_proj rows form block 0 of our qkv_proj. Every
 parameter must be filled exactly; a missing tensor or a wrong shape is an error naming both.
+
+Block-scaled FP8 checkpoints (DeepSeek-V3/R1 as released) are dequantised as they are read: an FP8
+`X.weight` (R, C) comes with `X.weight_scale_inv` (ceil(R/b0), ceil(C/b1)) for config.json's
+`quantization_config.weight_block_size` [b0, b1], and the weight is each block times its scale. Any
+other quantization is refused: its tensors are not weights a cast can read.
 """
 
 from __future__ import annotations
 
 import json
 from collections.abc import Callable
+from contextlib import nullcontext
+from functools import cached_property
 from pathlib import Path
+from typing import Any
 
+import torch
 from safetensors import safe_open
 from torch import nn
 
 from headstart.errors import AssetError
 
 Shard = Callable[[str, "int | None"], "tuple | str | None"]
+FP8_DTYPES = ("F8_E4M3", "F8_E5M2")  # safetensors' names for float8_e4m3fn / float8_e5m2
+SCALE_SUFFIX = "_scale_inv"  # "X.weight" -> "X.weight_scale_inv", DeepSeek's and HF FineGrainedFP8's name
+
+
+def fp8_block_size(cfg: dict[str, Any], where: str) -> tuple[int, int] | None:
+    """config.json's FP8 weight block (rows, columns), or None for an unquantised checkpoint. Any other
+    quantization_config is refused by name (`where`: the config file), before anything is built."""
+    q = cfg.get("quantization_config")
+    if q is None:
+        return None
+    if not isinstance(q, dict):
+        raise AssetError(f"{where}: quantization_config must be an object, got {str(q)[:40]!r}")
+    method = q.get("quant_method")
+    if method != "fp8":
+        raise AssetError(f"{where}: quantization_config.quant_method {str(method)[:40]!r} is not supported "
+                         "(only block-scaled 'fp8', as DeepSeek-V3 ships); dequantise the checkpoint first "
+                         "(load it in transformers and save_pretrained it in bf16) or use the unquantised original")
+    block = q.get("weight_block_size")
+    if not (isinstance(block, list) and len(block) == 2
+            and all(isinstance(b, int) and not isinstance(b, bool) and b > 0 for b in block)):
+        raise AssetError(f"{where}: quantization_config.weight_block_size must be two positive integers, got "
+                         f"{str(block)[:40]}; only block-scaled FP8 is supported (per-tensor or per-channel "
+                         "scales are not): dequantise the checkpoint first")
+    if q.get("fmt", "e4m3") not in ("e4m3", "e5m2"):
+        raise AssetError(f"{where}: quantization_config.fmt {str(q['fmt'])[:20]!r} is not an FP8 format "
+                         "(e4m3 or e5m2); dequantise the checkpoint first")
+    if q.get("activation_scheme", "dynamic") != "dynamic":  # as transformers' FineGrainedFP8Config
+        raise AssetError(f"{where}: quantization_config.activation_scheme "
+                         f"{str(q['activation_scheme'])[:20]!r} is not supported with block-scaled FP8 (only "
+                         "'dynamic'); dequantise the checkpoint first")
+    return block[0], block[1]
 
 
 def safetensors_files(model_dir: Path) -> list[Path]:
@@ -56,11 +96,13 @@ def load_weights(
         for name in params:
             if f".{ours}." in f".{name}":
                 needed[name] = len(sizes)
-    for path in safetensors_files(model_dir):
+    files = safetensors_files(model_dir)
+    fp8 = _Fp8(model_dir, files)
+    for path in files:
         with safe_open(str(path), framework="pt") as f:
             for hf_name in f.keys():
-                if any(s in hf_name for s in skip):
-                    continue
+                if hf_name.endswith(SCALE_SUFFIX) or any(s in hf_name for s in skip):
+                    continue  # a scale is read with its weight
                 name, block = _map_name(hf_name, packed)
                 if name not in params:
                     continue  # extra tensors (e.g. an MTP layer) are not ours to load
@@ -78,7 +120,7 @@ def load_weights(
                     target.zero_()
                     filled[name] = filled.get(name, 0) + 1
                     continue
-                tensor, target = _read(f, hf_name, part, target, path)
+                tensor, target = _read(f, hf_name, part, target, path, fp8)
                 if tuple(target.shape) != tuple(tensor.shape):
                     raise AssetError(
                         f"{path.name}: tensor {hf_name!r} has shape {tuple(tensor.shape)}, "
@@ -95,22 +137,99 @@ def load_weights(
         raise AssetError(f"{model_dir}: the weights lack tensors for: {shown}")
 
 
-def _read(f, hf_name: str, part: tuple | None, target, path: Path):
-    """The checkpoint tensor (or its part) and where it goes in the parameter."""
+def _read(f, hf_name: str, part: tuple | None, target, path: Path, fp8: _Fp8):
+    """The checkpoint tensor (or its part, dequantised if FP8) and where it goes in the parameter."""
+    sl = f.get_slice(hf_name)
+    quantised = sl.get_dtype() in FP8_DTYPES
     if part is None:
+        if quantised:
+            return fp8.dequantised(f, path, hf_name), target
         return f.get_tensor(hf_name), target
     dim, start, length, *pad = part
-    sl = f.get_slice(hf_name)
     shape = sl.get_shape()
     if dim >= len(shape) or start + length > shape[dim]:
         raise AssetError(f"{path.name}: tensor {hf_name!r} has shape {tuple(shape)}, too small for rows "
                          f"{start}..{start + length} of dim {dim}; is config.json the right one?")
-    index = tuple([slice(None)] * dim + [slice(start, start + length)])
-    tensor = sl[index]
+    if quantised:
+        tensor = fp8.dequantised(f, path, hf_name, dim, start, length)
+    else:
+        tensor = sl[tuple([slice(None)] * dim + [slice(start, start + length)])]
     if pad and length < target.shape[dim]:  # vocabulary padding of the last rank
         target.zero_()
         target = target.narrow(dim, 0, length)
     return tensor, target
+
+
+class _Fp8:
+    """Dequantises a checkpoint's block-scaled FP8 tensors with their scales, which may be in another file."""
+
+    def __init__(self, model_dir: Path, files: list[Path]) -> None:
+        self.config = model_dir / "config.json"
+        self.model_dir, self.files = model_dir, files
+
+    @cached_property
+    def block(self) -> tuple[int, int]:
+        cfg = json.loads(self.config.read_text()) if self.config.is_file() else {}
+        block = fp8_block_size(cfg, str(self.config))
+        if block is None:
+            raise AssetError(f"{self.config}: the weights are FP8 but there is no quantization_config giving "
+                             "their weight_block_size; add it (DeepSeek-V3's is [128, 128]) or dequantise first")
+        return block
+
+    @cached_property
+    def where(self) -> dict[str, Path]:
+        """Tensor name -> the file holding it (the index's weight_map, or every file's header)."""
+        index = self.model_dir / "model.safetensors.index.json"
+        if index.is_file():
+            return {k: self.model_dir / v for k, v in json.loads(index.read_text())["weight_map"].items()}
+        where: dict[str, Path] = {}
+        for path in self.files:
+            with safe_open(str(path), framework="pt") as f:
+                where.update(dict.fromkeys(f.keys(), path))
+        return where
+
+    def dequantised(self, f, path: Path, name: str, dim: int = 0, start: int = 0,
+                    length: int | None = None) -> torch.Tensor:
+        """Rows start..start+length (None: all) along `dim` of FP8 tensor `name` (open as `f`, in `path`),
+        in fp32. Only the blocks that hold them are read and scaled."""
+        shape = tuple(f.get_slice(name).get_shape())
+        if len(shape) != 2:
+            raise AssetError(f"{path.name}: FP8 tensor {name!r} has shape {shape}; only 2-D block-scaled "
+                             "weights are supported: dequantise the checkpoint first")
+        scale_name = name + SCALE_SUFFIX
+        scale_path = self.where.get(scale_name)
+        if scale_path is None:
+            raise AssetError(f"{path.name}: tensor {name!r} is FP8 but the checkpoint has no {scale_name!r}; "
+                             "cast without its block scales it would be silently wrong. Add the scales or "
+                             "dequantise the checkpoint first")
+        b = self.block
+        length = shape[dim] if length is None else length
+        blocks = (-(-shape[0] // b[0]), -(-shape[1] // b[1]))
+        lo, hi = start // b[dim] * b[dim], min(-(-(start + length) // b[dim]) * b[dim], shape[dim])
+        lead = [slice(None)] * dim
+        weight = f.get_slice(name)[tuple(lead + [slice(lo, hi)])]
+        with nullcontext(f) if scale_path == path else safe_open(str(scale_path), framework="pt") as g:
+            sl = g.get_slice(scale_name)
+            if tuple(sl.get_shape()) != blocks:
+                raise AssetError(f"{scale_path.name}: {scale_name!r} has shape {tuple(sl.get_shape())}, but "
+                                 f"{name!r} {shape} in blocks of {list(b)} needs {blocks}; is "
+                                 f"{self.config.name}'s weight_block_size the right one?")
+            scale = sl[tuple(lead + [slice(lo // b[dim], -(-hi // b[dim]))])]
+        return dequantise_fp8(weight, scale, b).narrow(dim, start - lo, length)
+
+
+def dequantise_fp8(weight: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
+    """weight (R, C) in FP8 times the scale of its block, scale_inv (ceil(R/b0), ceil(C/b1)), in fp32.
+    The last block of a row or column may be partial, as in DeepSeek's own weight_dequant."""
+    r, c = weight.shape
+    b0, b1 = block
+    out = weight.float()
+    per_col = scale_inv.float().repeat_interleave(b1, dim=1)[:, :c]  # (ceil(R/b0), C)
+    full = r // b0
+    out[: full * b0].view(full, b0, c).mul_(per_col[:full, None])  # (full, b0, C) * (full, 1, C)
+    if r % b0:
+        out[full * b0:].mul_(per_col[full])  # the partial last row block
+    return out
 
 
 def _map_name(hf_name: str, packed: dict[str, tuple[str, int, list[int]]]):

@@ -108,6 +108,9 @@ def distill(head: DraftHead, head_h: torch.Tensor, target_h: torch.Tensor, rows:
     n = int(rows.numel())
     zero = head_h.sum() * 0.0  # keeps the graph connected when a batch has no supervised row
     if n == 0:
+        # The head's lm_head still runs, on no rows: under FSDP a draft lm_head is a unit that every
+        # rank gathers, whether or not its micro-batch supervises anything at this step.
+        zero = zero + head.compute_logits(head_h[:0]).sum() * 0.0
         return LossParts(zero, zero, 0)
     d2t = getattr(head, "d2t", None)
     draft_ids = None

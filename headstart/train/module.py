@@ -64,6 +64,16 @@ def group_target_forward(target: LlamaForCausalLM, batch: PackedBatch, aux_layer
     return PackedBatch(mine.input_ids, mine.seq_lens, mine.hidden, mine.aux_hidden, batch.loss_mask)
 
 
+def idle_block(batch: PackedBatch, block_size: int) -> PackedBatch:
+    """One sequence of `block_size` zero rows with no supervised token, shaped like `batch`: what a rank
+    whose micro-batch holds no dflash anchor runs, so that it takes part in every collective."""
+    hidden, aux = batch.hidden, batch.aux_hidden
+    return PackedBatch(torch.zeros(block_size, dtype=batch.input_ids.dtype, device=batch.input_ids.device),
+                       [block_size], hidden.new_zeros(block_size, *hidden.shape[1:]),
+                       aux.new_zeros(block_size, *aux.shape[1:]) if aux is not None else None,
+                       torch.zeros(block_size, dtype=torch.long, device=hidden.device))
+
+
 class HeadModule(L.LightningModule):
     def __init__(self, recipe: Recipe, target: LlamaForCausalLM, head: DraftHead,
                  forward_target: LlamaForCausalLM | None = None, tp: TensorParallel = SINGLE) -> None:
@@ -116,6 +126,10 @@ class HeadModule(L.LightningModule):
             # Each unit is its own FSDP root (the head is not one __call__): resharded after its forward
             # explicitly, which a root is not by default, so a step holds one unit's whole weights at a time.
             fully_shard(unit, mesh=mesh["data_parallel"], reshard_after_forward=True)
+            if hasattr(unit, "set_reduce_scatter_unused_params"):  # torch >= 2.9
+                # A parameter no token reached on this rank still joins the reduce-scatter (with zeros), so
+                # the ranks' collectives match even if a module's use comes to depend on the data.
+                unit.set_reduce_scatter_unused_params(True)
 
     def full_head(self, here: bool) -> DraftHead | None:
         """The head with whole weights where `here` (this rank validates or saves), else None: the head
@@ -205,14 +219,15 @@ class HeadModule(L.LightningModule):
         anchors (no draw): val_loss is comparable across validations."""
         device = batch.hidden.device
         g = torch.Generator().manual_seed(self.recipe.seed * 1_000_003 + self.global_rank * 7919 + self.consumed)
-        from headstart.heads.dflash import choose_anchors
+        from headstart.heads.dflash import AnchoredBlocks, choose_anchors
 
         blocks = choose_anchors(batch, head.block_size, self.recipe.head.max_anchors, g, heldout=heldout)
-        if blocks is None:  # no sequence holds a whole block: a step with no supervised row
-            zero = sum(p.sum() for p in head.trainable_parameters()) * 0.0
-            return zero, {"rows": [0] * (head.block_size - 1), "tokens": int(batch.input_ids.numel()),
-                          **({k: [0.0] * (head.block_size - 1) for k in ("correct", "accept", "mass", "kl")}
-                             if with_stats else {})}
+        tokens = int(batch.input_ids.numel())
+        if blocks is None:
+            # No sequence holds a whole block. The head still runs, over one unsupervised block of zeros:
+            # under FSDP every rank must gather the same units in the same order, whatever its data.
+            batch = idle_block(batch, head.block_size)
+            blocks = AnchoredBlocks(torch.zeros(1, dtype=torch.long), torch.zeros(1, dtype=torch.long), head.block_size)
         h = head.train_blocks(batch, blocks)
         bs, rows = head.block_size, blocks.rows.to(device)
         mask = batch.loss_mask.to(device)[rows] > 0 if batch.loss_mask is not None else torch.ones_like(rows).bool()
@@ -225,7 +240,7 @@ class HeadModule(L.LightningModule):
         n = max(sum(p.rows for p in per_step), 1)
         gamma = self.cfg.block_decay_gamma
         total = sum(math.exp(-(i - 1) / gamma) * p.kl for i, p in enumerate(per_step, start=1)) / n
-        stats: dict[str, Any] = {"rows": [p.rows for p in per_step], "tokens": int(batch.input_ids.numel())}
+        stats: dict[str, Any] = {"rows": [p.rows for p in per_step], "tokens": tokens}
         if with_stats:
             stats.update(correct=[float(p.correct) for p in per_step], accept=[float(p.accept) for p in per_step],
                          mass=[float(p.mass) for p in per_step],
@@ -259,11 +274,12 @@ class HeadModule(L.LightningModule):
         self.bad_steps = 0
         last = self._micro + 1 >= self.cfg.grad_accum
         strategy = self.trainer.strategy
-        # Gradients are all-reduced once per optimizer step, not once per micro-batch.
-        sync = contextlib.nullcontext() if last or not hasattr(strategy, "block_backward_sync") else \
-            strategy.block_backward_sync()
-        for unit in self.fsdp_units:  # FSDP: reduce-scatter once per optimizer step too
-            unit.set_requires_gradient_sync(last)
+        # DDP: gradients are all-reduced once per optimizer step, not once per micro-batch. FSDP reduce-
+        # scatters after every micro-batch instead: its unsynced gradients would be whole (unsharded) and
+        # kept outside .grad, where a skipped micro-batch's zero_grad cannot clear them and they would
+        # leak into the next step; sharded, they are 1/ranks of the memory (what `plan` counts).
+        sync = contextlib.nullcontext() if last or self.fsdp_units or not hasattr(strategy, "block_backward_sync") \
+            else strategy.block_backward_sync()
         with sync:
             self.manual_backward(loss / self.cfg.grad_accum)
         self._micro += 1
