@@ -291,7 +291,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
                     "--temperature"), methods=_csv(args.spec, str, "--spec"), batch_size=args.batch_size,
                     max_tokens=args.max_tokens, seed=recipe.seed, allow_other_target=args.allow_other_target,
                     baseline=not args.no_baseline, repeats=args.repeats, draft_threshold=args.draft_threshold,
-                    tree_tokens=args.tree_tokens, tree_topk=args.tree_topk)
+                    tree_tokens=args.tree_tokens, tree_topk=args.tree_topk, backend=recipe.engine.backend)
     check_plan(plan)
     for h in plan.heads:
         if not (Path(h) / "config.json").is_file():

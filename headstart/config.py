@@ -103,6 +103,10 @@ class HeadSection:
         _require(self.type != "dflash" or self.k <= (self.block_size or 8) - 1, "head.k",
                  f"a dflash block of {self.block_size or 8} drafts at most {(self.block_size or 8) - 1} tokens, "
                  f"got k={self.k}")
+        _require(self.aux_layer_ids is None or (len(set(self.aux_layer_ids)) == len(self.aux_layer_ids)
+                                                 and list(self.aux_layer_ids) == sorted(self.aux_layer_ids)),
+                 "head.aux_layer_ids", f"must be distinct and ascending (the order vLLM and SGLang concatenate "
+                 f"the states in), got {str(self.aux_layer_ids)[:40]}")
         _require(self.max_anchors >= 1, "head.max_anchors", "must be >= 1")
         _require(self.type == "dflash" or self.max_anchors == 512, "head.max_anchors",
                  f"applies to dflash heads, not {self.type}")
@@ -123,6 +127,10 @@ class EngineSection:
     # per model copy with torchrun, e.g. `torchrun --nproc-per-node 8 -m headstart.cli eval RECIPE`.
     # 1: the whole target on each device.
     tensor_parallel: int = 1
+    # Attention backend of every engine a verb builds (precompute, online / validation forwards, eval,
+    # regenerate): auto = FlashInfer on CUDA where it takes the target's attention shape (not DeepSeek's
+    # MLA latent cache), torch otherwise and always on CPU.
+    backend: Literal["auto", "torch", "flashinfer"] = "auto"
 
     def __post_init__(self) -> None:
         _require(self.tensor_parallel >= 1, "engine.tensor_parallel", "must be >= 1")

@@ -44,6 +44,7 @@ class EvalPlan:
     baseline: bool = True  # add prompt-lookup (ngram) rows: what speculation gives without training
     repeats: int = 1  # alternations of AR and speculative runs per batch group (timing only)
     draft_threshold: float = 0.4  # the "adaptive" method: a chain that stops when the head is unsure
+    backend: str = "auto"  # engine.backend: the attention backend (inference.backends.choose_backend)
 
 
 def read_prompt_file(path: str | Path) -> list[dict[str, Any]]:
@@ -96,7 +97,7 @@ def _engine(target: Any, tokenizer: Any, prompts: list[list[int]], plan: EvalPla
     longest = min(max(len(p) for p in prompts) + plan.max_tokens, context) + (spec.lookahead if spec else 0) + 1
     pages = min(len(prompts), plan.batch_size) * (-(-longest // page) + 1) + 8
     return Engine(target, tokenizer=tokenizer, device=target.model.embed_tokens.weight.device, page_size=page,
-                  num_pages=pages, max_batch_size=plan.batch_size, seed=plan.seed, spec=spec)
+                  num_pages=pages, max_batch_size=plan.batch_size, seed=plan.seed, spec=spec, backend=plan.backend)
 
 
 def _warm(engine: Any) -> None:
@@ -215,13 +216,13 @@ def evaluate(target: Any, tokenizer: Any, prompts: list[list[int]], categories: 
     if not settings:
         raise ConfigError(f"eval: nothing to run: every --k ({plan.ks}) exceeds the Medusa heads' count and "
                           "--no-baseline is set")
-    runs, ar, kernels = [], {}, None
+    runs, ar, kernels, attention = [], {}, None, None
     with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                   disable=not progress, console=Console(stderr=True)) as bar:  # stdout is the verb's report
         task = bar.add_task("eval", total=len(plan.temperatures) * len(settings) * plan.repeats * len(prompts))
         for temp in plan.temperatures:
             ar_engine = _engine(target, tokenizer, prompts, plan, None)
-            kernels = ar_engine.kernels
+            kernels, attention = ar_engine.kernels, ar_engine.backend.name
             _warm(ar_engine)
             rates = []
             for st in settings:
@@ -254,7 +255,7 @@ def evaluate(target: Any, tokenizer: Any, prompts: list[list[int]], categories: 
         "heads": {path: {"head_type": h.config.head_type, "num_layers": h.config.num_layers,
                          "aux_layer_ids": h.config.aux_layer_ids, "draft_vocab_size": h.config.draft_vocab_size,
                          "weights_sha256": _sha(path)} for path, h in heads.items()},
-        "engine": {"page_size": 16, "max_batch_size": plan.batch_size, "backend": "auto",
+        "engine": {"page_size": 16, "max_batch_size": plan.batch_size, "backend": attention,
                    # what the engine really ran: without the row-invariant kernels (HEADSTART_KERNELS=0, no
                    # compiler, CUDA) a token's bits depend on its batch, and lossless_check may differ
                    "kernels": kernels, "batch_invariant": kernels == "rowwise", "linear_isa": _linear_isa(kernels),

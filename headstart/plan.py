@@ -145,6 +145,12 @@ def make_plan(recipe: Recipe, target_cfg: dict[str, Any], *, device: str = "H100
     tr, pc = recipe.train, recipe.precompute
     act = _dtype_bytes(recipe.target.dtype if recipe.target.dtype != "auto" else "bf16")
     ranks = recipe.trainer.devices * recipe.trainer.num_nodes
+    if ranks % tp and (phases is None or "train" in phases or "validation" in phases):
+        # Training splits its ranks into groups of tp that each hold one copy of the target: a rank
+        # planned with 1/tp of the weights but no group to share the rest with would not run at all.
+        raise PlanError(f"engine.tensor_parallel {tp} does not divide the training ranks, trainer.devices x "
+                        f"trainer.num_nodes = {recipe.trainer.devices} x {recipe.trainer.num_nodes} = {ranks}: "
+                        f"set trainer.devices to a multiple of {tp} (or lower engine.tensor_parallel)")
     d, n_layers = c.hidden_size, c.num_hidden_layers
     if _is_deepseek(c):  # MLA + MoE: unsharded; the cache holds one latent row per token and layer
         if tp > 1:

@@ -103,6 +103,73 @@ def test_backend_choice():
         make_backend("xformers", torch.device("cpu"))
 
 
+@pytest.fixture(scope="module")
+def targets(tmp_path_factory):
+    """A Llama of head_dim 64 (a FlashInfer size), one of head_dim 16, and a DeepSeek (MLA) target."""
+    from test_deepseek import CONFIGS, _hf_model
+    from tiny_models import make_hf_model
+
+    from headstart.models import load_target
+
+    dirs = {name: tmp_path_factory.mktemp(name) for name in ("llama64", "llama16", "deepseek")}
+    make_hf_model("llama", dirs["llama64"], hidden_size=256, num_attention_heads=4, num_key_value_heads=2)
+    make_hf_model("llama", dirs["llama16"])
+    kind, overrides = CONFIGS["v2-lite"]
+    _hf_model(kind, overrides).save_pretrained(dirs["deepseek"])
+    return {name: load_target(d, "fp32") for name, d in dirs.items()}
+
+
+def test_one_rule_chooses_the_backend_for_the_device_and_the_target(targets, monkeypatch):
+    """auto: FlashInfer on CUDA where it is installed and takes the target's attention, torch otherwise
+    (DeepSeek's MLA latent cache, a head_dim its kernels lack, no FlashInfer, any CPU). An explicit
+    flashinfer the target cannot use is refused, naming why, instead of failing at the first forward."""
+    from headstart.inference import backends
+
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    monkeypatch.setattr(backends, "flashinfer_installed", lambda: True)
+    assert backends.choose_backend("auto", cuda, targets["llama64"]) == "flashinfer"
+    assert backends.choose_backend("auto", cuda, targets["llama16"]) == "torch"
+    assert backends.choose_backend("auto", cuda, targets["deepseek"]) == "torch"
+    for model in targets.values():
+        assert backends.choose_backend("auto", cpu, model) == "torch"
+        assert backends.choose_backend("torch", cuda, model) == "torch"
+    with pytest.raises(ValueError, match="MLA over a 24-wide latent cache"):
+        backends.choose_backend("flashinfer", cuda, targets["deepseek"])
+    with pytest.raises(ValueError, match="head_dim 16 is not one"):
+        backends.choose_backend("flashinfer", cuda, targets["llama16"])
+    assert backends.choose_backend("flashinfer", cuda, targets["llama64"]) == "flashinfer"
+    monkeypatch.setattr(backends, "flashinfer_installed", lambda: False)
+    assert backends.choose_backend("auto", cuda, targets["llama64"]) == "torch"
+
+
+def test_every_verb_takes_engine_backend_from_the_recipe(targets, tmp_path, chat_model_dir, monkeypatch, capsys):
+    """engine.backend reaches precompute, training (its validation engine) and eval, which build their
+    engines through the rule above: flashinfer on this CPU is refused by precompute and train before any
+    long work, naming the key; a value outside auto / torch / flashinfer is refused when the recipe is read."""
+    from headstart.cli import main
+    from headstart.config import recipe_from_dict
+    from headstart.errors import ConfigError
+    from headstart.evaluate import EvalPlan, _engine
+    from headstart.inference import backends
+
+    with pytest.raises(ConfigError, match="engine.backend"):
+        recipe_from_dict({"engine": {"backend": "xformers"}})
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text(f"output_dir: {tmp_path / 'run'}\ntarget:\n  model: {chat_model_dir}\n  dtype: fp32\n"
+                      "data:\n  source: sharegpt\n  limit: 8\nengine:\n  backend: flashinfer\n"
+                      "train:\n  max_steps: 1\n  batch_tokens: 512\ntrainer:\n  accelerator: cpu\n"
+                      "logging:\n  wandb: false\n")
+    for verb in ("precompute", "train"):
+        assert main([verb, str(recipe)]) == 2, verb
+        assert "engine.backend flashinfer: the flashinfer backend needs a CUDA device" in capsys.readouterr().err
+    assert not (tmp_path / "run" / "checkpoints").exists()
+    seen = []
+    real = backends.choose_backend
+    monkeypatch.setattr(backends, "choose_backend", lambda name, *a, **k: seen.append(name) or real("torch", *a, **k))
+    _engine(targets["llama16"], None, [[1, 2, 3]], EvalPlan(heads=[], backend="flashinfer"), None)
+    assert seen == ["flashinfer"]
+
+
 @pytest.mark.cuda
 @pytest.mark.parametrize(("q_lens", "kv_lens"), [([1, 1, 1], [4, 11, 1]), ([5, 1, 3], [5, 8, 12])])
 def test_flashinfer_matches_torch(q_lens, kv_lens):

@@ -247,7 +247,7 @@ def test_config_errors(target):
     with pytest.raises(ValueError, match="cannot use a 'dflash' head"):
         Engine(target, spec=SpecConfig(method="chain", head=head))
     cfg = build_head(HeadConfig(head_type="dflash"), target).config
-    assert cfg.block_size == 8 and cfg.aux_layer_ids == [1, 1, 0]  # a 2-layer target: the defaults clipped
+    assert cfg.block_size == 8 and cfg.aux_layer_ids == [0, 1]  # a 2-layer target: the defaults clipped, distinct
 
 
 def test_sampled_drafts_carry_each_slots_own_q(target):
@@ -329,7 +329,7 @@ def test_dflash_import_refuses_a_trained_lm_head_and_export_duplicate_aux_ids(ta
     from safetensors.torch import load_file, save_file
 
     from headstart.errors import AssetError
-    from headstart.export import export_head, import_head
+    from headstart.export import import_head
 
     out = _exported(target, tmp_path)
     tensors = load_file(str(out / "model.safetensors"))
@@ -337,9 +337,8 @@ def test_dflash_import_refuses_a_trained_lm_head_and_export_duplicate_aux_ids(ta
     save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
     with pytest.raises(AssetError, match="not the target's rows"):
         import_head(out, "vllm", target, tmp_path / "back")
-    dup = build_head(HeadConfig(head_type="dflash", aux_layer_ids=[1, 1, 0], block_size=4), target)
-    with pytest.raises(AssetError, match="distinct aux layer ids"):
-        export_head(dup, target, "vllm", tmp_path / "dup")
+    with pytest.raises(ValueError, match="aux_layer_ids must be distinct"):
+        HeadConfig(head_type="dflash", aux_layer_ids=[1, 1, 0], block_size=4)
     with pytest.raises(ValueError, match="aux_layer_ids is empty"):
         HeadConfig(head_type="dflash", aux_layer_ids=[])
     with pytest.raises(ValueError, match="block_size must be an integer"):

@@ -58,8 +58,8 @@ def targets(tmp_path_factory):
     return out
 
 
-def _head(target, kind, dv, seed=1, aux=(1, 1, 2), postnorm=True):
-    """aux: SGLang cannot name aux layer 0; speculators wants distinct ids (the tiny target has 2 layers).
+def _head(target, kind, dv, seed=1, aux=(1, 2), postnorm=True):
+    """aux: SGLang cannot name aux layer 0 (the tiny target has 2 layers); ids are distinct and ascending.
     postnorm: mtp / deepseek_mtp heads read the post-norm state, as the engines that serve them feed."""
     torch.manual_seed(seed)
     head = build_head(HeadConfig(head_type=kind, draft_vocab_size=dv,
@@ -96,7 +96,7 @@ def _logits(head, target):
 @pytest.mark.parametrize(("family", "kind", "dv", "fmt"), CASES)
 def test_export_then_import_reproduces_the_logits_exactly(tmp_path, targets, family, kind, dv, fmt):
     target = targets[family]
-    head = _head(target, kind, dv, aux=(0, 1, 2) if fmt == "vllm" else (1, 1, 2))
+    head = _head(target, kind, dv, aux=(0, 1, 2) if fmt == "vllm" else (1, 2))
     export_head(head, target, fmt, tmp_path / "exp")
     if fmt == "native":
         from headstart.heads import load_head
@@ -124,13 +124,13 @@ def test_serving_names_and_config_fields(tmp_path, targets):
                                         "midlayer.input_layernorm.weight", "midlayer.hidden_norm.weight"} \
         | {f"midlayer.{n}" for n in layer}
     t = load_file(str(tmp_path / "sg3" / "model.safetensors"))
-    assert list(t["fc.weight"].shape) == [64, 192] and list(t["midlayer.self_attn.q_proj.weight"].shape) == [64, 128]
+    assert list(t["fc.weight"].shape) == [64, 128] and list(t["midlayer.self_attn.q_proj.weight"].shape) == [64, 128]
     assert t["d2t"].dtype == torch.int64 and t["t2d"].dtype == torch.bool
     assert list(t["lm_head.weight"].shape) == [64, 64]
     c = json.loads((tmp_path / "sg3" / "config.json").read_text())
     assert c["architectures"] == ["LlamaForCausalLMEagle3"] and c["num_hidden_layers"] == 1
     assert c["draft_vocab_size"] == 64 and c["target_hidden_size"] == 64 and c["tie_word_embeddings"] is False
-    assert c["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [0, 0, 1]  # SGLang: layer outputs
+    assert c["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [0, 1]  # SGLang: layer outputs
     # vLLM speculators eagle3
     export_head(_head(llama, "eagle3", 64, aux=(0, 1, 2)), llama, "vllm", tmp_path / "v3")
     assert _names(tmp_path / "v3") == {"fc.weight", "norm.weight", "lm_head.weight", "d2t", "t2d",
@@ -185,9 +185,9 @@ def test_import_names_a_misfit_tensor_with_both_shapes_and_an_unknown_layout(tmp
     llama = targets["llama"]
     export_head(_head(llama, "eagle3", 64), llama, "sglang", tmp_path / "e")
     t = load_file(str(tmp_path / "e" / "model.safetensors"))
-    t["fc.weight"] = torch.zeros(64, 128)
+    t["fc.weight"] = torch.zeros(64, 192)
     save_file(t, str(tmp_path / "e" / "model.safetensors"))
-    with pytest.raises(AssetError, match=r"fc\.weight has shape \[64, 128\], this target needs \[64, 192\]"):
+    with pytest.raises(AssetError, match=r"fc\.weight has shape \[64, 192\], this target needs \[64, 128\]"):
         import_head(tmp_path / "e", "sglang", llama, tmp_path / "n")
     with pytest.raises(AssetError, match="not a vllm checkpoint: found speculators_model_type None"):
         import_head(tmp_path / "e", "vllm", llama, tmp_path / "n")
@@ -228,7 +228,7 @@ def test_import_without_our_metadata_reads_the_layout_itself(tmp_path, targets, 
     """A checkpoint written by another tool carries no `headstart` key: the layout alone must give the
     same head (type, aux layers, vocabulary, shape) and the same logits."""
     target = targets[family]
-    head = _head(target, kind, dv, aux=(0, 1, 2) if fmt == "vllm" else (1, 1, 2))
+    head = _head(target, kind, dv, aux=(0, 1, 2) if fmt == "vllm" else (1, 2))
     export_head(head, target, fmt, tmp_path / "exp")
     cfg_path = tmp_path / "exp" / "config.json"
     raw = json.loads(cfg_path.read_text())
@@ -394,7 +394,7 @@ def test_more_import_refusals_and_native_force(tmp_path, targets, capsys):
     with pytest.raises(AssetError, match="float8"):
         import_head(tmp_path / "e", "vllm", llama, tmp_path / "n")
     save_file(good, str(f))
-    cfg_path.write_text(json.dumps({**good_cfg, "eagle_aux_hidden_state_layer_ids": [0, 1, 1]}))
+    cfg_path.write_text(json.dumps({**good_cfg, "eagle_aux_hidden_state_layer_ids": [0, 2]}))
     with pytest.raises(AssetError, match="aux_layer_ids.*edited after export"):
         import_head(tmp_path / "e", "vllm", llama, tmp_path / "n")
     save_head(_head(llama, "mtp", None), tmp_path / "trained")

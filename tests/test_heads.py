@@ -17,7 +17,7 @@ from headstart.heads import (
     save_head,
     shift_for_head,
 )
-from headstart.heads.base import EAGLE_FLAGS
+from headstart.heads.base import EAGLE_FLAGS, default_aux_layers
 from headstart.inference.backends import TorchAttention
 from headstart.inference.kv_cache import KVCache, KVCacheSpec, PageAllocator
 from headstart.inference.runner import build_metadata
@@ -251,6 +251,39 @@ def test_wrong_target_is_refused(target, tmp_path):
         build_head(_config("mtp", hidden_size=32), target)
     with pytest.raises(ValueError, match="unknown head type"):
         HeadConfig(head_type="hydra")
+
+
+@pytest.mark.parametrize("ids", [[2, 0, 1], [1, 1, 2], [2, 1]])
+def test_aux_layer_ids_must_be_distinct_and_ascending_everywhere(target, tmp_path, ids):
+    """vLLM and SGLang capture the aux states in layer order whatever a config lists: a head whose fc read
+    them in another order would be served a permutation of its input. Refused in the recipe (before
+    anything runs), at head init, at load of an edited checkpoint and at import of a foreign export."""
+    import json
+
+    from headstart.config import recipe_from_dict
+    from headstart.errors import ConfigError
+    from headstart.export import export_head, import_head
+
+    with pytest.raises(ConfigError, match="head.aux_layer_ids.*distinct and ascending"):
+        recipe_from_dict({"head": {"type": "eagle3", "aux_layer_ids": ids}})
+    for kind in ("eagle3", "dflash"):
+        with pytest.raises(ValueError, match="aux_layer_ids must be (distinct|ascending)"):
+            HeadConfig(head_type=kind, aux_layer_ids=ids)
+    good = save_head(build_head(_config("eagle3", draft_vocab_size=None), target), tmp_path / "h")
+    raw = json.loads((good / "config.json").read_text())
+    (good / "config.json").write_text(json.dumps({**raw, "aux_layer_ids": ids}))
+    with pytest.raises(AssetError, match="aux_layer_ids must be"):
+        load_head(good, target)
+    (good / "config.json").write_text(json.dumps(raw))
+    out = tmp_path / "vllm"
+    export_head(load_head(good, target), target, "vllm", out)
+    cfg = json.loads((out / "config.json").read_text())
+    cfg.pop("headstart", None)  # a foreign export: the layout's own fields are all there is
+    cfg["eagle_aux_hidden_state_layer_ids"] = ids + [0] * (3 - len(ids))
+    (out / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(AssetError, match="config.json: aux_layer_ids must be"):
+        import_head(out, "vllm", target, tmp_path / "back")
+    assert default_aux_layers(2) == [0, 1] and default_aux_layers(4) == [1, 2] and default_aux_layers(30) == [2, 15, 27]
 
 
 def test_consumes(target):

@@ -143,6 +143,33 @@ def test_train_and_precompute_refuse_before_loading(tiny, tmp_path, capsys):
     assert not (tmp_path / "run").exists()  # nothing written: no output directory, no lock
 
 
+@pytest.mark.parametrize("devices", ["1", "12"])
+def test_tensor_parallelism_the_ranks_cannot_hold_is_refused_by_every_verb(devices, tiny, tmp_path, capsys,
+                                                                         monkeypatch):
+    """The 70B recipe (tensor_parallel 8) on 1 or 12 training ranks: plan refused to print "fits" for a
+    rank holding 1/8 of the target with no group around it; train, precompute and eval, launched without
+    the ranks, refuse too, each naming both numbers."""
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    rc = main(["plan", str(ROOT / "recipes" / "llama-3.3-70b-mtp-8xh100.yaml"), "--target-config",
+               str(ROOT / "recipes" / "targets" / "llama-3.3-70b.json"), "--set", f"trainer.devices={devices}",
+               "--set", "trainer.num_nodes=1"])
+    err = capsys.readouterr().err
+    assert rc == 2 and "engine.tensor_parallel 8 does not divide" in err and f"= {devices}" in err, err
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text(f"output_dir: {tmp_path / 'run'}\ntarget:\n  model: {tiny}\n  dtype: fp32\n"
+                      "data:\n  source: sharegpt\nengine:\n  tensor_parallel: 2\n")
+    assert main(["train", str(recipe), "--set", "trainer.devices=1"]) == 2
+    assert "engine.tensor_parallel 2 does not divide" in capsys.readouterr().err
+    from headstart.heads import save_head
+
+    save_head(build_head(HeadConfig(head_type="mtp"), load_llama(tiny, "fp32")), tmp_path / "head")
+    for verb in (["precompute", str(recipe)], ["eval", str(recipe), "--head", str(tmp_path / "head")]):
+        assert main(verb) == 2, verb
+        err = capsys.readouterr().err
+        assert "tensor-parallel size 2 does not divide the 1 launched ranks" in err, (verb, err)
+    assert not (tmp_path / "run").exists()
+
+
 def test_a_size_the_target_cannot_split_is_refused(tiny):
     recipe = recipe_from_dict({"engine": {"tensor_parallel": 3}})
     with pytest.raises(PlanError, match="num_attention_heads \\(4\\) .* not divisible"):

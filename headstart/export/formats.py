@@ -37,7 +37,7 @@ from headstart.export.layout import (
     target_hf_config,
 )
 from headstart.heads import DraftHead, HeadConfig
-from headstart.heads.base import EAGLE_FLAGS
+from headstart.heads.base import EAGLE_FLAGS, default_aux_layers
 from headstart.models.deepseek import SUPPORTED_MODEL_TYPES as DEEPSEEK_MODEL_TYPES
 from headstart.models.llama import LlamaForCausalLM
 
@@ -106,7 +106,10 @@ def _head_config(config: dict[str, Any], head_type: str, target: LlamaForCausalL
             return HeadConfig(**raw)
         except (TypeError, ValueError) as e:
             raise AssetError(f"config.json: the recorded headstart head_config is invalid ({str(e)[:160]})") from None
-    return HeadConfig(head_type=head_type, **fields)
+    try:
+        return HeadConfig(head_type=head_type, **fields)
+    except ValueError as e:  # e.g. aux layer ids a serving engine would read in another order
+        raise AssetError(f"config.json: {str(e)[:200]}") from None
 
 
 def _dims(cfg: dict[str, Any]) -> dict[str, Any]:
@@ -203,16 +206,12 @@ class VLLM(Layout):
     def refuse(self, head: DraftHead) -> str | None:
         cfg = head.config
         if cfg.head_type == "dflash":  # speculators' dflash keeps a reduced lm_head: the rows are written
-            if len(set(cfg.aux_layer_ids)) != len(cfg.aux_layer_ids):
-                return f"speculators' loader needs distinct aux layer ids, this head has {cfg.aux_layer_ids}"
             return None
         why = super().refuse(head)
         if why:
             return (why + "; eagle1 heads: use --format sglang (the EAGLE layout); speculators "
                     f"{SPECULATORS_VERSION} has no `eagle` type") if head.config.head_type == "eagle1" else why
         cfg = head.config
-        if cfg.head_type == "eagle3" and len(set(cfg.aux_layer_ids)) != len(cfg.aux_layer_ids):
-            return f"speculators' loader needs distinct aux layer ids, this head has {cfg.aux_layer_ids}"
         if cfg.head_type == "mtp":
             family = cfg.target.get("model_type")
             if family != "qwen3":
@@ -354,8 +353,7 @@ class VLLM(Layout):
         if kind == "eagle3":
             ids = config_ids(config.get("eagle_aux_hidden_state_layer_ids"), "eagle_aux_hidden_state_layer_ids")
             n = target.config.num_hidden_layers
-            cfg = _head_config(config, "eagle3", target, aux_layer_ids=list(ids) if ids else
-                               [min(2, n - 1), n // 2, max(n - 3, 0)],
+            cfg = _head_config(config, "eagle3", target, aux_layer_ids=list(ids) if ids else default_aux_layers(n),
                                num_layers=config_int(layer, "num_hidden_layers", 1), **_dims(layer))
             cfg.draft_vocab_size = config_int(config, "draft_vocab_size")
             if "t2d" not in state and "d2t" in state:  # vLLM ignores t2d; rebuild it from d2t

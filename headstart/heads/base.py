@@ -101,6 +101,9 @@ class HeadConfig:
                 raise ValueError(f"{name} must be an integer, got {str(value)[:20]!r}")
         if self.head_type in AUX_FAMILIES and self.aux_layer_ids is not None and not self.aux_layer_ids:
             raise ValueError(f"a {self.head_type} head fuses at least one target layer: aux_layer_ids is empty")
+        why = aux_ids_problem(self.aux_layer_ids)
+        if why:
+            raise ValueError(why)
         if self.block_size is not None and not 2 <= self.block_size <= MAX_BLOCK_SIZE:
             raise ValueError(f"block_size must be in 2..{MAX_BLOCK_SIZE}, got {self.block_size}")
         if self.postnorm_features and self.head_type not in POSTNORM_FAMILIES:
@@ -154,8 +157,23 @@ class HeadConfig:
 
 
 def default_aux_layers(num_layers: int) -> list[int]:
-    """EAGLE-3's (and DFlash's) default fused layers: low, middle and high."""
-    return [min(2, num_layers - 1), num_layers // 2, max(num_layers - 3, 0)]
+    """EAGLE-3's (and DFlash's) default fused layers: low, middle and high (2, L // 2, L - 3), distinct and
+    ascending also on a target of under 6 layers."""
+    return sorted({min(2, num_layers - 1), num_layers // 2, max(num_layers - 3, 0)})
+
+
+def aux_ids_problem(ids: list[int] | None) -> str | None:
+    """Why these aux layer ids cannot be a head's, or None. They must be distinct and ascending: vLLM and
+    SGLang capture the states in layer order whatever order a config lists them in, so a head whose fc
+    reads them in another order would be served a permutation of its input."""
+    if not ids:
+        return None
+    if len(set(ids)) != len(ids):
+        return f"aux_layer_ids must be distinct, got {ids[:8]}"
+    if list(ids) != sorted(ids):
+        return (f"aux_layer_ids must be ascending (the order vLLM and SGLang concatenate the states in), got "
+                f"{ids[:8]}; write {sorted(ids)[:8]}")
+    return None
 
 
 def default_mask_token(target: LlamaForCausalLM) -> int:

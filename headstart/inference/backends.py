@@ -278,27 +278,68 @@ class FlashInferAttention:
         return wrapper.run(q.contiguous(), (kc, vc))
 
 
-def make_backend(name: str, device: torch.device, cpu_kernels: bool = True,
-                 max_rows: int | None = MAX_ROWS) -> TorchAttention | FlashInferAttention:
-    """`auto` picks FlashInfer on CUDA when it is installed, torch otherwise; on CPU the torch backend
-    uses the row-invariant kernels unless cpu_kernels=False."""
-    if name == "auto":
-        if device.type == "cuda":
-            try:
-                import flashinfer  # noqa: F401
+BACKENDS = ("auto", "torch", "flashinfer")
+FLASHINFER_HEAD_DIMS = (64, 128, 256)  # the head sizes FlashInfer's paged prefill / decode kernels are built for
 
-                name = "flashinfer"
-            except ImportError:
-                name = "torch"
-        else:
-            name = "torch"
-    if name == "torch":
-        return TorchAttention(rowwise=cpu_kernels and device.type == "cpu", max_rows=max_rows)
+
+def flashinfer_installed() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("flashinfer") is not None
+
+
+def flashinfer_refusal(model: Any) -> str | None:
+    """Why FlashInfer's paged attention cannot run `model`'s attention (its cache layout), or None."""
+    if getattr(model, "cache_shared", False):
+        # DeepSeek's MLA in the absorbed form: one latent row of kv_lora_rank + rope dims is both key and
+        # value. FlashInfer's paged MHA kernels reject that width; its MLA wrapper is not wired in here.
+        return (f"its attention is MLA over a {model.cache_head_dim}-wide latent cache (keys = values), which "
+                "FlashInfer's paged attention kernels do not take")
+    dim = getattr(model, "cache_head_dim", None)
+    if dim is not None and dim not in FLASHINFER_HEAD_DIMS:
+        return f"its head_dim {dim} is not one FlashInfer's paged kernels are built for {FLASHINFER_HEAD_DIMS}"
+    return None
+
+
+def choose_backend(name: str, device: torch.device, model: Any = None) -> str:
+    """The one rule by which eval, generate, precompute, regeneration and training validation choose the
+    attention backend (`engine.backend` in a recipe, --backend on the command line): `auto` is FlashInfer
+    on CUDA where it is installed and takes the model's attention shape, torch otherwise (always on CPU);
+    an explicit choice the device or the model cannot run is refused, saying why."""
+    if name not in BACKENDS:
+        raise ValueError(f"unknown attention backend {str(name)[:20]!r}; choose {', '.join(BACKENDS)}")
+    why = flashinfer_refusal(model) if model is not None else None
+    if name == "auto":
+        return "flashinfer" if device.type == "cuda" and flashinfer_installed() and why is None else "torch"
     if name == "flashinfer":
         if device.type != "cuda":
-            raise ValueError("the flashinfer backend needs a CUDA device; use --backend torch on CPU")
-        try:
-            return FlashInferAttention(device)
-        except ImportError:
-            raise ValueError("the flashinfer backend needs `pip install -e '.[cuda]'` (flashinfer-python)") from None
-    raise ValueError(f"unknown attention backend {name!r}; choose auto, torch or flashinfer")
+            raise ValueError("the flashinfer backend needs a CUDA device; use engine.backend torch (--backend "
+                             "torch) on CPU")
+        if why:
+            raise ValueError(f"the flashinfer backend cannot run this target: {why}; use engine.backend torch (or "
+                             "auto, which chooses torch for it)")
+    return name
+
+
+def check_backend(name: str, device: torch.device, model: Any) -> str:
+    """choose_backend as a verb calls it before its long work (a run that would only fail at its first
+    validation, hours in, or while every other rank waits in a barrier): a refusal names the recipe key."""
+    from headstart.errors import ConfigError
+
+    try:
+        return choose_backend(name, device, model)
+    except ValueError as e:
+        raise ConfigError(f"engine.backend {str(name)[:20]}: {e}") from None
+
+
+def make_backend(name: str, device: torch.device, cpu_kernels: bool = True, max_rows: int | None = MAX_ROWS,
+                 model: Any = None) -> TorchAttention | FlashInferAttention:
+    """The backend `choose_backend` picks for `model` on `device`; on CPU the torch backend uses the
+    row-invariant kernels unless cpu_kernels=False."""
+    name = choose_backend(name, device, model)
+    if name == "torch":
+        return TorchAttention(rowwise=cpu_kernels and device.type == "cpu", max_rows=max_rows)
+    try:
+        return FlashInferAttention(device)
+    except ImportError:
+        raise ValueError("the flashinfer backend needs `pip install -e '.[cuda]'` (flashinfer-python)") from None

@@ -138,7 +138,7 @@ class Engine(SpeculativeSteps):
                 num_pages = pages_for_budget(kv_cache_gb, specs, page_size)
         self.allocator = PageAllocator(num_pages, page_size)
         self.cache = KVCache(kv_spec, num_pages, page_size, self.device)
-        self.backend = make_backend(backend, self.device, cpu_kernels, self._max_rows)
+        self.backend = make_backend(backend, self.device, cpu_kernels, self._max_rows, model=self.model)
         self.runner = ModelRunner(self.model, self.cache, self.allocator, self.backend, self.device)
         self.proposer = None
         if draft is not None and cpu_kernels and self.device.type == "cpu":

@@ -101,7 +101,7 @@ def run_regenerate(recipe: Recipe, resume: bool = False, progress: bool = True) 
     # Nothing here compares a token with its own speculative re-run, so torch's blocked kernels serve
     # the prompts (a long prefill costs 1.4-2x less than with the row-invariant ones).
     engine = Engine(recipe.target.model, dtype=resolve_dtype(recipe.target.dtype), max_batch_size=cfg.batch_size,
-                    seed=recipe.seed, batch_invariant=False)
+                    seed=recipe.seed, batch_invariant=False, backend=recipe.engine.backend)
     limit = limit_of(recipe)
     provenance = {"model": recipe.target.model, "target_fingerprint": engine.model.fingerprint(),
                   "temperature": cfg.temperature, "top_p": cfg.top_p, "max_tokens": cfg.max_tokens,

@@ -89,7 +89,7 @@ class EngineForward:
         pages = -(-max_tokens // page) + 64
         self.allocator = PageAllocator(pages, page)
         self.cache = KVCache(KVCacheSpec.of(model), pages, page, device)
-        self.backend: AttentionBackend = make_backend(backend, device)
+        self.backend: AttentionBackend = make_backend(backend, device, model=model)
 
     @torch.inference_mode()
     def __call__(self, seqs: list[list[int]], aux_layers: list[int]) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -213,6 +213,10 @@ def run_precompute(recipe: Recipe, resume: bool = False, progress: bool = True) 
     if progress and rank == 0:
         status(f"precompute: target dtype {dtype} ({recipe.target.dtype}; {describe(device)})")
     model = load_target(model_dir, dtype, device, tp=tp)
+    if recipe.precompute.backend == "engine":
+        from headstart.inference.backends import check_backend
+
+        check_backend(recipe.engine.backend, device, model)
     built = build_dataset(recipe.data, str(model_dir), progress=progress and rank == 0)
     split = recipe.precompute.split
     ds = built.train if split == "train" else built.heldout if split == "heldout" else None
@@ -269,7 +273,7 @@ def _run(recipe: Recipe, out: Path, header: dict[str, Any], resume: bool, rank: 
                                                 group=tp.group)
         todo = box[0]
     forward = (HFForward(model_dir, DTYPES[dtype]) if recipe.precompute.backend == "hf" else
-               EngineForward(model, device, max(recipe.precompute.batch_tokens, max(lengths))))
+               EngineForward(model, device, max(recipe.precompute.batch_tokens, max(lengths)), recipe.engine.backend))
     tokens_todo = sum(sum(lengths[a:b]) for a, b in (shards[i] for i in todo))
     bar = tqdm(total=tokens_todo, unit="tok", unit_scale=True, disable=not progress,
                desc=f"precompute{f' rank {rank}' if world > 1 else ''}", position=rank)

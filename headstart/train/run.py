@@ -266,6 +266,10 @@ class TrainRun:
             self.target = self.engine_target = load_target(model_dir, self.dtype, device=load_on, layers=[])
         else:
             self.target = self.engine_target = load_target(model_dir, self.dtype, device=load_on)
+        from headstart.inference.backends import check_backend
+
+        # Validation builds its engine at the first validation: refuse a backend it cannot run now.
+        check_backend(recipe.engine.backend, torch.device(device), self.engine_target)
         built = build_dataset(recipe.data, str(model_dir), progress=progress and self.rank == 0)
         self.tokenizer = built.tokenizer
         if len(built.train) == 0:
@@ -348,7 +352,7 @@ class TrainRun:
         with reading:
             acc = engine_acceptance(self.engine_target, head, self.prompts, k=self.recipe.head.k,
                                     max_tokens=self.recipe.train.val_max_tokens, tokenizer=self.tokenizer,
-                                    seed=self.recipe.seed)
+                                    seed=self.recipe.seed, backend=self.recipe.engine.backend)
         metrics.update({key: acc.get(key) for key in ("tau", "alpha", "accept_rate_per_pos", "cond_accept_per_pos",
                                                       "accept_histogram", "steps", "k", "prompts")})
         return metrics

@@ -28,7 +28,7 @@ def spec_method(head_type: str) -> str:
 
 
 def engine_acceptance(target: LlamaForCausalLM, head: DraftHead, prompts: list[list[int]], *, k: int,
-                      max_tokens: int, tokenizer: Any = None, seed: int = 0) -> dict[str, Any]:
+                      max_tokens: int, tokenizer: Any = None, seed: int = 0, backend: str = "auto") -> dict[str, Any]:
     """Greedy speculative decoding of `prompts` (token ids) -> the engine's acceptance summary."""
     from headstart.inference.engine import Engine
     from headstart.inference.proposers import SpecConfig
@@ -53,7 +53,7 @@ def engine_acceptance(target: LlamaForCausalLM, head: DraftHead, prompts: list[l
     # target afterwards, with torch's kernels: put them back when validation is done.
     with cpu_kernels_restored(target), torch.inference_mode():
         engine = Engine(target, tokenizer=tokenizer, device=device, page_size=page, num_pages=pages,
-                        max_batch_size=len(prompts), seed=seed, spec=spec)
+                        max_batch_size=len(prompts), seed=seed, spec=spec, backend=backend)
         engine.generate(prompts, SamplingParams(max_tokens=max_tokens, temperature=0.0))
     out = engine.spec_metrics.summary()
     out["prompts"] = len(prompts)
