@@ -2,7 +2,7 @@
 
 For each phase the recipe runs (precompute when training from shards, training, engine validation,
 eval) it adds up per-rank device memory by term (the target's share of weights, the head with its
-gradients and AdamW state, activations incl. TTT attention scores and the chunked loss, KV pages)
+gradients and AdamW state, activations incl. TTT attention masks and the chunked loss, KV pages)
 and compares the sum with the device; it also gives the host memory a rank needs while loading, the
 disk bytes per stored token, and throughput from stated assumptions. A phase that cannot fit is
 refused, naming its largest term; `train` and `precompute` run the same check before they load.
@@ -145,12 +145,6 @@ def make_plan(recipe: Recipe, target_cfg: dict[str, Any], *, device: str = "H100
     tr, pc = recipe.train, recipe.precompute
     act = _dtype_bytes(recipe.target.dtype if recipe.target.dtype != "auto" else "bf16")
     ranks = recipe.trainer.devices * recipe.trainer.num_nodes
-    if ranks % tp and (phases is None or "train" in phases or "validation" in phases):
-        # Training splits its ranks into groups of tp that each hold one copy of the target: a rank
-        # planned with 1/tp of the weights but no group to share the rest with would not run at all.
-        raise PlanError(f"engine.tensor_parallel {tp} does not divide the training ranks, trainer.devices x "
-                        f"trainer.num_nodes = {recipe.trainer.devices} x {recipe.trainer.num_nodes} = {ranks}: "
-                        f"set trainer.devices to a multiple of {tp} (or lower engine.tensor_parallel)")
     d, n_layers = c.hidden_size, c.num_hidden_layers
     if _is_deepseek(c):  # MLA + MoE: unsharded; the cache holds one latent row per token and layer
         if tp > 1:
@@ -163,6 +157,12 @@ def make_plan(recipe: Recipe, target_cfg: dict[str, Any], *, device: str = "H100
         rank_params, whole_params = target_params(c, tp)
         active_params = whole_params
         kv_bytes_per_token = 2 * n_layers * max(1, c.num_key_value_heads // tp) * c.head_dim * act
+    if ranks % tp and (phases is None or "train" in phases or "validation" in phases):
+        # Training splits its ranks into groups of tp that each hold one copy of the target: a rank
+        # planned with 1/tp of the weights but no group to share the rest with would not run at all.
+        raise PlanError(f"engine.tensor_parallel {tp} does not divide the training ranks, trainer.devices x "
+                        f"trainer.num_nodes = {recipe.trainer.devices} x {recipe.trainer.num_nodes} = {ranks}: "
+                        f"set trainer.devices to a multiple of {tp} (or lower engine.tensor_parallel)")
     head_params, hc, unit = _head_counts(recipe, c)
     aux = len(hc.aux_layer_ids or [])
     vd = hc.draft_vocab_size or c.vocab_size
@@ -224,14 +224,13 @@ def make_plan(recipe: Recipe, target_cfg: dict[str, Any], *, device: str = "H100
                              f"{heads} heads x {q:,} block queries x ({seq:,} context + {q:,} block keys) x fp32, "
                              "one layer (an upper bound: fused SDPA kernels keep none)"))
     if tr.ttt_steps > 1:
-        from headstart.train.ttt import QUERY_BLOCK
-
-        # headstart.train.ttt runs unrolled steps j >= 1 in checkpointed query blocks: nothing of the
-        # scores is kept for the backward pass; the live block holds ~5 fp32 (H, block, n) tensors
-        # (scores, masked, softmax; their gradients while it is recomputed).
-        block = min(QUERY_BLOCK, seq)
-        ph.terms.append(Term("TTT attention scores", 5 * 4 * heads * block * seq,
-                             f"{heads} heads x {block:,} queries x {seq:,} keys x fp32 x 5 (one checkpointed block)"))
+        # headstart.train.ttt runs each unrolled step as one fused SDPA call over the padded sequences: no
+        # scores are kept, but step j keeps its additive (L, L (j + 1)) mask for the backward pass (one per
+        # step, shared by the layers and sequences).
+        cells = sum(seq * seq * (j + 1) for j in range(1, tr.ttt_steps))
+        ph.terms.append(Term("TTT attention masks", cells * act,
+                             f"{seq:,} x {seq:,} positions x (2 + ... + {tr.ttt_steps}) key copies x {act} B "
+                             "(steps 1..; fused kernels keep no scores)"))
     if hc.draft_vocab_size and hc.head_type in ("mtp", "eagle1", "deepseek_mtp", "dflash"):
         ph.terms.append(Term("restricted lm_head", vd * d * act, f"{vd:,} target rows gathered once"))
     parts_term = None

@@ -66,7 +66,7 @@ def test_every_8xh100_recipe_gets_its_verdict(recipe, capsys):
     assert ("fits: every phase" in out) == fits
     for term in ("target weights", "head weights + grads + AdamW", "head activations", "chunked loss", "KV pages"):
         assert term in out
-    assert "TTT attention scores" in out  # every 8xH100 recipe unrolls TTT steps
+    assert "TTT attention masks" in out  # every 8xH100 recipe unrolls TTT steps
     if recipe.startswith("llama-3.3-70b"):  # the target tensor-parallel in training too, the head FSDP-sharded
         train = out.split("train (16 ranks)")[1].split("validation")[0]
         assert "17.64 GB  8.82 B parameters (1/8 tensor-parallel shard)" in train
@@ -118,8 +118,8 @@ def test_a_recipe_that_would_not_fit_is_refused_by_its_largest_term():
     plan = make_plan(recipe_from_dict(raw), cfg)
     (refusal,) = plan.refusals()
     assert refusal.startswith("train: needs") and "'head activations'" in refusal
-    ttt = next(t for t in plan.phases[1].terms if t.name == "TTT attention scores")
-    assert ttt.bytes == 5 * 4 * 32 * 256 * 4096  # one checkpointed query block, not (H, n, n) per step
+    ttt = next(t for t in plan.phases[1].terms if t.name == "TTT attention masks")
+    assert ttt.bytes == 4096 * 4096 * (2 + 3 + 4 + 5 + 6 + 7) * 2  # a bf16 mask per step, no (H, n, n) scores
     raw["train"]["batch_tokens"] = 8192
     assert make_plan(recipe_from_dict(raw), cfg).refusals() == []
 
@@ -132,11 +132,11 @@ def test_train_and_precompute_refuse_before_loading(tiny, tmp_path, capsys):
             "train:\n  source: online\n  batch_tokens: 4000000\n  ttt_steps: 3\n")
     recipe = tmp_path / "r.yaml"
     recipe.write_text(text)
-    with pytest.raises(PlanError, match="'head activations'"):
+    with pytest.raises(PlanError, match="'TTT attention masks'"):
         check_fits(load_recipe(recipe), json.loads((tiny / "config.json").read_text()), torch.device("cpu"),
                    ("train",), "config.json")
     assert main(["train", str(recipe)]) == 2
-    assert "'head activations'" in capsys.readouterr().err
+    assert "'TTT attention masks'" in capsys.readouterr().err
     recipe.write_text(text + "precompute:\n  batch_tokens: 20000000\n")
     assert main(["precompute", str(recipe)]) == 2
     assert "precompute: needs" in capsys.readouterr().err

@@ -26,6 +26,19 @@ def target(tmp_path_factory):
     return load_llama(d, "fp32")
 
 
+@pytest.fixture(scope="module")
+def deepseek_target(tmp_path_factory):
+    """A tiny DeepSeek-V2-Lite-shaped target (MLA + MoE): its deepseek_mtp head is the target's own block."""
+    from test_deepseek import CONFIGS, _hf_model
+
+    from headstart.models import load_target
+
+    d = tmp_path_factory.mktemp("deepseek")
+    kind, overrides = CONFIGS["v2-lite"]
+    _hf_model(kind, overrides).save_pretrained(d)
+    return load_target(d, "fp32")
+
+
 def _batch(target, lens=(11, 7, 14), seed=0):
     g = torch.Generator().manual_seed(seed)
     ids = torch.randint(2, target.config.vocab_size, (sum(lens),), generator=g)
@@ -194,58 +207,85 @@ def test_unrolled_step_j_is_the_engine_draft_step_j(target, kind):
     assert valid[2].tolist() == [p >= 2 for p in range(6)] + [p >= 2 for p in range(15)] + [p >= 2 for p in range(4)]
 
 
-@pytest.mark.parametrize("block", [1, 3, 5])
-def test_blocked_ttt_attention_equals_one_block_with_its_gradient(target, block, monkeypatch):
-    """The unrolled attention runs its queries in checkpointed blocks (no (H, n, n) scores kept): any
-    block size gives the one-block result, forward and backward."""
-    import headstart.train.ttt as ttt
+@pytest.mark.parametrize("kind", ["mtp", "eagle3", "deepseek_mtp"])
+def test_batched_ttt_attention_equals_the_looped_one_with_its_gradient(target, deepseek_target, kind, monkeypatch):
+    """One attention call per unrolled step over all packed rows gives what the loop over sequences and
+    query blocks gave (tests/ttt_reference.py), forward and backward, at fp32, on sequences of several
+    lengths (a neighbour leaking in, or a key off by one row, shows)."""
+    from ttt_reference import use_looped
 
-    head = build_head(HeadConfig(head_type="eagle3", aux_layer_ids=[0, 1, 2]), target)
-    b = _batch(target, lens=(11, 7, 14))
+    model = deepseek_target if kind == "deepseek_mtp" else target
+    kw = {"aux_layer_ids": [0, 1, 2]} if kind == "eagle3" else {}
+    head = build_head(HeadConfig(head_type=kind, **kw), model)
+    b = _batch(model, lens=(11, 7, 14, 3))
 
-    def run(size):
-        monkeypatch.setattr(ttt, "QUERY_BLOCK", size)
+    def run():
         head.zero_grad(set_to_none=True)
         outs, valid, _ = unroll(head, b, 4)
         loss = sum((o[v] ** 2).mean() * (j + 1) for j, (o, v) in enumerate(zip(outs, valid)))
         loss.backward()
-        return [o.detach() for o in outs], [p.grad.clone() for p in head.trainable_parameters() if p.grad is not None]
+        # Rows p < j have no history at step j and are left out of every loss: only valid rows are compared.
+        return [o[v].detach() for o, v in zip(outs, valid)], [p.grad.clone() for p in head.trainable_parameters()
+                                                               if p.grad is not None]
 
-    one_o, one_g = run(10**6)
-    got_o, got_g = run(block)
-    for x, y in zip(got_o, one_o):
-        torch.testing.assert_close(x, y, rtol=1e-5, atol=1e-6)
-    assert len(got_g) == len(one_g) >= 8  # fc, the layer's projections and norms (not the unused lm_head)
-    for x, y in zip(got_g, one_g):
-        torch.testing.assert_close(x, y, rtol=1e-4, atol=1e-6)
+    got_o, got_g = run()
+    with monkeypatch.context() as m:
+        use_looped(m)
+        ref_o, ref_g = run()
+    for x, y in zip(got_o, ref_o):
+        torch.testing.assert_close(x, y, rtol=1e-5, atol=1e-5)
+    assert len(got_g) == len(ref_g) >= 8  # fc, the layer's projections and norms (not the unused lm_head)
+    for x, y in zip(got_g, ref_g):
+        torch.testing.assert_close(x, y, rtol=1e-4, atol=1e-5)
 
 
-def test_blocked_ttt_attention_keeps_no_n_by_n_scores_for_backward(target, monkeypatch):
-    """What autograd saves for the unrolled steps: no tensor of H x n x n elements (the scores of a
-    whole sequence), with blocks of 4 queries over a 200-token sequence (where H x n x n is 4x the
-    largest per-token tensor, the fused gate/up output)."""
+def test_batched_ttt_attention_keeps_no_scores_for_backward(target, monkeypatch):
+    """What autograd saves for the unrolled steps: no per-head score tensor (B, H, L, keys), only the
+    steps' 2-D masks, which the layers and sequences share; the same check on a plain softmax(q k^T)
+    finds the scores."""
     import headstart.train.ttt as ttt
 
-    monkeypatch.setattr(ttt, "QUERY_BLOCK", 4)
     head = build_head(HeadConfig(head_type="mtp"), target)
-    b = _batch(target, lens=(201,))
-    n, h = 200, head.config.num_attention_heads
-    sizes = []
+    b = _batch(target, lens=(101, 60))
+    length = 100  # the longest shifted sequence
 
-    def pack(t):
-        sizes.append(t.numel())
-        return t
+    def scores_saved():
+        shapes = []
 
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        outs, valid, _ = unroll(head, b, 3)
-    assert sizes and max(sizes) < h * n * n // 2
-    # Without the checkpoint, one block keeps the whole sequence's scores (the check can fail).
-    monkeypatch.setattr(ttt, "QUERY_BLOCK", 10**6)
-    monkeypatch.setattr(ttt, "checkpoint", lambda fn, *args, use_reentrant: fn(*args))
-    sizes.clear()
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        unroll(head, b, 3)
-    assert max(sizes) >= h * n * n
+        def pack(t):
+            shapes.append(tuple(t.shape))
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            unroll(head, b, 3)
+        return [sh for sh in shapes if len(sh) >= 3 and min(sh[-2:]) >= length]
+
+    assert scores_saved() == []
+
+    def plain(q, k, v, attn_mask=None, is_causal=False, scale=None, enable_gqa=False):  # keeps the probabilities
+        k, v = (t.repeat_interleave(q.shape[1] // t.shape[1], dim=1) for t in (k, v))
+        if attn_mask is None:
+            n = q.shape[-2]
+            attn_mask = torch.zeros(n, n).masked_fill(torch.ones(n, n, dtype=torch.bool).triu(1), float("-inf"))
+        return torch.softmax(q @ k.transpose(-1, -2) * scale + attn_mask, dim=-1) @ v
+
+    monkeypatch.setattr(ttt.F, "scaled_dot_product_attention", plain)
+    assert scores_saved()
+
+
+def test_ttt_attention_calls_do_not_grow_with_the_sequences(target):
+    """The same 48 rows packed as 1, 4 or 12 sequences run the same aten ops (no loop over sequences)."""
+    from torch.profiler import profile
+
+    head = build_head(HeadConfig(head_type="mtp"), target)
+    counts = []
+    for lens in ((49,), (13, 13, 13, 13), (5,) * 12 + (1,)):
+        b = _batch(target, lens=lens)
+        with profile() as prof:
+            outs, _, _ = unroll(head, b, 3)
+            sum(o.sum() for o in outs).backward()
+        counts.append(sum(e.count for e in prof.key_averages() if e.key == "aten::scaled_dot_product_attention"))
+    assert counts[0] == counts[1] == counts[2] == 3 * head.kv_layers(), counts
 
 
 def test_one_unrolled_step_is_train_forward(target):

@@ -106,12 +106,48 @@ class Attention(nn.Module):
         return self.tp.all_reduce(self.o_proj(o.reshape(n, self.q_size)))
 
 
+@dataclass
+class PaddedLayout:
+    """Packed rows (N, ...) laid out as a padded batch (B, L, ...), L the longest sequence: one attention call
+    runs every sequence, whatever their number. Built once per micro-batch (`padded_layout`)."""
+
+    gather: torch.Tensor  # (B, L) packed row of each padded slot; N (a zero row appended) for padding
+    scatter: torch.Tensor  # (N,) flat padded slot of each packed row
+    batch: int
+    length: int
+
+    def pad(self, x: torch.Tensor) -> torch.Tensor:
+        """(N, ...) -> (B, L, ...); padding slots hold zeros."""
+        return torch.cat([x, x.new_zeros(1, *x.shape[1:])])[self.gather]
+
+    def unpad(self, y: torch.Tensor) -> torch.Tensor:
+        """(B, L, ...) -> (N, ...)."""
+        return y.reshape(self.batch * self.length, *y.shape[2:])[self.scatter]
+
+
+def padded_layout(meta: AttentionMetadata) -> PaddedLayout:
+    """The padded layout of a packed batch, cached on its metadata (every layer reads the same one). Built
+    from the host-side lengths: no device sync."""
+    if "padded" not in meta.step_cache:
+        lens = meta.q_lens_cpu
+        b, n, length = len(lens), sum(lens), max(lens, default=1)
+        dev = meta.positions.device
+        starts = torch.tensor([0] + lens[:-1], device=dev).cumsum(0)  # (B,)
+        col = torch.arange(length, device=dev)
+        inside = col[None, :] < torch.tensor(lens, device=dev)[:, None]  # (B, L)
+        gather = torch.where(inside, starts[:, None] + col[None, :], torch.full_like(inside, n, dtype=torch.long))
+        seq = torch.repeat_interleave(torch.arange(b, device=dev), torch.tensor(lens, device=dev), output_size=n)
+        meta.step_cache["padded"] = PaddedLayout(gather, seq * length + meta.positions, b, length)
+    return meta.step_cache["padded"]
+
+
 class PackedCausalAttention:
     """Training backend: no KV cache; each packed sequence attends causally to itself.
 
     The metadata is the same object the engine builds (qo_indptr, q_lens_cpu); slots and pages are
     ignored. Heads run their training forward through it, so training and serving share every line
-    of the layer code and differ only in where keys come from.
+    of the layer code and differ only in where keys come from. The sequences run as one padded batch
+    (one causal SDPA call, no mask tensor), so the ops do not grow with the number of sequences.
     """
 
     name = "packed"
@@ -122,21 +158,20 @@ class PackedCausalAttention:
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: KVPages | None,
                 meta: AttentionMetadata, scale: float) -> torch.Tensor:
-        outs, row = [], 0
-        gqa = q.shape[1] != k.shape[1]
-        for n in meta.q_lens_cpu:
-            qs, ks, vs = (t[row:row + n].transpose(0, 1).unsqueeze(0) for t in (q, k, v))  # (1, H, n, Dh)
-            o = torch.nn.functional.scaled_dot_product_attention(qs, ks, vs, is_causal=n > 1, scale=scale,
-                                                                 enable_gqa=gqa)
-            outs.append(o[0].transpose(0, 1))  # (n, Hq, Dh)
-            row += n
-        return torch.cat(outs) if len(outs) > 1 else outs[0]
+        lay = padded_layout(meta)
+        qs, ks, vs = (lay.pad(t).transpose(1, 2) for t in (q, k, v))  # (B, H, L, Dh)
+        o = torch.nn.functional.scaled_dot_product_attention(qs, ks, vs, is_causal=lay.length > 1, scale=scale,
+                                                             enable_gqa=q.shape[1] != k.shape[1])
+        return lay.unpad(o.transpose(1, 2))  # (N, Hq, Dh)
 
 
 def packed_metadata(seq_lens: list[int], device: torch.device | str = "cpu") -> AttentionMetadata:
     """Metadata for packed training sequences: positions restart at 0 in every sequence."""
-    positions = torch.cat([torch.arange(n, device=device) for n in seq_lens]) if seq_lens else torch.zeros(0)
     indptr = torch.tensor([0] + list(seq_lens), device=device).cumsum(0).to(torch.int32)
+    total = int(sum(seq_lens))
+    starts = torch.repeat_interleave(indptr[:-1].long(), torch.tensor(list(seq_lens), device=device, dtype=torch.long),
+                                     output_size=total)
+    positions = torch.arange(total, device=device) - starts  # restarts at 0 in every sequence
     lens = torch.tensor(seq_lens, dtype=torch.int32, device=device)
     return AttentionMetadata(
         positions=positions.long(), slot_mapping=torch.zeros(0, dtype=torch.long, device=device),
