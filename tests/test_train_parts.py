@@ -6,11 +6,12 @@ import pytest
 import torch
 
 from headstart.errors import DataError
-from headstart.heads import HeadConfig, PackedBatch, build_head
+from headstart.heads import HeadConfig, PackedBatch, build_head, build_vocab_maps
 from headstart.inference.backends import TorchAttention
 from headstart.inference.kv_cache import KVCache, KVCacheSpec, PageAllocator
 from headstart.inference.runner import build_metadata
 from headstart.models.llama import load_llama
+from headstart.nn.attention import packed_metadata
 from headstart.train.data import PackedStream, TokenSequences, pack
 from headstart.train.losses import distill, target_logits
 from headstart.train.module import target_forward
@@ -168,6 +169,48 @@ def test_no_tokens_by_vocab_tensor_is_kept_for_backward(target):
     assert big_max < 16 * vocab * 4  # nothing as large as one chunk's logits is saved
     assert big_total < 8 * small_total * 1.2  # linear in tokens (with a tokens x vocab tensor: ~ 8x vocab/width more)
     assert big_total < 3 * 512 * 64 * 4  # a few copies of the (tokens, width) input; a [tokens x vocab] is 8x that
+
+
+@pytest.mark.parametrize("draft_vocab", [None, 96])
+def test_the_teacher_runs_once_per_chunk_for_every_ttt_step(target, draft_vocab, monkeypatch):
+    """With TTT 4 the target's lm_head runs once per row chunk in the forward pass and once in its
+    recompute, not once per step; the loss and its gradient are those of four separate distills."""
+    import headstart.train.losses as losses
+    from headstart.config import recipe_from_dict
+    from headstart.train.module import HeadModule
+
+    kw = {"aux_layer_ids": [0, 1, 2], "draft_vocab_size": draft_vocab}
+    head = build_head(HeadConfig(head_type="eagle3", **kw), target)
+    if draft_vocab:
+        d2t, t2d = build_vocab_maps(torch.rand(target.config.vocab_size), draft_vocab)
+        head.set_vocab_maps(d2t, t2d)
+    recipe = recipe_from_dict({"train": {"ttt_steps": 4, "loss_chunk_tokens": 16}})
+    module = HeadModule(recipe, target, head)
+    b = _batch(target, lens=(21, 9, 30))
+    calls = []
+    for name in ("target_logits", "restricted_target_logits"):
+        real = getattr(losses, name)
+        monkeypatch.setattr(losses, name, lambda *a, _real=real: calls.append(1) or _real(*a))
+    loss, stats = module.losses(b, with_stats=False)
+    loss.backward()
+    union = stats["rows"][0]
+    chunks = -(-union // 16)
+    assert len(calls) == 2 * chunks, (len(calls), chunks)  # forward + recompute, whatever the step count
+    got = [p.grad.clone() for p in head.trainable_parameters() if p.grad is not None]
+    monkeypatch.undo()
+    head.zero_grad(set_to_none=True)
+    outs, _, sh = unroll(head, b, 4)
+    th = b.hidden[sh.target_rows]
+    pos = packed_metadata(sh.seq_lens).positions
+    ref = 0.0
+    for j, out in enumerate(outs):
+        rows = torch.nonzero((sh.token_mask > 0) & (pos >= j)).flatten()
+        part = distill(head, out, th, rows, None, 16, with_stats=False)
+        ref = ref + recipe.train.ttt_decay ** j * part.kl / part.rows
+    ref.backward()
+    torch.testing.assert_close(loss, ref, rtol=1e-5, atol=1e-6)
+    for x, y in zip(got, [p.grad for p in head.trainable_parameters() if p.grad is not None]):
+        torch.testing.assert_close(x, y, rtol=1e-4, atol=1e-6)
 
 
 # ------------------------------------------------------------------------------ TTT == draft steps

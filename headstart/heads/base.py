@@ -258,28 +258,30 @@ class Shifted:
 
 
 def shift_for_head(input_ids: torch.Tensor, seq_lens: list[int], loss_mask: torch.Tensor | None = None) -> Shifted:
-    src, tgt, toks, nxt, mask, lens = [], [], [], [], [], []
-    start = 0
-    for n in seq_lens:
-        if n >= 2:
-            i = torch.arange(start, start + n - 1)
-            src.append(i)
-            tgt.append(i + 1)
-            toks.append(input_ids[i + 1])
-            has_next = torch.arange(n - 1) < n - 2
-            nxt_ids = torch.full((n - 1,), -100, dtype=torch.long)
-            nxt_ids[: n - 2] = input_ids[start + 2: start + n]
-            nxt.append(nxt_ids)
-            m = torch.zeros(n - 1, dtype=torch.long)
-            if n > 2:
-                m[: n - 2] = loss_mask[start + 2: start + n].long() if loss_mask is not None else 1
-            mask.append(m * has_next)
-            lens.append(n - 1)
-        start += n
-    if not lens:
+    # Indices on the host from the lengths (vectorised: no loop over sequences, no device sync); the
+    # token and mask gathers run where the batch lives.
+    lens = torch.tensor(list(seq_lens), dtype=torch.long)
+    keep = lens >= 2
+    if not bool(keep.any()):
         raise ValueError("no sequence has at least 2 tokens: nothing to shift")
-    cat = torch.cat
-    return Shifted(cat(toks).long(), cat(src), cat(tgt), cat(nxt), cat(mask), lens)
+    m_lens, m_starts = (lens - 1)[keep], (torch.cumsum(lens, 0) - lens)[keep]
+    total = int(m_lens.sum())
+
+    def per_row(t: torch.Tensor) -> torch.Tensor:
+        return torch.repeat_interleave(t, m_lens, output_size=total)
+
+    local = torch.arange(total) - per_row(torch.cumsum(m_lens, 0) - m_lens)  # row within its shifted sequence
+    src = per_row(m_starts) + local
+    has_next = local < per_row(m_lens) - 1  # row i has a token t_{i+2} to predict
+    ahead = torch.where(has_next, src + 2, src)  # t_{i+2}'s packed row (a harmless valid row where there is none)
+    dev = input_ids.device
+    toks = input_ids[(src + 1).to(dev)].long()
+    nxt = torch.where(has_next.to(dev), input_ids[ahead.to(dev)].long(), -100)
+    if loss_mask is None:
+        mask = has_next.long()
+    else:
+        mask = loss_mask[ahead.to(loss_mask.device)].long() * has_next.to(loss_mask.device)
+    return Shifted(toks, src, src + 1, nxt, mask, m_lens.tolist())
 
 
 @dataclass

@@ -41,28 +41,30 @@ def target_logits(head: DraftHead, target_h: torch.Tensor) -> torch.Tensor:
 
 
 class _ForwardKL(torch.autograd.Function):
-    """sum over rows of KL(p || softmax(logits)); its gradient, softmax(logits) - p, is written out
-    so the backward makes two passes over the (R, V) chunk instead of autograd's chain of five."""
+    """sum over rows of w_r KL(p_r || softmax(logits_r)); its gradient, w (softmax(logits) - p), is
+    written out so the backward makes two passes over the (R, V) chunk instead of autograd's chain of five."""
 
     @staticmethod
-    def forward(ctx, logits: torch.Tensor, logp: torch.Tensor) -> torch.Tensor:  # noqa: ANN001
+    def forward(ctx, logits: torch.Tensor, logp: torch.Tensor, w: torch.Tensor) -> torch.Tensor:  # noqa: ANN001
         logq = torch.log_softmax(logits, dim=-1)
         p = logp.exp()
-        ctx.save_for_backward(logq, p)
-        return (p * (logp - logq)).sum()
+        ctx.save_for_backward(logq, p, w)
+        return (w[:, None] * p * (logp - logq)).sum()
 
     @staticmethod
-    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:  # noqa: ANN001
-        logq, p = ctx.saved_tensors
-        return grad * (logq.exp() - p), None
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:  # noqa: ANN001
+        logq, p, w = ctx.saved_tensors
+        return grad * w[:, None] * (logq.exp() - p), None, None
 
 
-def _chunk_kl(head: DraftHead, draft_ids: torch.Tensor | None, head_h: torch.Tensor, target_h: torch.Tensor,
-              stats: list[torch.Tensor]) -> torch.Tensor:
-    """KL of one chunk. Checkpointed: it runs again in the backward pass, where `stats` (filled by
-    the first run: top-1 agreements, sum of min(p, q), target mass inside the draft vocabulary) is
-    already set and not recomputed. A caller that wants no statistics passes [None, None, None]
-    (they cost ~10% of the step).
+def _chunk_kl(head: DraftHead, draft_ids: torch.Tensor | None, target_h: torch.Tensor, weights: torch.Tensor,
+              stats: list, *head_h: torch.Tensor) -> torch.Tensor:
+    """The weighted KL of one chunk of rows at every step -> (S,): one teacher distribution for the
+    chunk's rows, read by each of the S steps' head states `head_h` (R, d), row r of step s weighted
+    weights[s, r] (1 if supervised there, else 0). Checkpointed: it runs again in the backward pass,
+    where `stats` (filled by the first run, per step: top-1 agreements, sum of min(p, q), target mass
+    inside the draft vocabulary) is already set and not recomputed. A caller that wants no statistics
+    passes [None] (they cost ~10% of the step).
 
     With a draft vocabulary the teacher is the target's distribution restricted to the V_d draft
     tokens and renormalised, p_d(x) = p(x) / p(V_d). Forward KL(p_d || q) is a proper objective: it
@@ -70,7 +72,6 @@ def _chunk_kl(head: DraftHead, draft_ids: torch.Tensor | None, head_h: torch.Ten
     sampled from q, sum_x min(p(x), q(x)) = p(V_d), the most any q on V_d can reach. Its logits need
     only the V_d lm_head rows (the full-vocabulary normaliser cancels), so the teacher's side costs
     V_d rows too; the full vocabulary is computed only when statistics are asked for."""
-    logits = head.compute_logits(head_h)  # (R, V or Vd) fp32
     with torch.no_grad():
         want = not stats
         if draft_ids is not None and not want:
@@ -85,12 +86,18 @@ def _chunk_kl(head: DraftHead, draft_ids: torch.Tensor | None, head_h: torch.Ten
                 t_logits = t_logits[:, draft_ids]  # restricted to the draft vocab, renormalised below
         logp = torch.log_softmax(t_logits, dim=-1)
         del t_logits
+    kls = []
+    for w, hh in zip(weights, head_h):
+        logits = head.compute_logits(hh)  # (R, V or Vd) fp32
         if want:
-            q = torch.softmax(logits.detach(), dim=-1)
-            pick = q.argmax(-1)
-            correct = (pick if draft_ids is None else draft_ids[pick]) == top
-            stats += [correct.sum().float(), torch.minimum(p_full, q).sum(), p_full.sum()]
-    return _ForwardKL.apply(logits, logp)
+            with torch.no_grad():
+                q = torch.softmax(logits.detach(), dim=-1)
+                pick = q.argmax(-1)
+                correct = ((pick if draft_ids is None else draft_ids[pick]) == top).float()
+                stats.append(torch.stack([(w * correct).sum(), (w * torch.minimum(p_full, q).sum(-1)).sum(),
+                                          (w * p_full.sum(-1)).sum()]))
+        kls.append(_ForwardKL.apply(logits, logp, w))
+    return torch.stack(kls)
 
 
 def restricted_target_logits(head: DraftHead, target_h: torch.Tensor) -> torch.Tensor:
@@ -105,36 +112,59 @@ def distill(head: DraftHead, head_h: torch.Tensor, target_h: torch.Tensor, rows:
             feature_target: torch.Tensor | None, chunk: int, with_kl: bool = True,
             with_stats: bool = True) -> LossParts:
     """Losses over `rows` (indices of supervised rows) of head_h (M, d) against target_h (M, d)."""
-    n = int(rows.numel())
-    zero = head_h.sum() * 0.0  # keeps the graph connected when a batch has no supervised row
-    if n == 0:
+    return distill_steps(head, [head_h], target_h, [rows], feature_target, chunk, with_kl, with_stats)[0]
+
+
+def distill_steps(head: DraftHead, head_h: list[torch.Tensor], target_h: torch.Tensor, rows: list[torch.Tensor],
+                  feature_target: torch.Tensor | None, chunk: int, with_kl: bool = True,
+                  with_stats: bool = True) -> list[LossParts]:
+    """The losses of S steps that share their targets (the unrolled TTT steps: step s's head states
+    head_h[s] (M, d) against the same target rows target_h (M, d)), over each step's supervised rows
+    rows[s] (host-side indices, so that nothing here waits for the device). The teacher distribution
+    of a row is computed once for every step that supervises it (and once more in the backward pass),
+    not once per step."""
+    device = target_h.device
+    zero = sum(h.sum() for h in head_h) * 0.0  # keeps the graph connected when a batch has no supervised row
+    counts = [int(r.numel()) for r in rows]  # host tensors: no sync
+    union = torch.unique(torch.cat([r.cpu() for r in rows])) if len(rows) > 1 else rows[0].cpu()
+    if union.numel() == 0:
         # The head's lm_head still runs, on no rows: under FSDP a draft lm_head is a unit that every
         # rank gathers, whether or not its micro-batch supervises anything at this step.
-        zero = zero + head.compute_logits(head_h[:0]).sum() * 0.0
-        return LossParts(zero, zero, 0)
+        idle = zero + head.compute_logits(head_h[0][:0]).sum() * 0.0
+        return [LossParts(idle, idle, n) for n in counts]
+    # (S, U) 1 where step s supervises union row u: a weight, so every step runs the same rows.
+    member = torch.stack([torch.isin(union, r.cpu()) for r in rows]).float().to(device)
+    union_d = union.to(device)
     d2t = getattr(head, "d2t", None)
     draft_ids = None
     if d2t is not None and d2t.numel() != head.target.vocab_size:
         draft_ids = torch.arange(d2t.numel(), device=d2t.device) + d2t  # draft id i -> target id i + d2t[i]
-    kl = zero
-    correct, accept, mass = (torch.zeros((), device=head_h.device) for _ in range(3))
+    kl = torch.zeros(len(rows), device=device) + zero
+    stats_sum = torch.zeros(len(rows), 3, device=device)
     if with_kl:
-        for a in range(0, n, chunk):
-            r = rows[a:a + chunk]
-            hh, th = head_h[r], target_h[r]
-            stats: list = [] if with_stats else [None, None, None]
-            if torch.is_grad_enabled() and hh.requires_grad:
-                k = checkpoint(_chunk_kl, head, draft_ids, hh, th, stats, use_reentrant=False)
+        for a in range(0, union.numel(), chunk):
+            r, w = union_d[a:a + chunk], member[:, a:a + chunk]
+            hh, th = [h[r] for h in head_h], target_h[r]
+            stats: list = [] if with_stats else [None]
+            if torch.is_grad_enabled() and any(h.requires_grad for h in hh):
+                k = checkpoint(_chunk_kl, head, draft_ids, th, w, stats, *hh, use_reentrant=False)
             else:
-                k = _chunk_kl(head, draft_ids, hh, th, stats)
+                k = _chunk_kl(head, draft_ids, th, w, stats, *hh)
             kl = kl + k
             if with_stats:
-                correct, accept, mass = correct + stats[0], accept + stats[1], mass + stats[2]
-    feat = zero
+                stats_sum = stats_sum + torch.stack(stats)
+    feats = [zero] * len(rows)
     if feature_target is not None:
         # In units of the target row's RMS: pre-norm states carry outlier dimensions hundreds of times
         # larger than the rest, which would otherwise dominate the loss and its gradient.
-        t = feature_target[rows].float()
+        t = feature_target[union_d].float()
         scale = t.pow(2).mean(-1, keepdim=True).sqrt().clamp(min=1e-6)
-        feat = F.smooth_l1_loss(head_h[rows].float() / scale, t / scale, reduction="sum")
-    return LossParts(kl, feat, n, correct.detach(), accept.detach(), mass.detach())
+        feats = [(w[:, None] * F.smooth_l1_loss(h[union_d].float() / scale, t / scale, reduction="none")).sum()
+                 for w, h in zip(member, head_h)]
+    parts = []
+    for s, n in enumerate(counts):
+        part = LossParts(kl[s], feats[s], n)
+        if with_stats:
+            part.correct, part.accept, part.mass = stats_sum[s].detach().unbind()
+        parts.append(part)
+    return parts

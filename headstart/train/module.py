@@ -22,7 +22,7 @@ from headstart.heads.base import DraftHead, PackedBatch, fsdp_units
 from headstart.models.llama import LlamaForCausalLM
 from headstart.nn.attention import PackedCausalAttention, packed_metadata
 from headstart.nn.parallel import SINGLE, TensorParallel
-from headstart.train.losses import LossParts, distill
+from headstart.train.losses import LossParts, distill, distill_steps
 from headstart.train.ttt import unroll
 
 CHAIN_HEADS = ("mtp", "eagle1", "deepseek_mtp", "eagle3")
@@ -165,21 +165,22 @@ class HeadModule(L.LightningModule):
                 batch = group_target_forward(self.forward_target, batch, self.aux_layers, self.tp)
             else:
                 batch = target_forward(self.forward_target, batch, self.aux_layers)
+        # The loss mask stays on the host: the supervised rows are chosen there, without a device sync.
         batch = PackedBatch(batch.input_ids.to(device), batch.seq_lens, batch.hidden.to(device),
                             batch.aux_hidden.to(device) if batch.aux_hidden is not None else None,
-                            batch.loss_mask.to(device) if batch.loss_mask is not None else None)
+                            batch.loss_mask.cpu() if batch.loss_mask is not None else None)
         head, w = head or self.head, self.cfg.loss_weights
         kind = head.config.head_type
         per_step: list[LossParts] = []
         chunk = self.cfg.loss_chunk_tokens
         if kind in CHAIN_HEADS:
-            outs, valid, sh = unroll(head, batch, self.cfg.ttt_steps)
+            outs, _, sh = unroll(head, batch, self.cfg.ttt_steps)
             target_h = batch.hidden[sh.target_rows.to(device)]
             feat_t = head.target_features(target_h) if kind != "eagle3" and w.feature > 0 else None
-            mask = sh.token_mask.to(device) > 0
-            for out, ok in zip(outs, valid):
-                rows = torch.nonzero(mask & ok).flatten()
-                per_step.append(distill(head, out, target_h, rows, feat_t, chunk, w.kl > 0, with_stats))
+            # Step j supervises the rows whose token is supervised and that have j predecessors (ttt.unroll).
+            supervised, pos = sh.token_mask.cpu() > 0, packed_metadata(sh.seq_lens).positions
+            rows = [torch.nonzero(supervised & (pos >= j)).flatten() for j in range(len(outs))]
+            per_step = distill_steps(head, outs, target_h, rows, feat_t, chunk, w.kl > 0, with_stats)
         elif kind == "medusa":
             states, sh = head.train_forward(batch)  # (N, k, d)
             mask = sh.token_mask.to(device) > 0
