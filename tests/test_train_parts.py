@@ -213,6 +213,131 @@ def test_the_teacher_runs_once_per_chunk_for_every_ttt_step(target, draft_vocab,
         torch.testing.assert_close(x, y, rtol=1e-4, atol=1e-6)
 
 
+class _DeviceSyncs:
+    """Counts the ops that make the host wait for the device (a scalar read, nonzero's data-dependent size)
+    on tensors that live on the compute device: those derived, op by op, from `roots` (the head's
+    parameters, the batch's token ids and hidden states). Host-side index work (the loss mask, the
+    sequence lengths) is not a sync on a GPU and is not counted. `Tensor.tolist` of a device tensor is not
+    seen on CPU (it does not dispatch there)."""
+
+    def __init__(self, roots):
+
+        from torch.utils._python_dispatch import TorchDispatchMode
+        from torch.utils._pytree import tree_leaves
+
+        counter = self
+        self.hot = {}  # id -> weak reference (a tensor's == is elementwise: no WeakSet)
+        for t in roots:
+            self.add(t)
+        self.syncs = []
+        aten = torch.ops.aten
+        waits = {aten._local_scalar_dense.default, aten.nonzero.default, aten.item.default}
+
+        class Mode(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                out = func(*args, **(kwargs or {}))
+                if any(isinstance(t, torch.Tensor) and counter.has(t) for t in tree_leaves((args, kwargs))):
+                    if func in waits:
+                        counter.syncs.append(str(func))
+                    for t in tree_leaves(out):
+                        if isinstance(t, torch.Tensor):
+                            counter.add(t)
+                return out
+
+        self.mode = Mode()
+
+    def add(self, t):
+        if t is not None:
+            import weakref
+
+            self.hot[id(t)] = weakref.ref(t)
+
+    def has(self, t):
+        ref = self.hot.get(id(t))
+        return ref is not None and ref() is t
+
+
+@pytest.mark.parametrize("kind", ["mtp", "eagle3", "dflash"])
+def test_a_training_step_waits_for_the_device_once(target, kind, tmp_path):
+    """The real training_step (Lightning, manual optimisation, TTT 3 / a dflash block) on micro-batches
+    that are not logged: its one host sync is the non-finite check every rank agrees on. On CPU a tensor
+    made from a host value with device=... looks like host data, so this sees syncs on computed values
+    (a float(loss) per step, nonzero of a computed mask); the CUDA test below sees every one."""
+    import lightning as L
+
+    from headstart.config import recipe_from_dict
+    from headstart.train.module import HeadModule
+
+    extra = {"aux_layer_ids": [0, 1, 2]} if kind in ("eagle3", "dflash") else {}
+    if kind == "dflash":
+        extra["block_size"] = 4
+    recipe = recipe_from_dict({"head": {"type": kind, **extra}, "logging": {"wandb": False, "every_steps": 100},
+                               "train": {"ttt_steps": 3, "grad_accum": 2, "warmup_steps": 0, "max_steps": 2}})
+    head = build_head(HeadConfig(head_type=kind, **extra), target)
+    module = HeadModule(recipe, target, head)
+    batches = [_batch(target, lens=(21, 9, 30), seed=i) for i in range(4)]
+    counts = []
+    real_step = module.training_step
+
+    def counted(item, batch_idx):
+        b = item["batch"]
+        c = _DeviceSyncs([*head.parameters(), *head.buffers(), b.input_ids, b.hidden, b.aux_hidden])
+        with c.mode:
+            real_step(item, batch_idx)
+        counts.append(c.syncs)
+
+    module.training_step = counted
+    trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=2, max_epochs=1, logger=False,
+                        enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
+                        num_sanity_val_steps=0, limit_val_batches=0, default_root_dir=str(tmp_path))
+    loader = torch.utils.data.DataLoader([{"batch": b} for b in batches], batch_size=None, collate_fn=lambda x: x)
+    trainer.fit(module, train_dataloaders=loader)
+    assert len(counts) == 4 and all(len(c) == 1 for c in counts), counts
+
+
+@pytest.mark.cuda
+def test_a_cuda_training_step_waits_for_the_device_once(tmp_path):
+    """torch's own sync detector on a GPU: one warning per micro-batch (the non-finite check)."""
+    import warnings
+
+    import lightning as L
+    from tiny_models import make_hf_model
+
+    from headstart.config import recipe_from_dict
+    from headstart.train.module import HeadModule
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    make_hf_model("llama", tmp_path / "m")
+    target = load_llama(tmp_path / "m", "fp32").cuda()
+    recipe = recipe_from_dict({"logging": {"wandb": False, "every_steps": 100},
+                               "train": {"ttt_steps": 3, "warmup_steps": 0, "max_steps": 3}})
+    head = build_head(HeadConfig(head_type="mtp"), target)
+    module = HeadModule(recipe, target, head)
+    batches = [_batch(target, lens=(21, 9, 30), seed=i) for i in range(3)]
+    counts = []
+    real_step = module.training_step
+
+    def counted(item, batch_idx):
+        torch.cuda.synchronize()
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            torch.cuda.set_sync_debug_mode("warn")
+            try:
+                real_step(item, batch_idx)
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+        counts.append([str(w.message)[:80] for w in seen if "synchroniz" in str(w.message)])
+
+    module.training_step = counted
+    trainer = L.Trainer(accelerator="gpu", devices=1, max_steps=3, max_epochs=1, logger=False, precision="32-true",
+                        enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
+                        num_sanity_val_steps=0, limit_val_batches=0, default_root_dir=str(tmp_path))
+    loader = torch.utils.data.DataLoader([{"batch": b} for b in batches], batch_size=None, collate_fn=lambda x: x)
+    trainer.fit(module, train_dataloaders=loader)
+    assert len(counts) == 3 and all(len(c) <= 1 for c in counts), counts
+
+
 # ------------------------------------------------------------------------------ TTT == draft steps
 
 

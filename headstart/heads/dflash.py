@@ -170,8 +170,8 @@ class DFlashHead(SharedVocabHead):
         states = self.target_features(None, batch.aux_hidden)  # (N, d)
         positions = packed_metadata(batch.seq_lens, device=device).positions
         bs = blocks.block_size
-        tokens = torch.full((blocks.anchors.numel(), bs), self.mask_token_id, dtype=torch.long)
-        tokens[:, 0] = batch.input_ids[blocks.anchors].cpu()
+        tokens = torch.full((blocks.anchors.numel(), bs), self.mask_token_id, dtype=torch.long, device=device)
+        tokens[:, 0] = batch.input_ids[blocks.anchors.to(batch.input_ids.device)].to(device)
         rows = blocks.rows.to(device)
         meta = packed_metadata([int(rows.numel())], device=device)
         meta.positions = positions[rows]

@@ -230,11 +230,11 @@ class HeadModule(L.LightningModule):
             batch = idle_block(batch, head.block_size)
             blocks = AnchoredBlocks(torch.zeros(1, dtype=torch.long), torch.zeros(1, dtype=torch.long), head.block_size)
         h = head.train_blocks(batch, blocks)
-        bs, rows = head.block_size, blocks.rows.to(device)
-        mask = batch.loss_mask.to(device)[rows] > 0 if batch.loss_mask is not None else torch.ones_like(rows).bool()
-        slot = torch.arange(rows.numel(), device=device) % bs
+        bs, rows = head.block_size, blocks.rows  # host indices: the supervised slots are chosen without a sync
+        mask = batch.loss_mask.cpu()[rows] > 0 if batch.loss_mask is not None else torch.ones_like(rows).bool()
+        slot = torch.arange(rows.numel()) % bs
         per_step = []
-        target_h = batch.hidden[rows - 1]  # slot i (row a + i) predicts its token: the target's prediction at a + i - 1
+        target_h = batch.hidden[(rows - 1).to(device)]  # slot i (row a + i): the prediction at a + i - 1
         for i in range(1, bs):
             sel = torch.nonzero(mask & (slot == i)).flatten()
             per_step.append(distill(head, h, target_h, sel, None, self.cfg.loss_chunk_tokens, with_stats=with_stats))
@@ -258,9 +258,10 @@ class HeadModule(L.LightningModule):
         loss, stats = self.losses(item["batch"], with_stats=logged)
         self.consumed += 1
         self.local_tokens += stats["tokens"]
-        # Every rank must take the same decision: one scalar all-reduce per micro-batch.
-        bad = torch.tensor(0.0 if torch.isfinite(loss) else 1.0, device=loss.device)
-        if self.trainer.strategy.reduce(bad, reduce_op="max") > 0:
+        # Every rank must take the same decision: one scalar all-reduce per micro-batch, and the step's one
+        # host sync (reading its result); everything else the host reads waits for a logged step.
+        bad = (~torch.isfinite(loss.detach())).float()
+        if self.trainer.strategy.reduce(bad, reduce_op="max").item() > 0:
             self.bad_steps += 1
             self.skipped_steps += 1
             self._micro = 0
@@ -293,10 +294,10 @@ class HeadModule(L.LightningModule):
         opt.zero_grad(set_to_none=True)
         sched.step()
         lr = sched.get_last_lr()[0]
-        self.log("loss", loss.detach(), prog_bar=True, rank_zero_only=True)
-        self.log("lr", lr, rank_zero_only=True)
-        self.last_train = {"step": self.global_step, "loss": float(loss.detach()), "lr": lr}
+        self.last_train = {"step": self.global_step, "loss": loss.detach(), "lr": lr}  # read by log_row
         if logged:
+            self.log("loss", loss.detach(), prog_bar=True, rank_zero_only=True)
+            self.log("lr", lr, rank_zero_only=True)
             for j, (r, c) in enumerate(zip(stats["rows"], stats["correct"])):
                 if r:
                     self.log(f"train_top1_{j}", c / r, rank_zero_only=True)
@@ -313,7 +314,10 @@ class HeadModule(L.LightningModule):
         now = time.perf_counter()
         rate = (tokens - self._tok0) / max(now - self._t0, 1e-9)
         self._t0, self._tok0 = now, tokens
-        return {**getattr(self, "last_train", {}), "step": self.global_step, "tokens": tokens, "tok_s": rate}
+        last = dict(getattr(self, "last_train", {}))
+        if torch.is_tensor(last.get("loss")):
+            last["loss"] = float(last["loss"])  # the host reads the loss here, once per logging interval
+        return {**last, "step": self.global_step, "tokens": tokens, "tok_s": rate}
 
     @torch.no_grad()
     def heldout_metrics(self, batches: list[PackedBatch], head: DraftHead | None = None) -> dict[str, Any]:
