@@ -1,0 +1,54 @@
+"""benchmarks/gpu_check.sh --cpu: the GPU check's dry run (every step of the CUDA run at tiny shapes on
+CPU, the CUDA-only ones skipped) passes here, and a failing step is recorded without stopping the rest.
+Random models and conversations built by the script; no embedded assets. About 3 minutes on 2 cores."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPT = ROOT / "benchmarks" / "gpu_check.sh"
+RAN = ["setup", "inputs", "plan", "precompute", "train", "eval", "export", "deepseek-auto", "deepseek-refusal"]
+SKIPPED = ["flashinfer", "cuda-tests"]
+
+
+def _run(tmp_path: Path, python: str, timeout: int) -> subprocess.CompletedProcess:
+    return subprocess.run(["bash", str(SCRIPT), "--cpu", "--out", str(tmp_path / "out"), "--python", python],
+                          cwd=tmp_path, capture_output=True, text=True, timeout=timeout)
+
+
+def _statuses(stdout: str) -> dict[str, str]:
+    """The step lines printed as each step ends: 'PASS train (45s): ...'."""
+    return {m[2]: m[1] for m in re.finditer(r"^(PASS|FAIL|SKIP) (\S+) \(\d+s\)", stdout, re.M)}
+
+
+def test_the_cpu_dry_run_passes_every_step(tmp_path):
+    p = _run(tmp_path, sys.executable, timeout=900)
+    assert p.returncode == 0, p.stdout[-4000:] + p.stderr[-2000:]
+    statuses = _statuses(p.stdout)
+    assert statuses == {**{s: "PASS" for s in RAN}, **{s: "SKIP" for s in SKIPPED}}, p.stdout[-4000:]
+    assert "gpu_check: no step failed" in p.stdout
+    # the summary table, and the measured peaks beside the plan's phases
+    assert re.search(r"^PASS\s+train\s+\d+\s+step 20,", p.stdout, re.M), p.stdout[-3000:]
+    assert re.search(r"^train\s.*train [\d.]+ / validation [\d.]+$", p.stdout, re.M), p.stdout[-3000:]
+    assert re.search(r"^eval\s.*eval [\d.]+$", p.stdout, re.M), p.stdout[-3000:]
+    assert "bytes/token measured" in p.stdout
+    runs = list((tmp_path / "out").glob("cpu-*"))
+    assert len(runs) == 1 and (runs[0] / "llama" / "head-final" / "config.json").is_file()
+    assert (runs[0] / "export" / "sglang" / "config.json").is_file()
+    assert (runs[0] / "export" / "vllm" / "config.json").is_file()
+
+
+def test_a_failing_step_is_recorded_and_the_others_still_run(tmp_path):
+    """An interpreter that fails every command: each step reports FAIL (none is skipped over), the
+    summary lists them all and the exit status is 1."""
+    p = _run(tmp_path, "/bin/false", timeout=300)
+    assert p.returncode == 1, p.stdout[-3000:]
+    statuses = _statuses(p.stdout)
+    assert statuses == {**{s: "FAIL" for s in RAN}, **{s: "SKIP" for s in SKIPPED}}, p.stdout[-3000:]
+    assert f"gpu_check: {len(RAN)} step(s) FAILED" in p.stdout
+    summary = p.stdout.split("== summary", 1)[1]
+    assert all(re.search(rf"^FAIL\s+{s}\s", summary, re.M) for s in RAN)
