@@ -213,60 +213,18 @@ def test_the_teacher_runs_once_per_chunk_for_every_ttt_step(target, draft_vocab,
         torch.testing.assert_close(x, y, rtol=1e-4, atol=1e-6)
 
 
-class _DeviceSyncs:
-    """Counts the ops that make the host wait for the device (a scalar read, nonzero's data-dependent size)
-    on tensors that live on the compute device: those derived, op by op, from `roots` (the head's
-    parameters, the batch's token ids and hidden states). Host-side index work (the loss mask, the
-    sequence lengths) is not a sync on a GPU and is not counted. `Tensor.tolist` of a device tensor is not
-    seen on CPU (it does not dispatch there)."""
-
-    def __init__(self, roots):
-
-        from torch.utils._python_dispatch import TorchDispatchMode
-        from torch.utils._pytree import tree_leaves
-
-        counter = self
-        self.hot = {}  # id -> weak reference (a tensor's == is elementwise: no WeakSet)
-        for t in roots:
-            self.add(t)
-        self.syncs = []
-        aten = torch.ops.aten
-        waits = {aten._local_scalar_dense.default, aten.nonzero.default, aten.item.default}
-
-        class Mode(TorchDispatchMode):
-            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-                out = func(*args, **(kwargs or {}))
-                if any(isinstance(t, torch.Tensor) and counter.has(t) for t in tree_leaves((args, kwargs))):
-                    if func in waits:
-                        counter.syncs.append(str(func))
-                    for t in tree_leaves(out):
-                        if isinstance(t, torch.Tensor):
-                            counter.add(t)
-                return out
-
-        self.mode = Mode()
-
-    def add(self, t):
-        if t is not None:
-            import weakref
-
-            self.hot[id(t)] = weakref.ref(t)
-
-    def has(self, t):
-        ref = self.hot.get(id(t))
-        return ref is not None and ref() is t
-
-
 @pytest.mark.parametrize("kind", ["mtp", "eagle3", "dflash"])
 def test_a_training_step_waits_for_the_device_once(target, kind, tmp_path):
     """The real training_step (Lightning, manual optimisation, TTT 3 / a dflash block) on micro-batches
     that are not logged: its one host sync is the non-finite check every rank agrees on. On CPU a tensor
     made from a host value with device=... looks like host data, so this sees syncs on computed values
-    (a float(loss) per step, nonzero of a computed mask); the CUDA test below sees every one."""
+    (a float(loss) per step, nonzero of a computed mask: headstart.train.syncs); the CUDA test below sees
+    every one."""
     import lightning as L
 
     from headstart.config import recipe_from_dict
     from headstart.train.module import HeadModule
+    from headstart.train.syncs import DeviceSyncCounter
 
     extra = {"aux_layer_ids": [0, 1, 2]} if kind in ("eagle3", "dflash") else {}
     if kind == "dflash":
@@ -281,10 +239,10 @@ def test_a_training_step_waits_for_the_device_once(target, kind, tmp_path):
 
     def counted(item, batch_idx):
         b = item["batch"]
-        c = _DeviceSyncs([*head.parameters(), *head.buffers(), b.input_ids, b.hidden, b.aux_hidden])
-        with c.mode:
+        counter = DeviceSyncCounter([*head.parameters(), *head.buffers(), b.input_ids, b.hidden, b.aux_hidden])
+        with counter:
             real_step(item, batch_idx)
-        counts.append(c.syncs)
+        counts.append(counter.syncs)
 
     module.training_step = counted
     trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=2, max_epochs=1, logger=False,

@@ -1,0 +1,136 @@
+"""What one training micro-batch launches: aten ops (the torch profiler on CPU: the count is what a GPU
+launches), forward + backward of HeadModule.losses, for mtp TTT 3,
+eagle3 TTT 3, dflash and a tiny DeepSeek (MLA + MoE) head, with the same rows packed as 1 and as 8
+sequences. Ours (this tree) beside a baseline tree (a git revision checked out into a temporary worktree,
+default: the commit before the issue-32 work), each in its own process, in one run.
+
+    .venv/bin/python benchmarks/train_ops.py                  # baseline 91e691a
+    .venv/bin/python benchmarks/train_ops.py --baseline HEAD~3 --tokens 512
+
+The models are random, tiny in width (the op count does not depend on width) and built here; nothing is
+downloaded. Host syncs are not in this table: on CPU a host-side mask and a device mask are the same
+kind of tensor; tests/test_train_parts.py counts the training step's (one per micro-batch) with
+headstart.train.syncs, and with torch's sync detector on CUDA.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+# Ops that only make a view or read metadata: no kernel launches for them on a GPU.
+VIEWS = {"aten::as_strided", "aten::view", "aten::reshape", "aten::t", "aten::transpose", "aten::slice",
+         "aten::narrow", "aten::unsqueeze", "aten::squeeze", "aten::select", "aten::detach", "aten::resolve_conj",
+         "aten::resolve_neg", "aten::result_type", "aten::expand", "aten::alias", "aten::permute", "aten::unbind",
+         "aten::split", "aten::chunk", "aten::_unsafe_view", "aten::lift_fresh", "aten::empty", "aten::empty_strided",
+         "aten::to", "aten::contiguous", "aten::flatten", "aten::view_as", "aten::numpy_T", "aten::is_nonzero"}
+CASES = {  # name: (head type, ttt steps, extra head fields, target family)
+    "mtp TTT 3": ("mtp", 3, {}, "llama"),
+    "eagle3 TTT 3": ("eagle3", 3, {"aux_layer_ids": [0, 1, 2]}, "llama"),
+    "dflash (block 4)": ("dflash", 1, {"aux_layer_ids": [0, 1, 2], "block_size": 4}, "llama"),
+    "deepseek_mtp TTT 3 (MLA + MoE)": ("deepseek_mtp", 3, {}, "deepseek"),
+}
+
+
+def _models(root: Path) -> dict[str, Path]:
+    import torch
+    from transformers import DeepseekV2Config, DeepseekV2ForCausalLM, LlamaConfig, LlamaForCausalLM
+
+    dirs = {"llama": root / "llama", "deepseek": root / "deepseek"}
+    torch.manual_seed(0)
+    LlamaForCausalLM(LlamaConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
+                                 num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False)
+                     ).save_pretrained(dirs["llama"])
+    DeepseekV2ForCausalLM(DeepseekV2Config(
+        vocab_size=512, hidden_size=64, intermediate_size=96, moe_intermediate_size=24, num_hidden_layers=3,
+        num_attention_heads=4, num_key_value_heads=4, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=8,
+        v_head_dim=12, n_routed_experts=16, num_experts_per_tok=2, n_shared_experts=1, first_k_dense_replace=1,
+        q_lora_rank=None, topk_method="greedy")).save_pretrained(dirs["deepseek"])
+    return dirs
+
+
+def measure(model_dirs: dict[str, str], tokens: int) -> dict[str, dict[str, int]]:
+    """Runs inside the tree under test (its headstart is on sys.path)."""
+    import torch
+    from torch.profiler import profile
+
+    from headstart.config import recipe_from_dict
+    from headstart.heads import HeadConfig, PackedBatch, build_head
+    from headstart.models import load_target
+    from headstart.train.module import HeadModule, target_forward
+
+    torch.manual_seed(0)
+    torch.set_num_threads(1)
+    out: dict[str, dict[str, int]] = {}
+    targets = {k: load_target(v, "fp32") for k, v in model_dirs.items()}
+    for name, (kind, ttt, extra, family) in CASES.items():
+        target = targets[family]
+        head = build_head(HeadConfig(head_type=kind, **extra), target)
+        recipe = recipe_from_dict({"head": {"type": kind, **extra}, "train": {"ttt_steps": ttt}})
+        module = HeadModule(recipe, target, head)
+        for seqs in (1, 8):
+            lens = [tokens // seqs] * seqs
+            g = torch.Generator().manual_seed(seqs)
+            ids = torch.randint(2, 500, (tokens,), generator=g)
+            mask = (torch.rand(tokens, generator=g) > 0.3).long()
+            aux = list(extra.get("aux_layer_ids", []))
+            batch = target_forward(target, PackedBatch(ids, lens, None, None, mask), aux)
+            loss, _ = module.losses(batch, with_stats=False)  # warm-up: caches, lazy inits
+            loss.backward()
+            head.zero_grad(set_to_none=True)
+            with profile() as prof:
+                loss, _ = module.losses(batch, with_stats=False)
+                loss.backward()
+            events = [e for e in prof.key_averages() if e.key.startswith("aten::")]
+            out[f"{name} | {seqs} seq"] = {"ops": sum(e.count for e in events),
+                                           "compute": sum(e.count for e in events if e.key not in VIEWS)}
+            head.zero_grad(set_to_none=True)
+    return out
+
+
+def _run(tree: Path, models: dict[str, Path], tokens: int) -> dict[str, dict[str, int]]:
+    code = (f"import sys, json; sys.path.insert(0, {str(tree)!r}); sys.path.insert(1, {str(ROOT / 'benchmarks')!r}); "
+            f"from train_ops import measure; "
+            f"print('RESULT' + json.dumps(measure({ {k: str(v) for k, v in models.items()} !r}, {tokens})))")
+    env = {**os.environ, "PYTHONPATH": str(tree), "OMP_NUM_THREADS": "1"}
+    p = subprocess.run([sys.executable, "-c", code], cwd=tree, env=env, capture_output=True, text=True, timeout=1800)
+    line = next((x for x in p.stdout.splitlines() if x.startswith("RESULT")), None)
+    if p.returncode or line is None:
+        raise SystemExit(f"{tree}: the measurement failed\n{p.stderr[-3000:]}")
+    return json.loads(line[len("RESULT"):])
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--baseline", default="91e691a", help="git revision of the baseline tree")
+    ap.add_argument("--tokens", type=int, default=256, help="rows per micro-batch (split into 1 or 8 sequences)")
+    args = ap.parse_args()
+    with tempfile.TemporaryDirectory(prefix="headstart-train-ops-") as tmp:
+        tmp = Path(tmp)
+        models = _models(tmp / "models")
+        base = tmp / "baseline"
+        subprocess.run(["git", "worktree", "add", "--detach", "-q", str(base), args.baseline], cwd=ROOT, check=True)
+        try:
+            before = _run(base, models, args.tokens)
+        finally:
+            subprocess.run(["git", "worktree", "remove", "--force", str(base)], cwd=ROOT, check=False)
+        after = _run(ROOT, models, args.tokens)
+    print(f"aten ops per micro-batch (forward + backward of HeadModule.losses, {args.tokens} rows), "
+          f"baseline {args.baseline} vs this tree")
+    print("| case | sequences | aten ops before | after | before / after | without views: before | after | "
+          "before / after |")
+    print("|---|---|---|---|---|---|---|---|")
+    for key, b in before.items():
+        name, seqs = key.split(" | ")
+        a = after[key]
+        print(f"| {name} | {seqs.split()[0]} | {b['ops']:,} | {a['ops']:,} | {b['ops'] / max(a['ops'], 1):.1f}x | "
+              f"{b['compute']:,} | {a['compute']:,} | {b['compute'] / max(a['compute'], 1):.1f}x |")
+
+if __name__ == "__main__":
+    main()
