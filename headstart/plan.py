@@ -198,10 +198,13 @@ def make_plan(recipe: Recipe, target_cfg: dict[str, Any], *, device: str = "H100
     ph = Phase("train", ranks)
     layer_params = 0 if _is_deepseek(c) else target_params(dataclasses.replace(c, num_hidden_layers=1, vocab_size=0),
                                                              1)[1] - d  # used under tensor parallelism only
-    if fsdp:  # FSDP2: each rank keeps 1/ranks of the state; a unit's whole weights and grads while it runs
-        opt = Term("head weights + grads + AdamW", 16 * head_params / ranks + 8 * unit,
-                   f"{head_params / 1e6:.1f} M trainable parameters x 16 B / {ranks} ranks (FSDP), + the "
-                   f"largest unit ({unit / 1e6:.1f} M) gathered (fp32 weight and grad)")
+    if fsdp:
+        # FSDP2: each rank keeps 1/ranks of the state; a micro-batch gathers every unit once and keeps it whole
+        # until its backward (bf16 weights under bf16-mixed on GPUs), and a unit's whole grad until its reduce.
+        gathered = 2 if recipe.trainer.precision in ("bf16-mixed", "bf16-true", "auto") else 4
+        opt = Term("head weights + grads + AdamW", 16 * head_params / ranks + gathered * head_params + 4 * unit,
+                   f"{head_params / 1e6:.1f} M trainable parameters x 16 B / {ranks} ranks (FSDP), + the whole "
+                   f"head gathered ({gathered} B each) + the largest unit's grad ({unit / 1e6:.1f} M x 4 B)")
     else:
         opt = Term("head weights + grads + AdamW", 16 * head_params,
                    f"{head_params / 1e6:.1f} M trainable parameters x 16 B (fp32 weight, grad, 2 moments)")

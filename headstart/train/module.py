@@ -116,16 +116,23 @@ class HeadModule(L.LightningModule):
         if mesh is None or self.fsdp_units:
             return
         import torch.distributed as dist
-        from torch.distributed.fsdp import fully_shard
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
         with torch.no_grad():  # every rank starts from rank 0's head (FSDP2, unlike DDP, does not sync it)
             for t in [*self.head.parameters(), *self.head.buffers()]:
                 dist.broadcast(t.data, src=0)
         self.fsdp_units = fsdp_units(self.head)
+        # bf16 training on GPUs gathers bf16 weights and reduces the gradients in fp32 (FSDP2's mixed precision;
+        # Lightning's autocast then computes in bf16 as before); elsewhere the weights travel as they are.
+        bf16 = str(self.trainer.precision) == "bf16-mixed" and mesh.device_type == "cuda"
+        policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 else \
+            MixedPrecisionPolicy()
         for unit in self.fsdp_units:
-            # Each unit is its own FSDP root (the head is not one __call__): resharded after its forward
-            # explicitly, which a root is not by default, so a step holds one unit's whole weights at a time.
-            fully_shard(unit, mesh=mesh["data_parallel"], reshard_after_forward=True)
+            # Each unit is its own FSDP root (the head is not one __call__ but a chain of them, called once per
+            # TTT step and per loss chunk): kept whole from its first forward to its backward, so one micro-batch
+            # gathers each unit once (not once per call). The whole head is resident during the micro-batch:
+            # `plan` counts it.
+            fully_shard(unit, mesh=mesh["data_parallel"], reshard_after_forward=False, mp_policy=policy)
             if hasattr(unit, "set_reduce_scatter_unused_params"):  # torch >= 2.9
                 # A parameter no token reached on this rank still joins the reduce-scatter (with zeros), so
                 # the ranks' collectives match even if a module's use comes to depend on the data.
