@@ -115,13 +115,11 @@ def target_params(c: Any, tp: int) -> tuple[float, float]:
     return rank, whole
 
 
-def _head_counts(recipe: Recipe, c: Any) -> tuple[int, Any, int]:
-    """(trainable parameters, resolved head config, trainable parameters of its largest FSDP unit):
-    the head built on the meta device."""
+def _head_counts(recipe: Recipe, c: Any) -> tuple[int, Any]:
+    """(trainable parameters, resolved head config): the head built on the meta device."""
     import torch
 
     from headstart.heads import build_head, head_config_from_recipe
-    from headstart.heads.base import fsdp_units
     from headstart.models.deepseek import DeepseekForCausalLM
     from headstart.models.llama import LlamaForCausalLM
 
@@ -129,8 +127,7 @@ def _head_counts(recipe: Recipe, c: Any) -> tuple[int, Any, int]:
         target = DeepseekForCausalLM(c) if _is_deepseek(c) else LlamaForCausalLM(c)
         target._fingerprint = "planning"  # no weights to hash: the head only records it
         head = build_head(head_config_from_recipe(recipe.head), target, init_from_target=False)
-    units = [sum(p.numel() for p in u.parameters() if p.requires_grad) for u in fsdp_units(head)]
-    return sum(p.numel() for p in head.trainable_parameters()), head.config, max(units, default=0)
+    return sum(p.numel() for p in head.trainable_parameters()), head.config
 
 
 def make_plan(recipe: Recipe, target_cfg: dict[str, Any], *, device: str = "H100-80GB",
@@ -163,7 +160,7 @@ def make_plan(recipe: Recipe, target_cfg: dict[str, Any], *, device: str = "H100
         raise PlanError(f"engine.tensor_parallel {tp} does not divide the training ranks, trainer.devices x "
                         f"trainer.num_nodes = {recipe.trainer.devices} x {recipe.trainer.num_nodes} = {ranks}: "
                         f"set trainer.devices to a multiple of {tp} (or lower engine.tensor_parallel)")
-    head_params, hc, unit = _head_counts(recipe, c)
+    head_params, hc = _head_counts(recipe, c)
     aux = len(hc.aux_layer_ids or [])
     vd = hc.draft_vocab_size or c.vocab_size
     largest_tensor = max(c.vocab_size * d / tp, 3 * d * c.intermediate_size / tp) * act
@@ -199,12 +196,13 @@ def make_plan(recipe: Recipe, target_cfg: dict[str, Any], *, device: str = "H100
     layer_params = 0 if _is_deepseek(c) else target_params(dataclasses.replace(c, num_hidden_layers=1, vocab_size=0),
                                                              1)[1] - d  # used under tensor parallelism only
     if fsdp:
-        # FSDP2: each rank keeps 1/ranks of the state; a micro-batch gathers every unit once and keeps it whole
-        # until its backward (bf16 weights under bf16-mixed on GPUs), and a unit's whole grad until its reduce.
+        # FSDP2 (train.module.HeadStep): each rank keeps 1/ranks of the state; a micro-batch gathers the whole
+        # head once and keeps it until its backward ends (bf16 weights under bf16-mixed on GPUs), with its
+        # whole fp32 gradient until the one reduce-scatter.
         gathered = 2 if recipe.trainer.precision in ("bf16-mixed", "bf16-true", "auto") else 4
-        opt = Term("head weights + grads + AdamW", 16 * head_params / ranks + gathered * head_params + 4 * unit,
+        opt = Term("head weights + grads + AdamW", 16 * head_params / ranks + (gathered + 4) * head_params,
                    f"{head_params / 1e6:.1f} M trainable parameters x 16 B / {ranks} ranks (FSDP), + the whole "
-                   f"head gathered ({gathered} B each) + the largest unit's grad ({unit / 1e6:.1f} M x 4 B)")
+                   f"head gathered ({gathered} B each) and its whole gradient (4 B each)")
     else:
         opt = Term("head weights + grads + AdamW", 16 * head_params,
                    f"{head_params / 1e6:.1f} M trainable parameters x 16 B (fp32 weight, grad, 2 moments)")

@@ -39,6 +39,12 @@ def micro_batches(case: str, rank: int, target, aux: list[int], reference: bool)
     if case == "dflash-no-anchor":  # rank 1's sequences are all shorter than a block
         lens = [3, 2, 3] if rank == 1 else [12, 9]
         return [_batch(target, lens, 10 * rank + i, aux) for i in range(3)]
+    if case.startswith("chunks"):  # loss chunks of 4 rows: rank 0 fills several, rank 1 one
+        lens = [3, 2] if rank == 1 else [12, 9]
+        return [_batch(target, lens, 10 * rank + i, aux) for i in range(2)]
+    if case.startswith("no-rows"):  # rank 1's sequences hold no row a TTT step supervises
+        lens = [2, 2] if rank == 1 else [12, 9]
+        return [_batch(target, lens, 10 * rank + i, aux) for i in range(2)]
     if case.startswith("moe"):  # a few rows each: 8 experts, 2 per token, leave some expert empty per rank
         return [_batch(target, [4, 3], 10 * rank + i, aux) for i in range(3)]
     if case.startswith("accumulate"):
@@ -71,12 +77,14 @@ def main() -> None:
     head_type = {"dflash-no-anchor": "dflash", "moe-ddp": "deepseek_mtp", "moe-fsdp": "deepseek_mtp"}.get(
         args.case, "mtp")
     accumulate = args.case.startswith("accumulate")
+    chunked = args.case.startswith(("chunks", "no-rows"))
     target = load_target(args.target, "fp32")
     extra = {"block_size": 4, "aux_layer_ids": [0, 1]} if head_type == "dflash" else {}
     recipe = recipe_from_dict({
         "seed": 3, "head": {"type": head_type, **extra},
         "train": {"lr": 1e-2, "warmup_steps": 0, "grad_accum": 2 if accumulate else 1, "grad_clip": 0.0,
-                  "max_steps": 1 if accumulate else 2, "ttt_steps": 1, "max_bad_steps": 5},
+                  "max_steps": 1 if accumulate else 2, "ttt_steps": 3 if chunked else 1, "max_bad_steps": 5,
+                  **({"loss_chunk_tokens": 4, "batch_tokens": 32} if chunked else {})},
         "logging": {"wandb": False, "every_steps": 1},
     })
     torch.manual_seed(recipe.seed)

@@ -68,6 +68,19 @@ def test_moe_experts_without_tokens_on_one_rank_still_train(deepseek_dir, tmp_pa
         torch.testing.assert_close(fsdp["state"][name], want, rtol=0, atol=1e-6, msg=name)
 
 
+@pytest.mark.parametrize("case", ["chunks", "no-rows"])
+def test_ranks_with_other_row_counts_run_the_same_loss_chunks(llama_dir, tmp_path, case):
+    """mtp, TTT 3, loss chunks of 4 rows: rank 0 supervises enough rows for several chunks, rank 1 for one
+    (chunks) or none (no-rows). The head's final norm is an FSDP unit that every chunk's logits gather:
+    each rank must run the same number of chunks (empty ones where it has fewer rows), and FSDP then
+    trains the head DDP trains."""
+    ddp = _launch(f"{case}-ddp", llama_dir, tmp_path / "ddp.pt")
+    fsdp = _launch(f"{case}-fsdp", llama_dir, tmp_path / "fsdp.pt")
+    assert ddp["step"] == fsdp["step"] == 2
+    for name, want in ddp["state"].items():
+        torch.testing.assert_close(fsdp["state"][name], want, rtol=0, atol=1e-6, msg=name)
+
+
 def test_fsdp_skipped_micro_batch_leaves_no_gradient_behind(llama_dir, tmp_path):
     """grad_accum 2 under FSDP: [a, b] is skipped because b is non-finite on rank 1, then [c, d] steps.
     The head must equal that of a run that saw only [c, d]: a's gradient, accumulated unsharded by

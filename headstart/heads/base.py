@@ -30,7 +30,7 @@ from torch import nn
 from headstart.errors import AssetError
 from headstart.models.llama import LlamaForCausalLM
 from headstart.nn.attention import AttentionBackend, AttentionMetadata, KVPages
-from headstart.nn.decoder import DecoderLayer, DecoderLayerConfig
+from headstart.nn.decoder import DecoderLayerConfig
 from headstart.nn.rope import RotaryEmbedding
 
 HEAD_TYPES = ("mtp", "eagle1", "deepseek_mtp", "eagle3", "medusa", "draft_lm", "dflash")
@@ -511,24 +511,3 @@ def copy_layer(dst: nn.Module, src: nn.Module) -> None:
         for name, p in dst.named_parameters():
             if name in src_params and src_params[name].shape == p.shape:
                 p.copy_(src_params[name])
-
-
-def fsdp_units(head: DraftHead) -> list[nn.Module]:
-    """The modules of a head that FSDP shards one by one: every decoder layer, and every other module
-    that owns parameters itself and is not inside a layer (see headstart.train.module.HeadModule.configure_model)."""
-    from headstart.models.deepseek import DeepseekDecoderLayer
-
-    units: list[nn.Module] = []
-    inside: set[int] = set()
-    for m in head.modules():
-        if id(m) in inside:
-            continue
-        if isinstance(m, DecoderLayer | DeepseekDecoderLayer):
-            units.append(m)
-            inside.update(id(x) for x in m.modules())
-        elif m is not head and any(p.requires_grad for p in m.parameters(recurse=False)):
-            units.append(m)
-    if any(p.requires_grad for p in head.parameters(recurse=False)):
-        raise ValueError(f"a {head.config.head_type} head owns parameters outside its submodules: FSDP cannot "
-                         "shard them per module")
-    return units

@@ -122,16 +122,14 @@ def distill_steps(head: DraftHead, head_h: list[torch.Tensor], target_h: torch.T
     head_h[s] (M, d) against the same target rows target_h (M, d)), over each step's supervised rows
     rows[s] (host-side indices, so that nothing here waits for the device). The teacher distribution
     of a row is computed once for every step that supervises it (and once more in the backward pass),
-    not once per step."""
+    not once per step. Rows run in chunks of `chunk`; with no row, one empty chunk still runs the
+    lm_head (a DDP rank must use every parameter, whatever its data)."""
     device = target_h.device
     zero = sum(h.sum() for h in head_h) * 0.0  # keeps the graph connected when a batch has no supervised row
     counts = [int(r.numel()) for r in rows]  # host tensors: no sync
     union = torch.unique(torch.cat([r.cpu() for r in rows])) if len(rows) > 1 else rows[0].cpu()
-    if union.numel() == 0:
-        # The head's lm_head still runs, on no rows: under FSDP a draft lm_head is a unit that every
-        # rank gathers, whether or not its micro-batch supervises anything at this step.
-        idle = zero + head.compute_logits(head_h[0][:0]).sum() * 0.0
-        return [LossParts(idle, idle, n) for n in counts]
+    pieces = [torch.arange(a, min(a + chunk, union.numel())) for a in range(0, union.numel(), chunk)]
+    pieces = pieces or [torch.arange(0)]  # no row: the lm_head still runs, on none
     # (S, U) 1 where step s supervises union row u: a weight, so every step runs the same rows.
     member = torch.stack([torch.isin(union, r.cpu()) for r in rows]).float().to(device)
     union_d = union.to(device)
@@ -142,8 +140,9 @@ def distill_steps(head: DraftHead, head_h: list[torch.Tensor], target_h: torch.T
     kl = torch.zeros(len(rows), device=device) + zero
     stats_sum = torch.zeros(len(rows), 3, device=device)
     if with_kl:
-        for a in range(0, union.numel(), chunk):
-            r, w = union_d[a:a + chunk], member[:, a:a + chunk]
+        for piece in pieces:
+            piece = piece.to(device)
+            r, w = union_d[piece], member[:, piece]
             hh, th = [h[r] for h in head_h], target_h[r]
             stats: list = [] if with_stats else [None]
             if torch.is_grad_enabled() and any(h.requires_grad for h in hh):
@@ -154,7 +153,7 @@ def distill_steps(head: DraftHead, head_h: list[torch.Tensor], target_h: torch.T
             if with_stats:
                 stats_sum = stats_sum + torch.stack(stats)
     feats = [zero] * len(rows)
-    if feature_target is not None:
+    if feature_target is not None and union.numel():
         # In units of the target row's RMS: pre-norm states carry outlier dimensions hundreds of times
         # larger than the rest, which would otherwise dominate the loss and its gradient.
         t = feature_target[union_d].float()

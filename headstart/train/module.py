@@ -18,7 +18,7 @@ import torch
 
 from headstart.config import Recipe
 from headstart.errors import HeadstartError
-from headstart.heads.base import DraftHead, PackedBatch, fsdp_units
+from headstart.heads.base import DraftHead, PackedBatch
 from headstart.models.llama import LlamaForCausalLM
 from headstart.nn.attention import PackedCausalAttention, packed_metadata
 from headstart.nn.parallel import SINGLE, TensorParallel
@@ -64,6 +64,23 @@ def group_target_forward(target: LlamaForCausalLM, batch: PackedBatch, aux_layer
     return PackedBatch(mine.input_ids, mine.seq_lens, mine.hidden, mine.aux_hidden, batch.loss_mask)
 
 
+class HeadStep(torch.nn.Module):
+    """The FSDP root of a sharded head: one micro-batch's losses run inside one call of it, so FSDP gathers
+    the whole head once at the call, keeps it whole through the backward, and reduce-scatters every
+    gradient once when the backward ends. The head's own modules are not separate units: a unit that a
+    micro-batch calls several times (each TTT step, each loss chunk, a checkpoint's recompute) made its
+    collectives depend on the data, and FSDP2 trained it on other gradients than DDP's
+    (tests/test_collectives.py)."""
+
+    def __init__(self, head: DraftHead, losses: Any) -> None:
+        super().__init__()
+        self.head = head
+        object.__setattr__(self, "losses", losses)  # HeadModule.losses: it reads the head as self.head
+
+    def forward(self, batch: PackedBatch, with_stats: bool) -> tuple[torch.Tensor, dict[str, Any]]:
+        return self.losses(batch, with_stats=with_stats)
+
+
 def idle_block(batch: PackedBatch, block_size: int) -> PackedBatch:
     """One sequence of `block_size` zero rows with no supervised token, shaped like `batch`: what a rank
     whose micro-batch holds no dflash anchor runs, so that it takes part in every collective."""
@@ -90,7 +107,7 @@ class HeadModule(L.LightningModule):
         object.__setattr__(self, "forward_target", forward_target if forward_target is not None else target)
         self.tp = tp
         self.head = head
-        self.fsdp_units: list[torch.nn.Module] = []  # set by configure_model under trainer.strategy fsdp
+        self.fsdp_root: HeadStep | None = None  # set by configure_model under trainer.strategy fsdp
         self.aux_layers = list(head.config.aux_layer_ids or [])
         self.bad_steps = 0  # consecutive non-finite steps
         self.skipped_steps = 0
@@ -108,12 +125,10 @@ class HeadModule(L.LightningModule):
 
     def configure_model(self) -> None:
         """Under trainer.strategy fsdp (Lightning's ModelParallelStrategy: FSDP2 over the data-parallel
-        ranks) shard the head, one unit per module that runs: each decoder layer, and each module
-        outside the layers that owns parameters (fusion fc, norms, a draft lm_head). A head's forward
-        is a chain of method calls, not one __call__, so the all-gathers must hang on the modules
-        that are called. The frozen target is not in this module: nothing of it is wrapped."""
+        ranks) shard the head as one unit under a root that runs a whole micro-batch (HeadStep). The
+        frozen target is not in this module: nothing of it is wrapped."""
         mesh = getattr(self, "_device_mesh", None)
-        if mesh is None or self.fsdp_units:
+        if mesh is None or self.fsdp_root is not None:
             return
         import torch.distributed as dist
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
@@ -121,35 +136,35 @@ class HeadModule(L.LightningModule):
         with torch.no_grad():  # every rank starts from rank 0's head (FSDP2, unlike DDP, does not sync it)
             for t in [*self.head.parameters(), *self.head.buffers()]:
                 dist.broadcast(t.data, src=0)
-        self.fsdp_units = fsdp_units(self.head)
+        if any(p.requires_grad for p in self.head.parameters(recurse=False)):
+            raise ValueError(f"a {self.head.config.head_type} head owns parameters outside its submodules: FSDP "
+                             "cannot shard it")
         # bf16 training on GPUs gathers bf16 weights and reduces the gradients in fp32 (FSDP2's mixed precision;
         # Lightning's autocast then computes in bf16 as before); elsewhere the weights travel as they are.
         bf16 = str(self.trainer.precision) == "bf16-mixed" and mesh.device_type == "cuda"
-        policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 else \
-            MixedPrecisionPolicy()
-        for unit in self.fsdp_units:
-            # Each unit is its own FSDP root (the head is not one __call__ but a chain of them, called once per
-            # TTT step and per loss chunk): kept whole from its first forward to its backward, so one micro-batch
-            # gathers each unit once (not once per call). The whole head is resident during the micro-batch:
-            # `plan` counts it.
-            fully_shard(unit, mesh=mesh["data_parallel"], reshard_after_forward=False, mp_policy=policy)
-            if hasattr(unit, "set_reduce_scatter_unused_params"):  # torch >= 2.9
-                # A parameter no token reached on this rank still joins the reduce-scatter (with zeros), so
-                # the ranks' collectives match even if a module's use comes to depend on the data.
-                unit.set_reduce_scatter_unused_params(True)
+        policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16 if bf16 else None,
+                                      reduce_dtype=torch.float32 if bf16 else None, cast_forward_inputs=False)
+        root = HeadStep(self.head, self.losses)
+        fully_shard(root, mesh=mesh["data_parallel"], reshard_after_forward=False, mp_policy=policy)
+        if hasattr(root, "set_reduce_scatter_unused_params"):  # torch >= 2.9
+            # A parameter no token reached on this rank still joins the reduce-scatter (with zeros), so the
+            # ranks' collectives match even if a module's use comes to depend on the data.
+            root.set_reduce_scatter_unused_params(True)
+        object.__setattr__(self, "fsdp_root", root)  # not a submodule: the head is registered once, as `head`
 
     def full_head(self, here: bool) -> DraftHead | None:
         """The head with whole weights where `here` (this rank validates or saves), else None: the head
         itself, or under FSDP an unsharded replica built from the gathered state and dropped by the
         caller after use. A collective under FSDP: every rank calls it at the same step. Without tensor
         parallelism only rank 0 reads it, and only rank 0 receives the state (on the CPU)."""
-        if not self.fsdp_units:
+        if self.fsdp_root is None:
             return self.head if here else None
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
         everyone = self.tp.enabled  # every rank of a tensor-parallel group validates
-        state = get_model_state_dict(self.head, options=StateDictOptions(full_state_dict=True,
-                                                                         cpu_offload=not everyone))
+        state = get_model_state_dict(self.fsdp_root, options=StateDictOptions(full_state_dict=True,
+                                                                              cpu_offload=not everyone))
+        state = {k.removeprefix("head."): v for k, v in state.items()}
         if not here:
             return None
         master = next(self.head.parameters())
@@ -190,19 +205,18 @@ class HeadModule(L.LightningModule):
             per_step = distill_steps(head, outs, target_h, rows, feat_t, chunk, w.kl > 0, with_stats)
         elif kind == "medusa":
             states, sh = head.train_forward(batch)  # (N, k, d)
-            mask = sh.token_mask.to(device) > 0
+            mask = sh.token_mask.cpu() > 0  # host: the rows are chosen without a sync
             for j in range(states.shape[1]):
                 target_h = batch.hidden[sh.target_rows[:, j].to(device)]
                 rows = torch.nonzero(mask[:, j]).flatten()
-                per_step.append(distill(head, states[:, j], target_h, rows, None, self.cfg.loss_chunk_tokens,
-                                        with_stats=with_stats))
+                per_step.append(distill(head, states[:, j], target_h, rows, None, chunk, with_stats=with_stats))
         elif kind == "dflash":
             return self._block_losses(head, batch, with_stats, same_in_group)
         else:  # draft_lm: KL to the target's next-token distribution
             h, sh = head.train_forward(batch)
-            rows = torch.nonzero(sh.token_mask.to(device) > 0).flatten()
-            per_step.append(distill(head, h, batch.hidden[sh.target_rows.to(device)], rows, None,
-                                    self.cfg.loss_chunk_tokens, with_stats=with_stats))
+            rows = torch.nonzero(sh.token_mask.cpu() > 0).flatten()
+            per_step.append(distill(head, h, batch.hidden[sh.target_rows.to(device)], rows, None, chunk,
+                                    with_stats=with_stats))
         d = head.config.hidden_size
         total = torch.zeros((), device=device)
         for j, part in enumerate(per_step):
@@ -237,6 +251,7 @@ class HeadModule(L.LightningModule):
             batch = idle_block(batch, head.block_size)
             blocks = AnchoredBlocks(torch.zeros(1, dtype=torch.long), torch.zeros(1, dtype=torch.long), head.block_size)
         h = head.train_blocks(batch, blocks)
+        chunk = self.cfg.loss_chunk_tokens
         bs, rows = head.block_size, blocks.rows  # host indices: the supervised slots are chosen without a sync
         mask = batch.loss_mask.cpu()[rows] > 0 if batch.loss_mask is not None else torch.ones_like(rows).bool()
         slot = torch.arange(rows.numel()) % bs
@@ -244,7 +259,7 @@ class HeadModule(L.LightningModule):
         target_h = batch.hidden[(rows - 1).to(device)]  # slot i (row a + i): the prediction at a + i - 1
         for i in range(1, bs):
             sel = torch.nonzero(mask & (slot == i)).flatten()
-            per_step.append(distill(head, h, target_h, sel, None, self.cfg.loss_chunk_tokens, with_stats=with_stats))
+            per_step.append(distill(head, h, target_h, sel, None, chunk, with_stats=with_stats))
         n = max(sum(p.rows for p in per_step), 1)
         gamma = self.cfg.block_decay_gamma
         total = sum(math.exp(-(i - 1) / gamma) * p.kl for i, p in enumerate(per_step, start=1)) / n
@@ -262,7 +277,9 @@ class HeadModule(L.LightningModule):
         sched = self.lr_schedulers()
         # Statistics only on the steps that are logged (they cost ~10% of a step).
         logged = (self.global_step + 1) % self.recipe.logging.every_steps == 0
-        loss, stats = self.losses(item["batch"], with_stats=logged)
+        # Under FSDP through the root: one gather of the head per micro-batch, one reduce when its backward ends.
+        run = self.fsdp_root if self.fsdp_root is not None else self.losses
+        loss, stats = run(item["batch"], with_stats=logged)
         self.consumed += 1
         self.local_tokens += stats["tokens"]
         # Every rank must take the same decision: one scalar all-reduce per micro-batch, and the step's one
@@ -287,8 +304,8 @@ class HeadModule(L.LightningModule):
         # scatters after every micro-batch instead: its unsynced gradients would be whole (unsharded) and
         # kept outside .grad, where a skipped micro-batch's zero_grad cannot clear them and they would
         # leak into the next step; sharded, they are 1/ranks of the memory (what `plan` counts).
-        sync = contextlib.nullcontext() if last or self.fsdp_units or not hasattr(strategy, "block_backward_sync") \
-            else strategy.block_backward_sync()
+        no_sync = not last and self.fsdp_root is None and hasattr(strategy, "block_backward_sync")
+        sync = strategy.block_backward_sync() if no_sync else contextlib.nullcontext()
         with sync:
             self.manual_backward(loss / self.cfg.grad_accum)
         self._micro += 1
