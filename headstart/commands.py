@@ -306,6 +306,11 @@ def cmd_eval(args: argparse.Namespace) -> int:
     device = _device(args.device, tp)
     dtype = resolve_dtype(recipe.target.dtype, device)
     target = load_target(model_dir, dtype=dtype, device=device, tp=tp)
+    import torch
+
+    from headstart.inference.backends import check_backend
+
+    check_backend(recipe.engine.backend, torch.device(device), target)  # before any prompt or head is read
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(str(model_dir))

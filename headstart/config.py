@@ -103,6 +103,8 @@ class HeadSection:
         _require(self.type != "dflash" or self.k <= (self.block_size or 8) - 1, "head.k",
                  f"a dflash block of {self.block_size or 8} drafts at most {(self.block_size or 8) - 1} tokens, "
                  f"got k={self.k}")
+        _require(self.aux_layer_ids is None or bool(self.aux_layer_ids), "head.aux_layer_ids",
+                 "is empty: list the target layers to fuse, or leave it out for the defaults")
         _require(self.aux_layer_ids is None or (len(set(self.aux_layer_ids)) == len(self.aux_layer_ids)
                                                  and list(self.aux_layer_ids) == sorted(self.aux_layer_ids)),
                  "head.aux_layer_ids", f"must be distinct and ascending (the order vLLM and SGLang concatenate "

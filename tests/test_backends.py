@@ -143,9 +143,9 @@ def test_one_rule_chooses_the_backend_for_the_device_and_the_target(targets, mon
 
 
 def test_every_verb_takes_engine_backend_from_the_recipe(targets, tmp_path, chat_model_dir, monkeypatch, capsys):
-    """engine.backend reaches precompute, training (its validation engine) and eval, which build their
-    engines through the rule above: flashinfer on this CPU is refused by precompute and train before any
-    long work, naming the key; a value outside auto / torch / flashinfer is refused when the recipe is read."""
+    """engine.backend reaches precompute, training (its validation engine), eval and regenerate, which build
+    their engines through the rule above: flashinfer on this CPU is refused by each before any long work,
+    naming the key; a value outside auto / torch / flashinfer is refused when the recipe is read."""
     from headstart.cli import main
     from headstart.config import recipe_from_dict
     from headstart.errors import ConfigError
@@ -159,10 +159,15 @@ def test_every_verb_takes_engine_backend_from_the_recipe(targets, tmp_path, chat
                       "data:\n  source: sharegpt\n  limit: 8\nengine:\n  backend: flashinfer\n"
                       "train:\n  max_steps: 1\n  batch_tokens: 512\ntrainer:\n  accelerator: cpu\n"
                       "logging:\n  wandb: false\n")
-    for verb in ("precompute", "train"):
-        assert main([verb, str(recipe)]) == 2, verb
+    from headstart.heads import HeadConfig, build_head, save_head
+    from headstart.models import load_target
+
+    head = save_head(build_head(HeadConfig(head_type="mtp"), load_target(chat_model_dir, "fp32")), tmp_path / "h")
+    for verb in (["precompute"], ["train"], ["eval", "--head", str(head)], ["regenerate"]):
+        assert main([verb[0], str(recipe), *verb[1:]]) == 2, verb
         assert "engine.backend flashinfer: the flashinfer backend needs a CUDA device" in capsys.readouterr().err
     assert not (tmp_path / "run" / "checkpoints").exists()
+    assert not list((tmp_path / "run").rglob("*.partial"))  # regenerate refused before it wrote anything
     seen = []
     real = backends.choose_backend
     monkeypatch.setattr(backends, "choose_backend", lambda name, *a, **k: seen.append(name) or real("torch", *a, **k))

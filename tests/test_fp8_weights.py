@@ -186,7 +186,16 @@ def _edit_config(d: Path, **quantization) -> None:
     (d / "config.json").write_text(json.dumps(cfg))
 
 
+def _as_fnuz(d: Path) -> None:
+    """The weights in e4m3fnuz (other exponent bias, other scale semantics): not ours to read."""
+    tensors = load_file(d / "model.safetensors")
+    name = "model.layers.1.self_attn.kv_b_proj.weight"
+    tensors[name] = tensors[name].float().to(torch.float8_e4m3fnuz)
+    save_file(tensors, d / "model.safetensors")
+
+
 @pytest.mark.parametrize("damage, named", [
+    (_as_fnuz, r"kv_b_proj\.weight' is F8_E4M3FNUZ, an FP8 format this loader does not read"),
     (_drop_a_scale, r"model\.safetensors: tensor 'model\.layers\.1\.self_attn\.kv_b_proj\.weight' is FP8 .*"
                     r"no 'model\.layers\.1\.self_attn\.kv_b_proj\.weight_scale_inv'"),
     (_edit_config, r"config\.json: the weights are FP8 but there is no quantization_config"),

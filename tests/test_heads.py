@@ -284,6 +284,17 @@ def test_aux_layer_ids_must_be_distinct_and_ascending_everywhere(target, tmp_pat
     with pytest.raises(AssetError, match="config.json: aux_layer_ids must be"):
         import_head(out, "vllm", target, tmp_path / "back")
     assert default_aux_layers(2) == [0, 1] and default_aux_layers(4) == [1, 2] and default_aux_layers(30) == [2, 15, 27]
+    with pytest.raises(ConfigError, match="head.aux_layer_ids.*is empty"):
+        recipe_from_dict({"head": {"type": "eagle3", "aux_layer_ids": []}})
+    # An SGLang export that does not name its layers imports with the same defaults (distinct on 2 layers).
+    sg = tmp_path / "sglang"
+    export_head(build_head(_config("eagle3", aux_layer_ids=[1, 2], draft_vocab_size=None), target), target,
+                "sglang", sg)
+    cfg = json.loads((sg / "config.json").read_text())
+    cfg.pop("headstart", None)
+    cfg["eagle_config"].pop("eagle_aux_hidden_state_layer_ids")
+    (sg / "config.json").write_text(json.dumps(cfg))
+    assert import_head(sg, "sglang", target, tmp_path / "sg-back").config.aux_layer_ids == default_aux_layers(2)
 
 
 def test_consumes(target):

@@ -182,7 +182,7 @@ class SGLang(Layout):
             ids = config_ids(config_dict(config, "eagle_config").get("eagle_aux_hidden_state_layer_ids"),
                              "eagle_config.eagle_aux_hidden_state_layer_ids")
             n = target.config.num_hidden_layers
-            aux = [j + 1 for j in ids] if ids else [min(2, n - 1), n // 2, max(n - 3, 0)]
+            aux = [j + 1 for j in ids] if ids else default_aux_layers(n)
             vocab = config_int(config, "draft_vocab_size")
             cfg = _head_config(config, "eagle3", target, aux_layer_ids=aux, draft_vocab_size=vocab, **_dims(config))
             cfg.draft_vocab_size = vocab

@@ -427,10 +427,13 @@ class MoE(nn.Module):
         tokens, w = order // k, weights.flatten()[order]
         out = torch.zeros_like(x)
         start = 0
-        # A token sums its experts in expert order, in any batch. Every expert runs, an idle one on no
-        # rows: in training each rank must use the same parameters (DDP's reducer, FSDP's reduce-scatter)
-        # whichever experts its tokens chose.
+        # A token sums its experts in expert order, in any batch. In training every expert runs, an idle one
+        # on no rows: each rank must use the same parameters (DDP's reducer, FSDP's reduce-scatter) whichever
+        # experts its tokens chose. Without gradients (the engine, a frozen target) an idle expert is skipped.
+        training = torch.is_grad_enabled()
         for e, count in enumerate(counts):
+            if not count and not training:
+                continue
             rows = tokens[start:start + count]
             y = self.experts[e](x[rows]) * w[start:start + count, None]
             out.index_add_(0, rows, y.to(out.dtype))

@@ -140,7 +140,11 @@ def load_weights(
 def _read(f, hf_name: str, part: tuple | None, target, path: Path, fp8: _Fp8):
     """The checkpoint tensor (or its part, dequantised if FP8) and where it goes in the parameter."""
     sl = f.get_slice(hf_name)
-    quantised = sl.get_dtype() in FP8_DTYPES
+    kind = sl.get_dtype()
+    quantised = kind in FP8_DTYPES
+    if kind.startswith("F8_") and not quantised:  # e4m3fnuz / e5m2fnuz / e8m0: other scale semantics
+        raise AssetError(f"{path.name}: tensor {hf_name!r} is {kind}, an FP8 format this loader does not read "
+                         f"(it reads {' and '.join(FP8_DTYPES)} with block scales); dequantise the checkpoint first")
     if part is None:
         if quantised:
             return fp8.dequantised(f, path, hf_name), target

@@ -90,6 +90,11 @@ def run_regenerate(recipe: Recipe, resume: bool = False, progress: bool = True) 
         extend = True  # renamed to the partial file once its provenance matches (below)
     else:
         extend = False
+    import torch
+
+    from headstart.inference.backends import check_backend
+
+    check_backend(recipe.engine.backend, torch.device("cpu"), None)  # the engine below runs on the CPU
     try:  # an unwritable destination is found before the engine loads, not after hours of decoding
         out.parent.mkdir(parents=True, exist_ok=True)
         with open(partial, "a", encoding="utf-8"):
