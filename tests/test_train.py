@@ -45,6 +45,23 @@ def _recipe(tmp_path, model_dir, name="run", n=48, head="mtp", train=None, extra
     return p
 
 
+def test_the_online_source_reads_arrow_rows_as_the_lists_held_them(tmp_path, chat_model_dir):
+    """The online source reads micro-batches from the dataset's Arrow table (memory-mapped, shared by the
+    ranks), not from Python lists of every token: the same ids, masks and lengths, in any order."""
+    from headstart.config import load_recipe
+    from headstart.data.dataset import build_dataset
+    from headstart.train.data import ArrowSequences, TokenSequences
+
+    recipe = load_recipe(_recipe(tmp_path, chat_model_dir))
+    train = build_dataset(recipe.data, str(chat_model_dir), progress=False).train
+    arrow, lists = ArrowSequences(train), TokenSequences.from_dataset(train)
+    assert arrow.lengths == lists.lengths and len(arrow.lengths) > 10
+    for order in ([0], [5, 2, 9], list(range(len(arrow.lengths)))[::-1]):
+        a, b = arrow.load(order), lists.load(order)
+        assert a.seq_lens == b.seq_lens and torch.equal(a.input_ids, b.input_ids)
+        assert torch.equal(a.loss_mask, b.loss_mask) and a.input_ids.dtype == torch.long
+
+
 def _curve(run_dir):
     import csv
 

@@ -28,7 +28,7 @@ from headstart.fileio import atomic_write_text, exclusive_lock, remove_path, swa
 from headstart.heads import build_head, head_config_from_recipe, init_copied_layers, save_head
 from headstart.heads.base import TargetParts
 from headstart.nn.parallel import SINGLE, TensorParallel
-from headstart.train.data import PackedStream, ShardSequences, TokenSequences, TrainData, pack
+from headstart.train.data import ArrowSequences, PackedStream, ShardSequences, TokenSequences, TrainData, pack
 from headstart.train.module import HeadModule
 from headstart.train.outputs import FORMAT, check_output_dir, check_resume, lock_path, remove_crash_leftovers
 from headstart.train.validate import engine_acceptance, heldout_prompts
@@ -295,7 +295,7 @@ class TrainRun:
             shards = Path(cfg.shards_dir) if cfg.shards_dir else precompute_dir(recipe)
             source: Any = ShardSequences(shards, expect_target=self.target.fingerprint(), expect_aux=aux)
         else:
-            source = TokenSequences.from_dataset(built.train)
+            source = ArrowSequences(built.train)
         self.stream = PackedStream(source, cfg.batch_tokens, recipe.seed, self.rank % self.world, self.world,
                                    cfg.epochs)
         held = TokenSequences.from_dataset(built.heldout)
@@ -327,9 +327,12 @@ class TrainRun:
 
         vocab = self.target.config.vocab_size
         counts = torch.zeros(vocab, dtype=torch.float64)
-        for ids, mask in zip(train_ds["input_ids"], train_ds["loss_mask"]):
-            t = torch.tensor(ids)[torch.tensor(mask, dtype=torch.bool)]
-            counts += torch.bincount(t, minlength=vocab).double()
+        # From the Arrow table in blocks of sequences: the whole column as Python lists would cost ~36 bytes
+        # a token in every rank.
+        source = ArrowSequences(train_ds)
+        for a in range(0, len(source.lengths), 4096):
+            b = source.load(list(range(a, min(a + 4096, len(source.lengths)))))
+            counts += torch.bincount(b.input_ids[b.loss_mask.bool()], minlength=vocab).double()
         vd = self.head.config.draft_vocab_size
         d2t, t2d = build_vocab_maps(counts, vd)
         self.head.set_vocab_maps(d2t, t2d)
