@@ -62,6 +62,30 @@ def test_the_online_source_reads_arrow_rows_as_the_lists_held_them(tmp_path, cha
         assert torch.equal(a.loss_mask, b.loss_mask) and a.input_ids.dtype == torch.long
 
 
+def test_fp8_shards_reach_the_step_as_stored_and_train_as_dequantised(tmp_path, chat_model_dir):
+    """With precompute.storage fp8 the training stream hands the step the stored e4m3 states and their
+    scales (half the bytes through the copy to the GPU); the step dequantises them where it runs: the
+    same loss as from states dequantised on the host."""
+    from headstart.cli import main
+    from headstart.config import load_recipe
+    from headstart.heads import build_head, head_config_from_recipe
+    from headstart.train.data import ShardSequences
+    from headstart.train.module import HeadModule
+
+    path = _recipe(tmp_path, chat_model_dir, head="eagle3", train={"source": "shards", "ttt_steps": 2},
+                   extra="  aux_layer_ids: [0, 1, 2]\n")
+    assert main(["precompute", str(path), "--set", "precompute.storage=fp8"]) == 0
+    recipe = load_recipe(path)
+    target = load_llama(chat_model_dir, "fp32")
+    raw = ShardSequences(tmp_path / "run" / "precompute", keep_fp8=True).load([0, 1, 2])
+    whole = ShardSequences(tmp_path / "run" / "precompute").load([0, 1, 2])
+    assert raw.hidden.dtype == raw.aux_hidden.dtype == torch.float8_e4m3fn and raw.aux_scale.shape[1] == 3
+    assert whole.hidden_scale is None and whole.hidden.dtype == torch.float32
+    module = HeadModule(recipe, target, build_head(head_config_from_recipe(recipe.head), target))
+    with torch.no_grad():
+        torch.testing.assert_close(module.losses(raw)[0], module.losses(whole)[0], rtol=0, atol=0)
+
+
 def _curve(run_dir):
     import csv
 

@@ -243,6 +243,10 @@ class PackedBatch:
     hidden: torch.Tensor | None = None  # (N, d) pre-norm last hidden state
     aux_hidden: torch.Tensor | None = None  # (N, A, d) hidden states entering the aux layers
     loss_mask: torch.Tensor | None = None  # (N,) 0/1
+    # fp8 shards read as they are stored: hidden / aux_hidden are float8_e4m3fn and these their per-token
+    # fp32 scales, dequantised where the step runs (train.module.HeadModule.losses). None: already whole.
+    hidden_scale: torch.Tensor | None = None  # (N,)
+    aux_scale: torch.Tensor | None = None  # (N, A)
 
 
 @dataclass

@@ -38,8 +38,11 @@ class ShardSequences:
     """Sequences of a precompute directory, read lazily (memory-mapped) one micro-batch at a time."""
 
     def __init__(self, directory: str | Path, expect_target: str | None = None,
-                 expect_aux: list[int] | None = None) -> None:
+                 expect_aux: list[int] | None = None, keep_fp8: bool = False) -> None:
+        """keep_fp8: fp8 shards' states are returned as stored, with their scales (PackedBatch.hidden_scale),
+        for the step to dequantise on its device: half the bytes through pinned memory and the copy."""
         self.dir = Path(directory)
+        self.keep_fp8 = keep_fp8
         manifest = read_manifest(self.dir)
         if expect_target is not None and manifest["fingerprints"]["target"] != expect_target:
             raise DataError(
@@ -83,7 +86,7 @@ class ShardSequences:
         return self._handles[shard]
 
     def load(self, indices: list[int]) -> PackedBatch:
-        ids, masks, hs, auxs, lens = [], [], [], [], []
+        ids, masks, hs, auxs, lens, h_scales, a_scales = [], [], [], [], [], [], []
         for i in indices:
             ref = self.refs[i]
             f = self._handle(ref.shard)
@@ -93,14 +96,24 @@ class ShardSequences:
                 return f.get_slice(name)[a:b]
 
             keys = set(f.keys())
+            raw = self.keep_fp8 and "hidden_scale" in keys
             ids.append(rows("input_ids").long())
             masks.append(rows("loss_mask"))
-            hs.append(from_fp8(rows("hidden"), rows("hidden_scale")) if "hidden_scale" in keys else rows("hidden"))
+            if raw:
+                hs.append(rows("hidden"))
+                h_scales.append(rows("hidden_scale"))
+            else:
+                hs.append(from_fp8(rows("hidden"), rows("hidden_scale")) if "hidden_scale" in keys else rows("hidden"))
             if "aux_hidden" in keys:
                 x = rows("aux_hidden")
-                auxs.append(from_fp8(x, rows("aux_scale")) if "aux_scale" in keys else x)
+                if raw and "aux_scale" in keys:
+                    auxs.append(x)
+                    a_scales.append(rows("aux_scale"))
+                else:
+                    auxs.append(from_fp8(x, rows("aux_scale")) if "aux_scale" in keys else x)
             lens.append(ref.length)
-        return PackedBatch(torch.cat(ids), lens, torch.cat(hs), torch.cat(auxs) if auxs else None, torch.cat(masks))
+        return PackedBatch(torch.cat(ids), lens, torch.cat(hs), torch.cat(auxs) if auxs else None, torch.cat(masks),
+                           torch.cat(h_scales) if h_scales else None, torch.cat(a_scales) if a_scales else None)
 
     def __getstate__(self) -> dict[str, Any]:  # DataLoader workers reopen their own handles
         return {**self.__dict__, "_handles": {}}
@@ -234,7 +247,9 @@ class TrainData(L.LightningDataModule):
         self.stream, self.num_workers = stream, num_workers
 
     def train_dataloader(self) -> torch.utils.data.DataLoader:
-        return torch.utils.data.DataLoader(self.stream, batch_size=1, collate_fn=collate, num_workers=self.num_workers)
+        # Pinned host memory: the copy to a GPU runs asynchronously (fp8 shards stay fp8 until then).
+        return torch.utils.data.DataLoader(self.stream, batch_size=1, collate_fn=collate, num_workers=self.num_workers,
+                                           pin_memory=torch.cuda.is_available())
 
     def state_dict(self) -> dict[str, Any]:
         return {"consumed": int(getattr(self.trainer.lightning_module, "consumed", 0))}

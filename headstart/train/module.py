@@ -22,6 +22,7 @@ from headstart.heads.base import DraftHead, PackedBatch
 from headstart.models.llama import LlamaForCausalLM
 from headstart.nn.attention import PackedCausalAttention, packed_metadata
 from headstart.nn.parallel import SINGLE, TensorParallel
+from headstart.precompute.shards import from_fp8
 from headstart.train.losses import LossParts, distill, distill_steps
 from headstart.train.ttt import unroll
 
@@ -187,9 +188,16 @@ class HeadModule(L.LightningModule):
                 batch = group_target_forward(self.forward_target, batch, self.aux_layers, self.tp)
             else:
                 batch = target_forward(self.forward_target, batch, self.aux_layers)
-        # The loss mask stays on the host: the supervised rows are chosen there, without a device sync.
-        batch = PackedBatch(batch.input_ids.to(device), batch.seq_lens, batch.hidden.to(device),
-                            batch.aux_hidden.to(device) if batch.aux_hidden is not None else None,
+        # The loss mask stays on the host: the supervised rows are chosen there, without a device sync. fp8
+        # shards' states arrive as stored and are dequantised here, on the device.
+        hidden, aux = batch.hidden.to(device, non_blocking=True), batch.aux_hidden
+        if batch.hidden_scale is not None:
+            hidden = from_fp8(hidden, batch.hidden_scale.to(device, non_blocking=True))
+        if aux is not None:
+            aux = aux.to(device, non_blocking=True)
+            if batch.aux_scale is not None:
+                aux = from_fp8(aux, batch.aux_scale.to(device, non_blocking=True))
+        batch = PackedBatch(batch.input_ids.to(device, non_blocking=True), batch.seq_lens, hidden, aux,
                             batch.loss_mask.cpu() if batch.loss_mask is not None else None)
         head, w = head or self.head, self.cfg.loss_weights
         kind = head.config.head_type

@@ -293,7 +293,7 @@ class TrainRun:
             from headstart.precompute.run import output_dir as precompute_dir
 
             shards = Path(cfg.shards_dir) if cfg.shards_dir else precompute_dir(recipe)
-            source: Any = ShardSequences(shards, expect_target=self.target.fingerprint(), expect_aux=aux)
+            source: Any = ShardSequences(shards, expect_target=self.target.fingerprint(), expect_aux=aux, keep_fp8=True)
         else:
             source = ArrowSequences(built.train)
         self.stream = PackedStream(source, cfg.batch_tokens, recipe.seed, self.rank % self.world, self.world,
