@@ -219,6 +219,9 @@ class TrainConfig:
     ckpt_every_steps: int = 100  # Lightning checkpoint (last.ckpt) interval, for --resume
     max_bad_steps: int = 10  # consecutive non-finite losses before training stops
     num_workers: int = 0  # DataLoader workers
+    # Compile the head's forward and its logits (torch.compile, inductor; CPU too). What does not compile
+    # runs eagerly, and the run says which function fell back and why.
+    compile: bool = False
 
     def __post_init__(self) -> None:
         for key in ("max_steps", "batch_tokens", "grad_accum", "ttt_steps", "loss_chunk_tokens", "ckpt_every_steps",

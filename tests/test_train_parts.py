@@ -296,6 +296,43 @@ def test_a_cuda_training_step_waits_for_the_device_once(tmp_path):
     assert len(counts) == 3 and all(len(c) <= 1 for c in counts), counts
 
 
+def test_train_compile_gives_the_eager_loss_and_falls_back_naming_what_failed(target, monkeypatch, capsys):
+    """train.compile: the head's forward and logits through inductor give the eager loss and gradients
+    (TTT 2, on CPU); a function that does not compile runs eagerly, said once, with the same result."""
+    import headstart.train.module as module_py
+    from headstart.config import recipe_from_dict
+    from headstart.train.module import HeadModule
+
+    b = _batch(target, lens=(21, 9, 30))
+
+    def run(compile_):
+        torch.manual_seed(0)
+        head = build_head(HeadConfig(head_type="mtp"), target)
+        recipe = recipe_from_dict({"train": {"ttt_steps": 2, "compile": compile_}})
+        loss, _ = HeadModule(recipe, target, head).losses(b, with_stats=False)
+        loss.backward()
+        return loss.detach(), [p.grad for p in head.trainable_parameters() if p.grad is not None]
+
+    eager = run(False)
+    compiled = run(True)
+    torch.testing.assert_close(compiled[0], eager[0], rtol=1e-5, atol=1e-6)
+    for x, y in zip(compiled[1], eager[1]):
+        torch.testing.assert_close(x, y, rtol=1e-4, atol=1e-6)
+    assert "runs eagerly" not in capsys.readouterr().err
+
+    def broken(fn, **kw):
+        def fails(*a, **k):
+            raise RuntimeError("inductor: no C++ compiler\nmore detail")
+        return fails
+
+    monkeypatch.setattr(module_py.torch, "compile", broken)
+    fallback = run(True)
+    err = capsys.readouterr().err
+    assert "train.compile: mtp.forward_hidden runs eagerly: it did not compile (RuntimeError: inductor: no C++" in err
+    assert err.count("forward_hidden runs eagerly") == 1  # said once, not per step
+    torch.testing.assert_close(fallback[0], eager[0], rtol=0, atol=0)
+
+
 # ------------------------------------------------------------------------------ TTT == draft steps
 
 

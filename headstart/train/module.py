@@ -65,6 +65,37 @@ def group_target_forward(target: LlamaForCausalLM, batch: PackedBatch, aux_layer
     return PackedBatch(mine.input_ids, mine.seq_lens, mine.hidden, mine.aux_hidden, batch.loss_mask)
 
 
+class Compiled:
+    """A head method run through torch.compile, or eagerly from the first call that fails to compile: the
+    failure is reported once (which method, why) and training goes on. Train-time only: the engine and
+    saving read the module's own method."""
+
+    def __init__(self, fn: Any, what: str) -> None:
+        self.eager, self.what = fn, what
+        self.compiled: Any = torch.compile(fn, dynamic=True)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if self.compiled is None:
+            return self.eager(*args, **kwargs)
+        try:
+            return self.compiled(*args, **kwargs)
+        except Exception as e:  # noqa: BLE001 - any compiler failure: fall back, say which and why
+            self.compiled = None
+            reason = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
+            print(f"train.compile: {self.what} runs eagerly: it did not compile ({type(e).__name__}: {reason})",
+                  file=sys.stderr)
+            return self.eager(*args, **kwargs)
+
+
+def compile_head(head: DraftHead) -> list[str]:
+    """Route the head's forward and logits through Compiled (instance attributes over the class methods);
+    returns their names."""
+    names = ["forward_hidden", "compute_logits"]
+    for name in names:
+        setattr(head, name, Compiled(getattr(head, name), f"{head.config.head_type}.{name}"))
+    return names
+
+
 class HeadStep(torch.nn.Module):
     """The FSDP root of a sharded head: one micro-batch's losses run inside one call of it, so FSDP gathers
     the whole head once at the call, keeps it whole through the backward, and reduce-scatters every
@@ -108,6 +139,8 @@ class HeadModule(L.LightningModule):
         object.__setattr__(self, "forward_target", forward_target if forward_target is not None else target)
         self.tp = tp
         self.head = head
+        if recipe.train.compile:
+            compile_head(head)
         self.fsdp_root: HeadStep | None = None  # set by configure_model under trainer.strategy fsdp
         self.aux_layers = list(head.config.aux_layer_ids or [])
         self.bad_steps = 0  # consecutive non-finite steps
