@@ -280,7 +280,14 @@ def make_plan(recipe: Recipe, target_cfg: dict[str, Any], *, device: str = "H100
     head_active = head_params
     if _is_deepseek(c) and hc.head_type == "deepseek_mtp" and not hc.dense_block and c.n_routed_experts:
         head_active -= (c.n_routed_experts - c.num_experts_per_tok) * 3 * d * c.moe_intermediate_size
-    head_tps = MFU_HEAD_STEP * H100_BF16_FLOPS / (6 * (head_active + d * vd) * tr.ttt_steps)
+    # What a head step computes per token (train.module / losses / ttt): each TTT step runs the head forward
+    # and backward (6 FLOP per active parameter) and the student logits three times (forward, the loss
+    # chunk's recompute, backward: 8 d V_d); the teacher's logits run once for every step and once in the
+    # recompute (4 d V_d); step j's fused attention reads L (j + 1) keys per query in each layer (4 d per key
+    # forward, 8 backward), the masked ones included.
+    seq_attn = sum(12 * hc.num_layers * d * seq * (j + 1) for j in range(tr.ttt_steps))
+    head_flops = tr.ttt_steps * (6 * head_active + 8 * d * vd) + 4 * d * vd + seq_attn
+    head_tps = MFU_HEAD_STEP * H100_BF16_FLOPS / head_flops
     assumptions = [
         f"device {device}: {capacity_gb:g} GB, {USABLE:.0%} usable (CUDA context, allocator fragmentation)",
         f"throughput: H100 dense bf16 peak {H100_BF16_FLOPS / 1e12:.0f} TFLOP/s (NVIDIA datasheet) at an assumed "
@@ -288,7 +295,8 @@ def make_plan(recipe: Recipe, target_cfg: dict[str, Any], *, device: str = "H100
         f"target forward (precompute, online): ~{forward_tps * tp:,.0f} tokens/s per tensor-parallel group of "
         f"{tp} (2 x {active_params / 1e9:.2f} B FLOP/token" + (", the experts a token is routed to" if
                                                                active_params != whole_params else "") + ")",
-        f"head step: ~{head_tps:,.0f} tokens/s per GPU (6 x (head + d x V_d) FLOP/token x {tr.ttt_steps} TTT steps"
+        f"head step: ~{head_tps:,.0f} tokens/s per GPU ({head_flops / 1e9:.1f} GFLOP/token: {tr.ttt_steps} TTT steps x "
+        f"(6 x head + 8 d V_d) + the teacher's 4 d V_d once + the steps' attention over {seq:,}-token sequences"
         + (f"; {head_active / 1e6:.0f} M of the head's parameters active per token" if head_active != head_params
            else "") + ")",
         "host memory while loading: each rank reads its tensors one at a time from the memory-mapped safetensors "
