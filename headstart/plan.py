@@ -199,21 +199,26 @@ def make_plan(recipe: Recipe, target_cfg: dict[str, Any], *, device: str = "H100
         # FSDP2 (train.module.HeadStep): each rank keeps 1/ranks of the state; a micro-batch gathers the whole
         # head once and keeps it until its backward ends (bf16 weights under bf16-mixed on GPUs), with its
         # whole fp32 gradient until the one reduce-scatter.
-        gathered = 2 if recipe.trainer.precision in ("bf16-mixed", "bf16-true", "auto") else 4
-        opt = Term("head weights + grads + AdamW", 16 * head_params / ranks + (gathered + 4) * head_params,
+        # bf16 weights gathered, their bf16 gradient and its fp32 copy for the reduce; fp32: 4 + 4.
+        low = recipe.trainer.precision in ("bf16-mixed", "bf16-true", "auto")
+        gathered = 2 + 2 + 4 if low else 4 + 4
+        opt = Term("head weights + grads + AdamW", 16 * head_params / ranks + gathered * head_params,
                    f"{head_params / 1e6:.1f} M trainable parameters x 16 B / {ranks} ranks (FSDP), + the whole "
-                   f"head gathered ({gathered} B each) and its whole gradient (4 B each)")
+                   f"head gathered with its gradient ({gathered} B each)")
     else:
         opt = Term("head weights + grads + AdamW", 16 * head_params,
                    f"{head_params / 1e6:.1f} M trainable parameters x 16 B (fp32 weight, grad, 2 moments)")
     seq = min(recipe.data.max_length, tr.batch_tokens)
     heads = hc.num_attention_heads
     per_tok = (d * (22 + 2 * aux) + 6 * hc.intermediate_size) * 2  # one layer's saved bf16 activations
+    # A chunk's recompute keeps every TTT step's log q beside the one teacher they share (train.losses).
+    loss_steps = tr.ttt_steps if hc.head_type in ("mtp", "eagle1", "deepseek_mtp", "eagle3") else 1
     ph.terms = [target_term(tp), opt,
                 Term("head activations", tr.batch_tokens * per_tok * tr.ttt_steps,
                      f"{tr.batch_tokens:,} tokens x {tr.ttt_steps} TTT steps x (({22 + 2 * aux} d + 6 I) x 2 B)"),
-                Term("chunked loss", 3 * tr.loss_chunk_tokens * vd * 4,
-                     f"{tr.loss_chunk_tokens:,} rows x {vd:,} logits x fp32 x 3 (logits, softmax, grad)")]
+                Term("chunked loss", (loss_steps + 3) * tr.loss_chunk_tokens * vd * 4,
+                     f"{tr.loss_chunk_tokens:,} rows x {vd:,} logits x fp32 x ({loss_steps} steps' log q + the "
+                     "teacher's log p and p, shared by the steps + a gradient)")]
     if hc.head_type == "dflash":  # anchored blocks instead of token rows; every layer's context K/V and scores
         bs = hc.block_size or 8
         q = min(recipe.head.max_anchors, tr.batch_tokens) * bs

@@ -146,6 +146,35 @@ def test_block_queries_see_no_later_context(target):
     assert not torch.allclose(block_logits(earlier), base)
 
 
+def test_packed_sequences_train_as_each_sequence_alone(target):
+    """train_blocks runs every sequence's blocks in one attention call per layer (padded, one shared mask):
+    each block's states equal those of its sequence run alone, whatever sits beside it (a sequence
+    without a block in between; blocks of unequal counts), forward and backward."""
+    head = _head(target).requires_grad_(True)
+    seqs = [list(range(10, 27)), list(range(60, 66)), list(range(90, 121))]  # 17, 6 (no block), 31 tokens
+    anchors = {0: [2, 9], 2: [0, 5, 17, 26]}
+
+    def run(batch_seqs, picks):
+        flat = torch.tensor([t for x in batch_seqs for t in x])
+        batch = target_forward(target, PackedBatch(flat, [len(x) for x in batch_seqs], None, None, None), [0, 1, 2])
+        starts = [sum(len(x) for x in batch_seqs[:i]) for i in range(len(batch_seqs))]
+        rows = [(starts[s] + a, s) for s, lst in picks for a in lst]
+        blocks = AnchoredBlocks(torch.tensor([r for r, _ in rows]), torch.tensor([s for _, s in rows]), 4)
+        return head.train_blocks(batch, blocks)
+
+    together = run(seqs, [(0, anchors[0]), (2, anchors[2])])
+    alone = torch.cat([run([seqs[0]], [(0, anchors[0])]), run([seqs[2]], [(0, anchors[2])])])
+    torch.testing.assert_close(together, alone, rtol=1e-5, atol=1e-5)
+    grads = []
+    for out in (together, alone):
+        head.zero_grad(set_to_none=True)
+        (out * torch.linspace(-1, 1, out.shape[-1])).sum().backward(retain_graph=True)
+        grads.append([p.grad.clone() for p in head.parameters() if p.grad is not None])
+    for x, y in zip(*grads):
+        torch.testing.assert_close(x, y, rtol=1e-4, atol=1e-5)
+    head.requires_grad_(False)
+
+
 def test_anchors_are_supervised_rows_with_a_whole_block_in_their_sequence():
     ids = torch.arange(30)
     mask = torch.tensor([0] * 5 + [1] * 7 + [0] * 3 + [1] * 15)  # sequences of 12, 3 and 15 rows

@@ -98,7 +98,7 @@ def test_tensor_parallel_and_fsdp_training_terms_count_the_real_modules(tiny):
     assert terms["embedding + lm_head (whole)"] == 4 * held
     head = build_head(HeadConfig(head_type="mtp"), load_llama(tiny, "fp32"))
     n = sum(p.numel() for p in head.trainable_parameters())
-    assert terms["head weights + grads + AdamW"] == 16 * n / 4 + (2 + 4) * n
+    assert terms["head weights + grads + AdamW"] == 16 * n / 4 + (2 + 2 + 4) * n
     assert terms["target weights"] == 4 * target_params(partial.config, 2)[0]
     val = {t.name: t.bytes for t in next(p for p in make_plan(recipe, cfg).phases if p.name == "validation").terms}
     # validation runs inside training: the head's state and the partial target stay beside the replica

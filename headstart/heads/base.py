@@ -279,8 +279,8 @@ def shift_for_head(input_ids: torch.Tensor, seq_lens: list[int], loss_mask: torc
     has_next = local < per_row(m_lens) - 1  # row i has a token t_{i+2} to predict
     ahead = torch.where(has_next, src + 2, src)  # t_{i+2}'s packed row (a harmless valid row where there is none)
     dev = input_ids.device
-    toks = input_ids[(src + 1).to(dev)].long()
-    nxt = torch.where(has_next.to(dev), input_ids[ahead.to(dev)].long(), -100)
+    toks = input_ids[(src + 1).to(dev, non_blocking=True)].long()
+    nxt = torch.where(has_next.to(dev, non_blocking=True), input_ids[ahead.to(dev, non_blocking=True)].long(), -100)
     if loss_mask is None:
         mask = has_next.long()
     else:

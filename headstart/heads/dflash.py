@@ -24,7 +24,16 @@ from torch import nn
 
 from headstart.heads.base import TEMPER, HeadConfig, PackedBatch, SharedVocabHead, copy_layer
 from headstart.models.llama import LlamaForCausalLM
-from headstart.nn.attention import Attention, AttentionBackend, AttentionMetadata, KVPages, packed_metadata
+from headstart.nn.attention import (
+    Attention,
+    AttentionBackend,
+    AttentionMetadata,
+    KVPages,
+    PaddedLayout,
+    fused_kv,
+    packed_metadata,
+    padded_layout,
+)
 from headstart.nn.decoder import DecoderLayer
 from headstart.nn.linear import Linear
 from headstart.nn.norm import RMSNorm
@@ -81,29 +90,77 @@ def choose_anchors(batch: PackedBatch, block_size: int, max_anchors: int, genera
     return AnchoredBlocks(rows, seqs, block_size)
 
 
+@dataclass
+class _BlockLayout:
+    """A micro-batch's blocks laid out for one attention call per layer: the context rows padded per
+    sequence (B, L), each sequence's block rows padded (B, Q), and one additive mask (B, Q, L + Q) shared
+    by the layers: a block query sees the context before its anchor and its own block. Padding queries
+    see only themselves (a fully masked row would give NaN to the backward pass)."""
+
+    context: PaddedLayout
+    gather: torch.Tensor  # (B, Q) block row of each padded slot; A * bs (a zero row) for padding
+    scatter: torch.Tensor  # (A * bs,) flat padded slot of each block row
+    allowed: torch.Tensor  # (B, Q, L + Q) bool
+    masks: dict
+
+    def pad(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.cat([x, x.new_zeros(1, *x.shape[1:])])[self.gather]
+
+    def unpad(self, y: torch.Tensor) -> torch.Tensor:
+        return y.reshape(-1, *y.shape[2:])[self.scatter]
+
+    def mask(self, dtype: torch.dtype) -> torch.Tensor:
+        if dtype not in self.masks:
+            self.masks[dtype] = torch.zeros(self.allowed.shape, dtype=dtype, device=self.allowed.device
+                                            ).masked_fill_(~self.allowed, float("-inf")).unsqueeze(1)  # (B, 1, Q, L+Q)
+        return self.masks[dtype]
+
+
+def _block_layout(batch: PackedBatch, blocks: AnchoredBlocks, device: torch.device) -> _BlockLayout:
+    """Built on the host from the lengths and anchors (no loop over sequences, no device sync)."""
+    bs, n_seq = blocks.block_size, len(batch.seq_lens)
+    context = padded_layout(packed_metadata(batch.seq_lens, device=device))
+    counts = torch.bincount(blocks.seq_of, minlength=n_seq) * bs  # (B,) block rows per sequence
+    q_max, total = max(int(counts.max()), 1), int(counts.sum())
+    first = torch.cumsum(counts, 0) - counts  # (B,) first block row of each sequence
+    col = torch.arange(q_max)
+    inside = col[None, :] < counts[:, None]  # (B, Q)
+    gather = torch.where(inside, first[:, None] + col[None, :], torch.full_like(inside, total, dtype=torch.long))
+    seq_rows = torch.repeat_interleave(torch.arange(n_seq), counts, output_size=total)
+    scatter = seq_rows * q_max + (torch.arange(total) - first[seq_rows])
+    starts = torch.tensor([0] + list(batch.seq_lens[:-1])).cumsum(0)
+    anchor_pos = torch.repeat_interleave(blocks.anchors - starts[blocks.seq_of], bs)  # (A * bs,) per block row
+    pos_q = torch.where(inside, torch.cat([anchor_pos, torch.zeros(1, dtype=torch.long)])[gather], 0)  # (B, Q)
+    ctx = torch.arange(context.length)[None, None, :] < pos_q[:, :, None]  # (B, Q, L): before the anchor
+    blk = torch.where(inside, col[None, :] // bs, -1)
+    own = (blk[:, :, None] == blk[:, None, :]) & inside[:, :, None]  # (B, Q, Q): its own block
+    own |= torch.eye(q_max, dtype=torch.bool)[None] & ~inside[:, :, None]  # padding sees itself
+    allowed = torch.cat([ctx, own], dim=2).to(device, non_blocking=True)
+    return _BlockLayout(context, gather.to(device, non_blocking=True), scatter.to(device, non_blocking=True), allowed,
+                        {})
+
+
 class _BlockTrainingAttention:
-    """Training backend of one drafter layer: each sequence's block queries attend to the context
-    keys of that layer (positions before the block's anchor) and to their own block's keys. The
+    """Training backend of one drafter layer: every sequence's block queries in one attention call, over
+    that layer's context keys (positions before the block's anchor) and their own block's keys. The
     context K/V are computed here, inside the layer's forward, where FSDP has gathered its weights."""
 
     name = "dflash-train"
 
-    def __init__(self, attn: Attention, states: torch.Tensor, positions: torch.Tensor,
-                 plan: list[tuple[int, int, int, int, torch.Tensor]]) -> None:
-        self.attn, self.states, self.positions, self.plan = attn, states, positions, plan
+    def __init__(self, attn: Attention, states: torch.Tensor, positions: torch.Tensor, layout: _BlockLayout) -> None:
+        self.attn, self.states, self.positions, self.layout = attn, states, positions, layout
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: KVPages | None,
                 meta: AttentionMetadata, scale: float) -> torch.Tensor:
-        ctx_k, ctx_v = context_kv(self.attn, self.states, self.positions)
-        outs = []
-        for c0, c1, b0, b1, mask in self.plan:  # context rows [c0, c1), block rows [b0, b1), mask over both
-            keys = torch.cat([ctx_k[c0:c1], k[b0:b1]])
-            values = torch.cat([ctx_v[c0:c1], v[b0:b1]])
-            o = torch.nn.functional.scaled_dot_product_attention(
-                q[b0:b1].transpose(0, 1).unsqueeze(0), keys.transpose(0, 1).unsqueeze(0),
-                values.transpose(0, 1).unsqueeze(0), attn_mask=mask, scale=scale, enable_gqa=q.shape[1] != k.shape[1])
-            outs.append(o[0].transpose(0, 1))
-        return torch.cat(outs) if len(outs) > 1 else outs[0]
+        ctx_k, ctx_v = context_kv(self.attn, self.states, self.positions)  # (N, Hkv, Dh)
+        lay = self.layout
+        keys = torch.cat([lay.context.pad(ctx_k), lay.pad(k)], dim=1)  # (B, L + Q, Hkv, Dh)
+        values = torch.cat([lay.context.pad(ctx_v), lay.pad(v)], dim=1)
+        keys, values, gqa = fused_kv(q, keys, values)
+        o = torch.nn.functional.scaled_dot_product_attention(
+            lay.pad(q).transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2), attn_mask=lay.mask(q.dtype),
+            scale=scale, enable_gqa=gqa)  # (B, H, Q, Dh)
+        return lay.unpad(o.transpose(1, 2))  # (A * bs, H, Dh)
 
 
 class DFlashHead(SharedVocabHead):
@@ -171,26 +228,12 @@ class DFlashHead(SharedVocabHead):
         positions = packed_metadata(batch.seq_lens, device=device).positions
         bs = blocks.block_size
         tokens = torch.full((blocks.anchors.numel(), bs), self.mask_token_id, dtype=torch.long, device=device)
-        tokens[:, 0] = batch.input_ids[blocks.anchors.to(batch.input_ids.device)].to(device)
-        rows = blocks.rows.to(device)
+        tokens[:, 0] = batch.input_ids[blocks.anchors.to(batch.input_ids.device, non_blocking=True)].to(device)
+        rows = blocks.rows.to(device, non_blocking=True)
         meta = packed_metadata([int(rows.numel())], device=device)
         meta.positions = positions[rows]
-        plan, starts, b0 = [], [0], 0
-        for n in batch.seq_lens:
-            starts.append(starts[-1] + n)
-        counts = torch.bincount(blocks.seq_of, minlength=len(batch.seq_lens)).tolist()
-        for s, count in enumerate(counts):
-            if not count:
-                continue
-            c0, c1, b1 = starts[s], starts[s + 1], b0 + count * bs
-            anchor_pos = (blocks.anchors[b0 // bs:b1 // bs] - c0).to(device)
-            qa = anchor_pos.repeat_interleave(bs)  # (q,) anchor position of each query
-            ctx = torch.arange(c1 - c0, device=device)[None, :] < qa[:, None]
-            blk = torch.arange(count, device=device).repeat_interleave(bs)
-            own = blk[:, None] == blk[None, :]
-            plan.append((c0, c1, b0, b1, torch.cat([ctx, own], dim=1)))
-            b0 = b1
-        backends = [_BlockTrainingAttention(layer.self_attn, states, positions, plan) for layer in self.layers]
+        layout = _block_layout(batch, blocks, device)
+        backends = [_BlockTrainingAttention(layer.self_attn, states, positions, layout) for layer in self.layers]
         return self.forward_hidden(tokens.reshape(-1).to(device), None, meta, None, backends)
 
     def init_from_target(self, target: LlamaForCausalLM) -> None:

@@ -106,6 +106,19 @@ class Attention(nn.Module):
         return self.tp.all_reduce(self.o_proj(o.reshape(n, self.q_size)))
 
 
+def fused_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, bool]:
+    """K/V (..., Hkv, D) for a fused SDPA call with q's (..., Hq, D) heads -> (k, v, enable_gqa). CPU flash
+    takes grouped heads as they are; CUDA's memory-efficient kernel (the one that takes a mask) does not,
+    and a call it refuses falls back to the math kernel, which keeps every score for the backward pass:
+    there the K/V heads are repeated instead."""
+    group = q.shape[-2] // k.shape[-2]
+    if group == 1:
+        return k, v, False
+    if not q.is_cuda:
+        return k, v, True
+    return k.repeat_interleave(group, dim=-2), v.repeat_interleave(group, dim=-2), False
+
+
 @dataclass
 class PaddedLayout:
     """Packed rows (N, ...) laid out as a padded batch (B, L, ...), L the longest sequence: one attention call
@@ -129,15 +142,18 @@ def padded_layout(meta: AttentionMetadata) -> PaddedLayout:
     """The padded layout of a packed batch, cached on its metadata (every layer reads the same one). Built
     from the host-side lengths: no device sync."""
     if "padded" not in meta.step_cache:
-        lens = meta.q_lens_cpu
-        b, n, length = len(lens), sum(lens), max(lens, default=1)
-        dev = meta.positions.device
-        starts = torch.tensor([0] + lens[:-1], device=dev).cumsum(0)  # (B,)
-        col = torch.arange(length, device=dev)
-        inside = col[None, :] < torch.tensor(lens, device=dev)[:, None]  # (B, L)
+        # Built on the host and copied without waiting (a blocking copy to a GPU waits for its queue).
+        lens = torch.tensor(list(meta.q_lens_cpu), dtype=torch.long)
+        b, n, length = lens.numel(), int(sum(meta.q_lens_cpu)), max(meta.q_lens_cpu, default=1)
+        starts = torch.cumsum(lens, 0) - lens  # (B,)
+        col = torch.arange(length)
+        inside = col[None, :] < lens[:, None]  # (B, L)
         gather = torch.where(inside, starts[:, None] + col[None, :], torch.full_like(inside, n, dtype=torch.long))
-        seq = torch.repeat_interleave(torch.arange(b, device=dev), torch.tensor(lens, device=dev), output_size=n)
-        meta.step_cache["padded"] = PaddedLayout(gather, seq * length + meta.positions, b, length)
+        seq = torch.repeat_interleave(torch.arange(b), lens, output_size=n)
+        local = torch.arange(n) - starts[seq]
+        dev = meta.positions.device
+        meta.step_cache["padded"] = PaddedLayout(gather.to(dev, non_blocking=True),
+                                                 (seq * length + local).to(dev, non_blocking=True), b, length)
     return meta.step_cache["padded"]
 
 
@@ -159,20 +175,22 @@ class PackedCausalAttention:
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: KVPages | None,
                 meta: AttentionMetadata, scale: float) -> torch.Tensor:
         lay = padded_layout(meta)
+        k, v, gqa = fused_kv(q, k, v)
         qs, ks, vs = (lay.pad(t).transpose(1, 2) for t in (q, k, v))  # (B, H, L, Dh)
         o = torch.nn.functional.scaled_dot_product_attention(qs, ks, vs, is_causal=lay.length > 1, scale=scale,
-                                                             enable_gqa=q.shape[1] != k.shape[1])
+                                                             enable_gqa=gqa)
         return lay.unpad(o.transpose(1, 2))  # (N, Hq, Dh)
 
 
 def packed_metadata(seq_lens: list[int], device: torch.device | str = "cpu") -> AttentionMetadata:
     """Metadata for packed training sequences: positions restart at 0 in every sequence."""
-    indptr = torch.tensor([0] + list(seq_lens), device=device).cumsum(0).to(torch.int32)
+    # Built on the host and copied without waiting (a blocking copy to a GPU waits for its queue).
+    lens = torch.tensor(list(seq_lens), dtype=torch.long)
+    indptr = torch.cat([torch.zeros(1, dtype=torch.long), torch.cumsum(lens, 0)])
     total = int(sum(seq_lens))
-    starts = torch.repeat_interleave(indptr[:-1].long(), torch.tensor(list(seq_lens), device=device, dtype=torch.long),
-                                     output_size=total)
-    positions = torch.arange(total, device=device) - starts  # restarts at 0 in every sequence
-    lens = torch.tensor(seq_lens, dtype=torch.int32, device=device)
+    positions = torch.arange(total) - torch.repeat_interleave(indptr[:-1], lens, output_size=total)
+    indptr, lens, positions = (t.to(device, non_blocking=True) for t in (indptr.to(torch.int32), lens.to(torch.int32),
+                                                                          positions))
     return AttentionMetadata(
         positions=positions.long(), slot_mapping=torch.zeros(0, dtype=torch.long, device=device),
         qo_indptr=indptr, kv_lens=lens, page_table=torch.zeros(len(seq_lens), 0, dtype=torch.int32, device=device),

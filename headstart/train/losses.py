@@ -45,16 +45,16 @@ class _ForwardKL(torch.autograd.Function):
     written out so the backward makes two passes over the (R, V) chunk instead of autograd's chain of five."""
 
     @staticmethod
-    def forward(ctx, logits: torch.Tensor, logp: torch.Tensor, w: torch.Tensor) -> torch.Tensor:  # noqa: ANN001
+    def forward(ctx, logits: torch.Tensor, logp: torch.Tensor, p: torch.Tensor,  # noqa: ANN001
+                w: torch.Tensor) -> torch.Tensor:
         logq = torch.log_softmax(logits, dim=-1)
-        p = logp.exp()
-        ctx.save_for_backward(logq, p, w)
+        ctx.save_for_backward(logq, p, w)  # p: one tensor shared by every step's KL of the chunk
         return (w[:, None] * p * (logp - logq)).sum()
 
     @staticmethod
-    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:  # noqa: ANN001
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:  # noqa: ANN001
         logq, p, w = ctx.saved_tensors
-        return grad * w[:, None] * (logq.exp() - p), None, None
+        return grad * w[:, None] * (logq.exp() - p), None, None, None
 
 
 def _chunk_kl(head: DraftHead, draft_ids: torch.Tensor | None, target_h: torch.Tensor, weights: torch.Tensor,
@@ -85,6 +85,7 @@ def _chunk_kl(head: DraftHead, draft_ids: torch.Tensor | None, target_h: torch.T
                 p_full = p_full[:, draft_ids]
                 t_logits = t_logits[:, draft_ids]  # restricted to the draft vocab, renormalised below
         logp = torch.log_softmax(t_logits, dim=-1)
+        p = logp.exp()
         del t_logits
     kls = []
     for w, hh in zip(weights, head_h):
@@ -96,7 +97,7 @@ def _chunk_kl(head: DraftHead, draft_ids: torch.Tensor | None, target_h: torch.T
                 correct = ((pick if draft_ids is None else draft_ids[pick]) == top).float()
                 stats.append(torch.stack([(w * correct).sum(), (w * torch.minimum(p_full, q).sum(-1)).sum(),
                                           (w * p_full.sum(-1)).sum()]))
-        kls.append(_ForwardKL.apply(logits, logp, w))
+        kls.append(_ForwardKL.apply(logits, logp, p, w))
     return torch.stack(kls)
 
 
@@ -131,8 +132,8 @@ def distill_steps(head: DraftHead, head_h: list[torch.Tensor], target_h: torch.T
     pieces = [torch.arange(a, min(a + chunk, union.numel())) for a in range(0, union.numel(), chunk)]
     pieces = pieces or [torch.arange(0)]  # no row: the lm_head still runs, on none
     # (S, U) 1 where step s supervises union row u: a weight, so every step runs the same rows.
-    member = torch.stack([torch.isin(union, r.cpu()) for r in rows]).float().to(device)
-    union_d = union.to(device)
+    member = torch.stack([torch.isin(union, r.cpu()) for r in rows]).float().to(device, non_blocking=True)
+    union_d = union.to(device, non_blocking=True)
     d2t = getattr(head, "d2t", None)
     draft_ids = None
     if d2t is not None and d2t.numel() != head.target.vocab_size:
@@ -141,7 +142,7 @@ def distill_steps(head: DraftHead, head_h: list[torch.Tensor], target_h: torch.T
     stats_sum = torch.zeros(len(rows), 3, device=device)
     if with_kl:
         for piece in pieces:
-            piece = piece.to(device)
+            piece = piece.to(device, non_blocking=True)
             r, w = union_d[piece], member[:, piece]
             hh, th = [h[r] for h in head_h], target_h[r]
             stats: list = [] if with_stats else [None]

@@ -37,7 +37,7 @@ def target_forward(target: LlamaForCausalLM, batch: PackedBatch, aux_layers: lis
     """Fill a token-only batch with the target's pre-norm hidden states (and aux layers), computed
     by the engine's own model over the packed sequences (online source, held-out batches)."""
     device = target.model.embed_tokens.weight.device
-    ids = batch.input_ids.to(device)
+    ids = batch.input_ids.to(device, non_blocking=True)
     meta = packed_metadata(batch.seq_lens, device=device)
     with torch.no_grad():
         h, aux = target(ids, meta, [None] * target.num_layers, PackedCausalAttention(), capture=tuple(aux_layers))
@@ -238,7 +238,7 @@ class HeadModule(L.LightningModule):
         chunk = self.cfg.loss_chunk_tokens
         if kind in CHAIN_HEADS:
             outs, _, sh = unroll(head, batch, self.cfg.ttt_steps)
-            target_h = batch.hidden[sh.target_rows.to(device)]
+            target_h = batch.hidden[sh.target_rows.to(device, non_blocking=True)]
             feat_t = head.target_features(target_h) if kind != "eagle3" and w.feature > 0 else None
             # Step j supervises the rows whose token is supervised and that have j predecessors (ttt.unroll).
             supervised, pos = sh.token_mask.cpu() > 0, packed_metadata(sh.seq_lens).positions
@@ -248,7 +248,7 @@ class HeadModule(L.LightningModule):
             states, sh = head.train_forward(batch)  # (N, k, d)
             mask = sh.token_mask.cpu() > 0  # host: the rows are chosen without a sync
             for j in range(states.shape[1]):
-                target_h = batch.hidden[sh.target_rows[:, j].to(device)]
+                target_h = batch.hidden[sh.target_rows[:, j].to(device, non_blocking=True)]
                 rows = torch.nonzero(mask[:, j]).flatten()
                 per_step.append(distill(head, states[:, j], target_h, rows, None, chunk, with_stats=with_stats))
         elif kind == "dflash":
@@ -256,8 +256,8 @@ class HeadModule(L.LightningModule):
         else:  # draft_lm: KL to the target's next-token distribution
             h, sh = head.train_forward(batch)
             rows = torch.nonzero(sh.token_mask.cpu() > 0).flatten()
-            per_step.append(distill(head, h, batch.hidden[sh.target_rows.to(device)], rows, None, chunk,
-                                    with_stats=with_stats))
+            target_h = batch.hidden[sh.target_rows.to(device, non_blocking=True)]
+            per_step.append(distill(head, h, target_h, rows, None, chunk, with_stats=with_stats))
         d = head.config.hidden_size
         total = torch.zeros((), device=device)
         for j, part in enumerate(per_step):
@@ -297,7 +297,8 @@ class HeadModule(L.LightningModule):
         mask = batch.loss_mask.cpu()[rows] > 0 if batch.loss_mask is not None else torch.ones_like(rows).bool()
         slot = torch.arange(rows.numel()) % bs
         per_step = []
-        target_h = batch.hidden[(rows - 1).to(device)]  # slot i (row a + i): the prediction at a + i - 1
+        # Slot i (row a + i) is supervised by the target's prediction at a + i - 1.
+        target_h = batch.hidden[(rows - 1).to(device, non_blocking=True)]
         for i in range(1, bs):
             sel = torch.nonzero(mask & (slot == i)).flatten()
             per_step.append(distill(head, h, target_h, sel, None, chunk, with_stats=with_stats))
@@ -312,6 +313,11 @@ class HeadModule(L.LightningModule):
         return total, stats
 
     # ---------------------------------------------------------------------------------- training
+
+    def transfer_batch_to_device(self, batch: Any, device: torch.device, dataloader_idx: int) -> Any:
+        """Left as it comes: `losses` copies what runs on the device without waiting (from pinned memory)
+        and keeps the loss mask on the host, where the supervised rows are chosen without a sync."""
+        return batch
 
     def training_step(self, item: dict[str, Any], batch_idx: int) -> None:
         opt = self.optimizers()

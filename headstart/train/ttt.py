@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from headstart.heads.base import DraftHead, PackedBatch, Shifted, shift_for_head
-from headstart.nn.attention import AttentionMetadata, packed_metadata, padded_layout
+from headstart.nn.attention import AttentionMetadata, fused_kv, packed_metadata, padded_layout
 
 
 class UnrolledAttention:
@@ -66,10 +66,11 @@ class UnrolledAttention:
                          dim=1)
         values = torch.cat([cache[0][1]] + [torch.roll(vc, j - jp, dims=1) for jp, (_, vc) in enumerate(cache[1:], 1)],
                            dim=1)  # (B, L (j + 1), Hkv, D)
+        keys, values, gqa = fused_kv(q, keys, values)
         o = F.scaled_dot_product_attention(lay.pad(q).transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2),
                                            attn_mask=None if j == 0 else self.mask(j, lay.length, q.dtype, q.device),
                                            is_causal=j == 0 and lay.length > 1, scale=scale,
-                                           enable_gqa=q.shape[1] != k.shape[1])  # (B, H, L, D)
+                                           enable_gqa=gqa)  # (B, H, L, D)
         return lay.unpad(o.transpose(1, 2))  # (N, H, D)
 
 
