@@ -6,6 +6,10 @@ so its peak RSS is its own.
 
     .venv/bin/python benchmarks/train.py                     # 4096-token batches, 3 timed steps each
     .venv/bin/python benchmarks/train.py --steps 2 --variants full_ttt1,vd8192_ttt1
+    .venv/bin/python benchmarks/train.py --baseline 91e691a --variants vd8192_ttt3,eagle3_vd8192_ttt3
+
+With --baseline REV each variant also runs on the headstart of that git revision (checked out into a
+temporary worktree; this script drives both), and the table is ours vs that tree's step.
 """
 
 from __future__ import annotations
@@ -13,10 +17,13 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import os
 import resource
 import subprocess
 import sys
+import tempfile
 import time
+from pathlib import Path
 
 VARIANTS = {  # name: (draft vocab, ttt steps, source, loss, head family)
     "full_ttt1": (None, 1, "shards", "ours", "mtp"),
@@ -28,6 +35,7 @@ VARIANTS = {  # name: (draft vocab, ttt steps, source, loss, head family)
     # EAGLE-3 (three fused aux layers, its own 8,192-row lm_head) from shards that hold the aux states
     "eagle3_vd8192_ttt1": (8192, 1, "shards", "ours", "eagle3"),
     "eagle3_vd8192_ttt2": (8192, 2, "shards", "ours", "eagle3"),
+    "eagle3_vd8192_ttt3": (8192, 3, "shards", "ours", "eagle3"),
 }
 BASELINE = "full_ttt1"
 
@@ -125,9 +133,13 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--variants", default=",".join(VARIANTS))
     ap.add_argument("--variant", choices=list(VARIANTS), help=argparse.SUPPRESS)
+    ap.add_argument("--baseline", help="a git revision whose training step each variant is also timed on")
     args = ap.parse_args()
     if args.variant:
         print(json.dumps(run_variant(args.variant, args.batch_tokens, args.steps)))
+        return
+    if args.baseline:
+        compare_trees(args)
         return
     names = args.variants.split(",")
     if BASELINE not in names:
@@ -148,6 +160,36 @@ def main() -> None:
         b = results[BASELINE]
         print(f"{v:<22}{r['tokens_per_s']:>10.1f}{r['tokens_per_s'] / b['tokens_per_s']:>8.2f}"
               f"{r['peak_rss_mb']:>13.0f}{r['peak_rss_mb'] / b['peak_rss_mb']:>8.2f}", flush=True)
+
+
+def _time_in(tree: Path, variant: str, args: argparse.Namespace) -> dict:
+    """One variant in its own process, on the headstart package of `tree`."""
+    env = {**os.environ, "PYTHONPATH": str(tree)}
+    out = subprocess.run([sys.executable, __file__, "--variant", variant, "--batch-tokens", str(args.batch_tokens),
+                          "--steps", str(args.steps)], capture_output=True, text=True, cwd=tree, env=env)
+    if out.returncode != 0:
+        sys.exit(f"{variant} on {tree} failed:\n{out.stderr[-3000:]}")
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def compare_trees(args: argparse.Namespace) -> None:
+    root = Path(__file__).resolve().parents[1]
+    with tempfile.TemporaryDirectory(prefix="headstart-train-base-") as tmp:
+        base = Path(tmp) / "tree"
+        subprocess.run(["git", "worktree", "add", "--detach", "-q", str(base), args.baseline], cwd=root, check=True)
+        try:
+            rows = [(v, _time_in(base, v, args), _time_in(root, v, args)) for v in args.variants.split(",")]
+        finally:
+            subprocess.run(["git", "worktree", "remove", "--force", str(base)], cwd=root, check=False)
+    r = rows[0][2]
+    print(f"head training step, SmolLM2-135M target, {args.batch_tokens}-token batches, {r['dtype']}, {r['device']}, "
+          f"{r['torch_threads']} threads, {args.steps} timed steps: baseline {args.baseline} vs this tree")
+    print("| variant | tokens/s before | after | after / before | peak RSS MB before | after |")
+    print("|---|---|---|---|---|---|")
+    for v, b, a in rows:
+        ratio = a["tokens_per_s"] / b["tokens_per_s"]
+        print(f"| {v} | {b['tokens_per_s']:.0f} | {a['tokens_per_s']:.0f} | {ratio:.2f}x | {b['peak_rss_mb']:.0f} | "
+              f"{a['peak_rss_mb']:.0f} |", flush=True)
 
 
 if __name__ == "__main__":
