@@ -209,7 +209,6 @@ def make_plan(recipe: Recipe, target_cfg: dict[str, Any], *, device: str = "H100
         opt = Term("head weights + grads + AdamW", 16 * head_params,
                    f"{head_params / 1e6:.1f} M trainable parameters x 16 B (fp32 weight, grad, 2 moments)")
     seq = min(recipe.data.max_length, tr.batch_tokens)
-    heads = hc.num_attention_heads
     per_tok = (d * (22 + 2 * aux) + 6 * hc.intermediate_size) * 2  # one layer's saved bf16 activations
     # A chunk's recompute keeps every TTT step's log q beside the one teacher they share (train.losses).
     loss_steps = tr.ttt_steps if hc.head_type in ("mtp", "eagle1", "deepseek_mtp", "eagle3") else 1
@@ -226,9 +225,11 @@ def make_plan(recipe: Recipe, target_cfg: dict[str, Any], *, device: str = "H100
         ph.terms[2] = Term("head activations", q * per_tok * hc.num_layers + tr.batch_tokens * (d + kv * hc.num_layers)
                            * act, f"{q:,} block rows x {hc.num_layers} layers x (({22 + 2 * aux} d + 6 I) x 2 B), + "
                                   f"{tr.batch_tokens:,} context rows x (d + {hc.num_layers} x 2 KV)")
-        ph.terms.append(Term("block attention scores", 4 * heads * q * (seq + q),
-                             f"{heads} heads x {q:,} block queries x ({seq:,} context + {q:,} block keys) x fp32, "
-                             "one layer (an upper bound: fused SDPA kernels keep none)"))
+        # heads.dflash: one fused SDPA call per layer over the padded blocks keeps no scores, only the
+        # (queries x (context + block keys)) mask shared by the layers (bool, and one copy in the compute dtype).
+        ph.terms.append(Term("block attention mask", (1 + act) * q * (seq + q),
+                             f"{q:,} block queries x ({seq:,} context + {q:,} block keys) x (1 + {act}) B, shared by "
+                             "the layers (fused kernels keep no scores)"))
     if tr.ttt_steps > 1:
         # headstart.train.ttt runs each unrolled step as one fused SDPA call over the padded sequences: no
         # scores are kept, but step j keeps its additive (L, L (j + 1)) mask for the backward pass (one per
