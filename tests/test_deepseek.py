@@ -90,6 +90,50 @@ def test_prefill_logits_equal_transformers(pair):
     torch.testing.assert_close(got, want, rtol=2e-4, atol=2e-4, msg=name)
 
 
+def test_training_runs_mla_expanded_and_equals_the_absorbed_form(pair):
+    """Training backends (no latent cache) get MLA as written: per-head keys of qk_head_dim and values of
+    v_head_dim (padded to one width for the fused kernels), not the latent's rank + rope; the hidden
+    states and gradients equal the absorbed form's, which the engine's decode keeps."""
+    name, _, ours = pair
+    prompts = _prompts()
+    flat = torch.tensor([t for p in prompts for t in p])
+    meta = packed_metadata([len(p) for p in prompts])
+    widths = []
+
+    class Absorbed(PackedCausalAttention):
+        expands_mla = False
+
+        def forward(self, q, k, v, cache, meta, scale):
+            widths.append(q.shape[-1])
+            return super().forward(q, k, v, cache, meta, scale)
+
+    class Expanded(Absorbed):
+        expands_mla = True
+
+    def run(backend):
+        ours.zero_grad(set_to_none=True)
+        h, _ = ours(flat, meta, [None] * ours.num_layers, backend)
+        (h * torch.linspace(-1, 1, h.shape[-1])).sum().backward()
+        return h.detach(), [p.grad.clone() for p in ours.parameters() if p.grad is not None]
+
+    frozen = {n: p.requires_grad for n, p in ours.named_parameters()}
+    ours.requires_grad_(True)
+    try:
+        got, want = run(Expanded()), run(Absorbed())
+    finally:
+        for n, p in ours.named_parameters():
+            p.requires_grad_(frozen[n])
+            p.grad = None
+    cfg = ours.config
+    qk = cfg.qk_nope_head_dim + cfg.qk_rope_head_dim
+    assert widths == [max(qk, cfg.v_head_dim)] * cfg.num_hidden_layers + [cfg.kv_lora_rank + cfg.qk_rope_head_dim] * \
+        cfg.num_hidden_layers, name
+    torch.testing.assert_close(got[0], want[0], rtol=1e-4, atol=1e-5, msg=name)
+    assert len(got[1]) == len(want[1]) > 0
+    for x, y in zip(got[1], want[1]):
+        torch.testing.assert_close(x, y, rtol=1e-3, atol=1e-5, msg=name)
+
+
 def test_greedy_decoding_through_the_latent_cache_equals_transformers(pair):
     """Chunked prefill, batching over pages of 4 and one-token decode steps, against HF's generate."""
     from headstart.inference import Engine, SamplingParams

@@ -332,6 +332,8 @@ class MLAttention(nn.Module):
         c, k_pe = self.kv_a_proj_with_mqa(x).split([self.rank, self.rope_dim], dim=-1)
         c = self.kv_a_layernorm(c)
         q_pe, k_pe = self.rope(q_pe, k_pe.view(n, 1, self.rope_dim), meta.positions, meta.step_cache)
+        if getattr(backend, "expands_mla", False):
+            return self._expanded(q_nope, q_pe, c, k_pe, meta, cache, backend)
         per_head = self._per_head()
         if per_head is not None:  # row-invariant kernels, one Linear per head
             q_lat = torch.stack([lin(q_nope[:, j]) for j, lin in enumerate(per_head[0])], dim=1)
@@ -345,6 +347,27 @@ class MLAttention(nn.Module):
         else:
             out = torch.einsum("nhr,hvr->nhv", o, self.kv_b_proj.values())  # (N, H, v)
         return self.o_proj(out.reshape(n, h * self.v))
+
+
+    def _expanded(self, q_nope: torch.Tensor, q_pe: torch.Tensor, c: torch.Tensor, k_pe: torch.Tensor,
+                  meta: AttentionMetadata, cache: Any, backend: AttentionBackend) -> torch.Tensor:
+        """MLA as written, for the training backends (no paged cache: prefill-shaped, every key computed
+        once): per-head keys (nope + rope) and values from kv_b_proj, so attention reads qk_head_dim +
+        v_head_dim per key instead of the latent's rank + rope twice (192 + 128 against 576 + 512 for
+        DeepSeek-V2/V3), and the heads are plain MHA for the fused kernels. Decode keeps the absorbed form
+        over the latent cache."""
+        n, h = c.shape[0], self.num_heads
+        kv = torch.nn.functional.linear(c, self.kv_b_proj.weight).view(n, h, self.nope + self.v)
+        k_nope, v = kv.split([self.nope, self.v], dim=-1)  # (N, H, nope), (N, H, v)
+        query = torch.cat([q_nope, q_pe], dim=-1)  # (N, H, nope + rope)
+        keys = torch.cat([k_nope, k_pe.expand(n, h, self.rope_dim)], dim=-1)
+        width = max(query.shape[-1], self.v)  # fused kernels take one head width: zeros change no score or value
+
+        def fit(t: torch.Tensor) -> torch.Tensor:
+            return torch.nn.functional.pad(t, (0, width - t.shape[-1])) if t.shape[-1] < width else t
+
+        o = backend.forward(fit(query), fit(keys), fit(v), cache, meta, self.scale)[..., : self.v]  # (N, H, v)
+        return self.o_proj(o.reshape(n, h * self.v))
 
 
 class Router(nn.Module):

@@ -167,6 +167,7 @@ class PackedCausalAttention:
     """
 
     name = "packed"
+    expands_mla = True  # no latent cache to read: MLA runs expanded (models.deepseek.MLAttention._expanded)
 
     def plan(self, meta: AttentionMetadata, num_q_heads: int, num_kv_heads: int, head_dim: int,
              dtype: torch.dtype) -> None:

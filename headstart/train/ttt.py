@@ -34,6 +34,7 @@ class UnrolledAttention:
     keeps no (H, n, n) scores for backward; what is kept per step is the mask, L^2 (j + 1) elements."""
 
     name = "unrolled"
+    expands_mla = True  # MLA heads run expanded here (models.deepseek.MLAttention._expanded)
 
     def __init__(self, meta: AttentionMetadata) -> None:
         self.meta = meta
