@@ -108,6 +108,10 @@ def main() -> None:
     if rank == 0:
         state = {k: v.detach().cpu().clone() for k, v in whole.state_dict().items()}
         torch.save({"state": state, "step": trainer.global_step, "skipped": module.skipped_steps}, args.out)
+    import torch.distributed as dist
+
+    dist.barrier()  # a rank that exits with the group's threads alive aborts ("terminate called ...")
+    dist.destroy_process_group()
 
 
 if __name__ == "__main__":

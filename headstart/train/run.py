@@ -464,7 +464,15 @@ def run_train(recipe: Recipe, *, resume: bool = False, progress: bool = True) ->
 def _train(recipe: Recipe, resume: bool, progress: bool) -> dict[str, Any]:
     run = TrainRun(recipe, resume=resume, progress=progress)
     try:
-        return run.fit()
+        metrics = run.fit()
+        import torch.distributed as dist
+
+        if dist.is_available() and dist.is_initialized():
+            # Every rank leaves together and closes the group: a rank that exits with the group's threads
+            # alive can abort ("terminate called without an active exception") and fail a finished job.
+            dist.barrier()
+            dist.destroy_process_group()
+        return metrics
     except HeadstartError:
         raise
     except torch.OutOfMemoryError as e:
