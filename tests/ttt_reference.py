@@ -99,4 +99,4 @@ def use_looped(patch) -> None:
     """Make headstart.train.ttt.unroll run the looped attention (`patch`: a pytest monkeypatch)."""
     import headstart.train.ttt as ttt
 
-    patch.setattr(ttt, "UnrolledAttention", lambda meta: LoopedUnrolledAttention())
+    patch.setattr(ttt, "UnrolledAttention", LoopedUnrolledAttention)

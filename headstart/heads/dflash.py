@@ -30,6 +30,7 @@ from headstart.nn.attention import (
     AttentionMetadata,
     KVPages,
     PaddedLayout,
+    additive_mask,
     fused_kv,
     packed_metadata,
     padded_layout,
@@ -93,26 +94,18 @@ def choose_anchors(batch: PackedBatch, block_size: int, max_anchors: int, genera
 @dataclass
 class _BlockLayout:
     """A micro-batch's blocks laid out for one attention call per layer: the context rows padded per
-    sequence (B, L), each sequence's block rows padded (B, Q), and one additive mask (B, Q, L + Q) shared
-    by the layers: a block query sees the context before its anchor and its own block. Padding queries
-    see only themselves (a fully masked row would give NaN to the backward pass)."""
+    sequence (B, L), each sequence's block rows padded (B, Q), and one additive mask (B, 1, Q, L + Q)
+    shared by the layers: a block query sees the context before its anchor and its own block. Padding
+    queries see only themselves (a fully masked row would give NaN to the backward pass)."""
 
     context: PaddedLayout
-    gather: torch.Tensor  # (B, Q) block row of each padded slot; A * bs (a zero row) for padding
-    scatter: torch.Tensor  # (A * bs,) flat padded slot of each block row
+    blocks: PaddedLayout
     allowed: torch.Tensor  # (B, Q, L + Q) bool
     masks: dict
 
-    def pad(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.cat([x, x.new_zeros(1, *x.shape[1:])])[self.gather]
-
-    def unpad(self, y: torch.Tensor) -> torch.Tensor:
-        return y.reshape(-1, *y.shape[2:])[self.scatter]
-
     def mask(self, dtype: torch.dtype) -> torch.Tensor:
         if dtype not in self.masks:
-            self.masks[dtype] = torch.zeros(self.allowed.shape, dtype=dtype, device=self.allowed.device
-                                            ).masked_fill_(~self.allowed, float("-inf")).unsqueeze(1)  # (B, 1, Q, L+Q)
+            self.masks[dtype] = additive_mask(self.allowed, dtype).unsqueeze(1)  # (B, 1, Q, L + Q)
         return self.masks[dtype]
 
 
@@ -121,23 +114,21 @@ def _block_layout(batch: PackedBatch, blocks: AnchoredBlocks, device: torch.devi
     bs, n_seq = blocks.block_size, len(batch.seq_lens)
     context = padded_layout(packed_metadata(batch.seq_lens, device=device))
     counts = torch.bincount(blocks.seq_of, minlength=n_seq) * bs  # (B,) block rows per sequence
-    q_max, total = max(int(counts.max()), 1), int(counts.sum())
-    first = torch.cumsum(counts, 0) - counts  # (B,) first block row of each sequence
+    block_rows = PaddedLayout.of(counts.tolist(), device)
+    q_max = block_rows.length
     col = torch.arange(q_max)
     inside = col[None, :] < counts[:, None]  # (B, Q)
-    gather = torch.where(inside, first[:, None] + col[None, :], torch.full_like(inside, total, dtype=torch.long))
-    seq_rows = torch.repeat_interleave(torch.arange(n_seq), counts, output_size=total)
-    scatter = seq_rows * q_max + (torch.arange(total) - first[seq_rows])
+    first = torch.cumsum(counts, 0) - counts  # (B,) first block row of each sequence
     starts = torch.tensor([0] + list(batch.seq_lens[:-1])).cumsum(0)
     anchor_pos = torch.repeat_interleave(blocks.anchors - starts[blocks.seq_of], bs)  # (A * bs,) per block row
-    pos_q = torch.where(inside, torch.cat([anchor_pos, torch.zeros(1, dtype=torch.long)])[gather], 0)  # (B, Q)
+    row = torch.where(inside, first[:, None] + col[None, :], anchor_pos.numel())  # (B, Q) block row, or padding
+    pos_q = torch.cat([anchor_pos, torch.zeros(1, dtype=torch.long)])[row]  # (B, Q) the anchor each query sees
     ctx = torch.arange(context.length)[None, None, :] < pos_q[:, :, None]  # (B, Q, L): before the anchor
     blk = torch.where(inside, col[None, :] // bs, -1)
     own = (blk[:, :, None] == blk[:, None, :]) & inside[:, :, None]  # (B, Q, Q): its own block
     own |= torch.eye(q_max, dtype=torch.bool)[None] & ~inside[:, :, None]  # padding sees itself
     allowed = torch.cat([ctx, own], dim=2).to(device, non_blocking=True)
-    return _BlockLayout(context, gather.to(device, non_blocking=True), scatter.to(device, non_blocking=True), allowed,
-                        {})
+    return _BlockLayout(context, block_rows, allowed, {})
 
 
 class _BlockTrainingAttention:
@@ -154,13 +145,13 @@ class _BlockTrainingAttention:
                 meta: AttentionMetadata, scale: float) -> torch.Tensor:
         ctx_k, ctx_v = context_kv(self.attn, self.states, self.positions)  # (N, Hkv, Dh)
         lay = self.layout
-        keys = torch.cat([lay.context.pad(ctx_k), lay.pad(k)], dim=1)  # (B, L + Q, Hkv, Dh)
-        values = torch.cat([lay.context.pad(ctx_v), lay.pad(v)], dim=1)
+        keys = torch.cat([lay.context.pad(ctx_k), lay.blocks.pad(k)], dim=1)  # (B, L + Q, Hkv, Dh)
+        values = torch.cat([lay.context.pad(ctx_v), lay.blocks.pad(v)], dim=1)
         keys, values, gqa = fused_kv(q, keys, values)
         o = torch.nn.functional.scaled_dot_product_attention(
-            lay.pad(q).transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2), attn_mask=lay.mask(q.dtype),
-            scale=scale, enable_gqa=gqa)  # (B, H, Q, Dh)
-        return lay.unpad(o.transpose(1, 2))  # (A * bs, H, Dh)
+            lay.blocks.pad(q).transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2),
+            attn_mask=lay.mask(q.dtype), scale=scale, enable_gqa=gqa)  # (B, H, Q, Dh)
+        return lay.blocks.unpad(o.transpose(1, 2))  # (A * bs, H, Dh)
 
 
 class DFlashHead(SharedVocabHead):

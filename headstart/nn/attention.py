@@ -137,23 +137,33 @@ class PaddedLayout:
         """(B, L, ...) -> (N, ...)."""
         return y.reshape(self.batch * self.length, *y.shape[2:])[self.scatter]
 
+    @classmethod
+    def of(cls, lens: list[int], device: torch.device | str) -> PaddedLayout:
+        """The layout of rows packed in sequences of `lens` (some may be empty). Built on the host from the
+        lengths and copied without waiting: no device sync (a blocking copy to a GPU waits for its queue)."""
+        n_rows = torch.tensor(list(lens), dtype=torch.long)
+        b, n, length = n_rows.numel(), int(sum(lens)), max(max(lens, default=1), 1)
+        starts = torch.cumsum(n_rows, 0) - n_rows  # (B,)
+        col = torch.arange(length)
+        inside = col[None, :] < n_rows[:, None]  # (B, L)
+        gather = torch.where(inside, starts[:, None] + col[None, :], torch.full_like(inside, n, dtype=torch.long))
+        seq = torch.repeat_interleave(torch.arange(b), n_rows, output_size=n)
+        local = torch.arange(n) - starts[seq]
+        return cls(gather.to(device, non_blocking=True), (seq * length + local).to(device, non_blocking=True), b,
+                   length)
+
+
+def additive_mask(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A boolean attention mask (True = attend) as SDPA's additive form in the queries' dtype: built once and
+    shared by the layers (a boolean one is converted again, and kept for backward, by every call)."""
+    return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill_(~allowed, float("-inf"))
+
 
 def padded_layout(meta: AttentionMetadata) -> PaddedLayout:
     """The padded layout of a packed batch, cached on its metadata (every layer reads the same one). Built
     from the host-side lengths: no device sync."""
     if "padded" not in meta.step_cache:
-        # Built on the host and copied without waiting (a blocking copy to a GPU waits for its queue).
-        lens = torch.tensor(list(meta.q_lens_cpu), dtype=torch.long)
-        b, n, length = lens.numel(), int(sum(meta.q_lens_cpu)), max(meta.q_lens_cpu, default=1)
-        starts = torch.cumsum(lens, 0) - lens  # (B,)
-        col = torch.arange(length)
-        inside = col[None, :] < lens[:, None]  # (B, L)
-        gather = torch.where(inside, starts[:, None] + col[None, :], torch.full_like(inside, n, dtype=torch.long))
-        seq = torch.repeat_interleave(torch.arange(b), lens, output_size=n)
-        local = torch.arange(n) - starts[seq]
-        dev = meta.positions.device
-        meta.step_cache["padded"] = PaddedLayout(gather.to(dev, non_blocking=True),
-                                                 (seq * length + local).to(dev, non_blocking=True), b, length)
+        meta.step_cache["padded"] = PaddedLayout.of(meta.q_lens_cpu, meta.positions.device)
     return meta.step_cache["padded"]
 
 

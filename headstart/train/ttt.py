@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from headstart.heads.base import DraftHead, PackedBatch, Shifted, shift_for_head
-from headstart.nn.attention import AttentionMetadata, fused_kv, packed_metadata, padded_layout
+from headstart.nn.attention import AttentionMetadata, additive_mask, fused_kv, packed_metadata, padded_layout
 
 
 class UnrolledAttention:
@@ -36,8 +36,7 @@ class UnrolledAttention:
     name = "unrolled"
     expands_mla = True  # MLA heads run expanded here (models.deepseek.MLAttention._expanded)
 
-    def __init__(self, meta: AttentionMetadata) -> None:
-        self.meta = meta
+    def __init__(self) -> None:
         self.masks: dict[tuple[int, torch.dtype], torch.Tensor] = {}
 
     def plan(self, meta: AttentionMetadata, num_q_heads: int, num_kv_heads: int, head_dim: int,
@@ -52,14 +51,12 @@ class UnrolledAttention:
             allowed = [pos[None, :] <= pos[:, None] - j]  # step-0 keys
             eye = torch.eye(length, dtype=torch.bool, device=device)
             allowed += [eye & (pos >= j - jp)[:, None] for jp in range(1, j + 1)]  # one key per copy
-            blocked = ~torch.cat(allowed, dim=1)
-            self.masks[key] = torch.zeros(blocked.shape, dtype=dtype, device=device).masked_fill_(
-                blocked, float("-inf"))
+            self.masks[key] = additive_mask(torch.cat(allowed, dim=1), dtype)
         return self.masks[key]
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: list,
                 meta: AttentionMetadata, scale: float) -> torch.Tensor:
-        lay = padded_layout(self.meta)
+        lay = padded_layout(meta)
         cache.append((lay.pad(k), lay.pad(v)))  # (B, L, Hkv, D)
         j = len(cache) - 1
         # Position p of step j''s copy holds that step's key at p - (j - j'); positions rolled in are masked.
@@ -85,7 +82,7 @@ def unroll(head: DraftHead, batch: PackedBatch, steps: int) -> tuple[list[torch.
     meta = packed_metadata(shifted.seq_lens, device=device)
     tokens = shifted.tokens.to(device)
     caches: list[list] = [[] for _ in range(head.kv_layers())]
-    backend = UnrolledAttention(meta)
+    backend = UnrolledAttention()
     first = torch.zeros(tokens.numel(), dtype=torch.bool, device=device)
     first[meta.qo_indptr[:-1].long()] = True  # each sequence's row 0 has no predecessor
     outs, valid = [], []
