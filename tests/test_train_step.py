@@ -1,0 +1,256 @@
+"""The training step built for GPUs (issue 32): TTT attention as one fused call per step over padded
+sequences (against the looped reference, tests/ttt_reference.py), the teacher once per chunk for every
+step, one host sync per micro-batch, train.compile."""
+
+import pytest
+import torch
+from test_train_parts import _batch, deepseek_target, target  # noqa: F401 - module fixtures shared
+
+from headstart.heads import HeadConfig, build_head, build_vocab_maps
+from headstart.models.llama import load_llama
+from headstart.nn.attention import packed_metadata
+from headstart.train.losses import distill
+from headstart.train.ttt import unroll
+
+
+@pytest.mark.parametrize("draft_vocab", [None, 96])
+def test_the_teacher_runs_once_per_chunk_for_every_ttt_step(target, draft_vocab, monkeypatch):
+    """With TTT 4 the target's lm_head runs once per row chunk in the forward pass and once in its
+    recompute, not once per step; the loss and its gradient are those of four separate distills."""
+    import headstart.train.losses as losses
+    from headstart.config import recipe_from_dict
+    from headstart.train.module import HeadModule
+
+    kw = {"aux_layer_ids": [0, 1, 2], "draft_vocab_size": draft_vocab}
+    head = build_head(HeadConfig(head_type="eagle3", **kw), target)
+    if draft_vocab:
+        d2t, t2d = build_vocab_maps(torch.rand(target.config.vocab_size), draft_vocab)
+        head.set_vocab_maps(d2t, t2d)
+    recipe = recipe_from_dict({"train": {"ttt_steps": 4, "loss_chunk_tokens": 16}})
+    module = HeadModule(recipe, target, head)
+    b = _batch(target, lens=(21, 9, 30))
+    calls = []
+    for name in ("target_logits", "restricted_target_logits"):
+        real = getattr(losses, name)
+        monkeypatch.setattr(losses, name, lambda *a, _real=real: calls.append(1) or _real(*a))
+    loss, stats = module.losses(b, with_stats=False)
+    loss.backward()
+    union = stats["rows"][0]
+    chunks = -(-union // 16)
+    assert len(calls) == 2 * chunks, (len(calls), chunks)  # forward + recompute, whatever the step count
+    got = [p.grad.clone() for p in head.trainable_parameters() if p.grad is not None]
+    monkeypatch.undo()
+    head.zero_grad(set_to_none=True)
+    outs, _, sh = unroll(head, b, 4)
+    th = b.hidden[sh.target_rows]
+    pos = packed_metadata(sh.seq_lens).positions
+    ref = 0.0
+    for j, out in enumerate(outs):
+        rows = torch.nonzero((sh.token_mask > 0) & (pos >= j)).flatten()
+        part = distill(head, out, th, rows, None, 16, with_stats=False)
+        ref = ref + recipe.train.ttt_decay ** j * part.kl / part.rows
+    ref.backward()
+    torch.testing.assert_close(loss, ref, rtol=1e-5, atol=1e-6)
+    for x, y in zip(got, [p.grad for p in head.trainable_parameters() if p.grad is not None]):
+        torch.testing.assert_close(x, y, rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.parametrize("kind", ["mtp", "eagle3", "dflash"])
+def test_a_training_step_waits_for_the_device_once(target, kind, tmp_path):
+    """The real training_step (Lightning, manual optimisation, TTT 3 / a dflash block) on micro-batches
+    that are not logged: its one host sync is the non-finite check every rank agrees on. On CPU a tensor
+    made from a host value with device=... looks like host data, so this sees syncs on computed values
+    (a float(loss) per step, nonzero of a computed mask: headstart.train.syncs); the CUDA test below sees
+    every one."""
+    import lightning as L
+
+    from headstart.config import recipe_from_dict
+    from headstart.train.module import HeadModule
+    from headstart.train.syncs import DeviceSyncCounter
+
+    extra = {"aux_layer_ids": [0, 1, 2]} if kind in ("eagle3", "dflash") else {}
+    if kind == "dflash":
+        extra["block_size"] = 4
+    recipe = recipe_from_dict({"head": {"type": kind, **extra}, "logging": {"wandb": False, "every_steps": 100},
+                               "train": {"ttt_steps": 3, "grad_accum": 2, "warmup_steps": 0, "max_steps": 2}})
+    head = build_head(HeadConfig(head_type=kind, **extra), target)
+    module = HeadModule(recipe, target, head)
+    batches = [_batch(target, lens=(21, 9, 30), seed=i) for i in range(4)]
+    counts = []
+    real_step = module.training_step
+
+    def counted(item, batch_idx):
+        b = item["batch"]
+        counter = DeviceSyncCounter([*head.parameters(), *head.buffers(), b.input_ids, b.hidden, b.aux_hidden])
+        with counter:
+            real_step(item, batch_idx)
+        counts.append(counter.syncs)
+
+    module.training_step = counted
+    trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=2, max_epochs=1, logger=False,
+                        enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
+                        num_sanity_val_steps=0, limit_val_batches=0, default_root_dir=str(tmp_path))
+    loader = torch.utils.data.DataLoader([{"batch": b} for b in batches], batch_size=None, collate_fn=lambda x: x)
+    trainer.fit(module, train_dataloaders=loader)
+    assert len(counts) == 4 and all(len(c) == 1 for c in counts), counts
+
+
+@pytest.mark.cuda
+def test_a_cuda_training_step_waits_for_the_device_once(tmp_path):
+    """torch's own sync detector on a GPU: one warning per micro-batch (the non-finite check)."""
+    import warnings
+
+    import lightning as L
+    from tiny_models import make_hf_model
+
+    from headstart.config import recipe_from_dict
+    from headstart.train.module import HeadModule
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    make_hf_model("llama", tmp_path / "m")
+    target = load_llama(tmp_path / "m", "fp32").cuda()
+    recipe = recipe_from_dict({"logging": {"wandb": False, "every_steps": 100},
+                               "train": {"ttt_steps": 3, "warmup_steps": 0, "max_steps": 3}})
+    head = build_head(HeadConfig(head_type="mtp"), target)
+    module = HeadModule(recipe, target, head)
+    batches = [_batch(target, lens=(21, 9, 30), seed=i) for i in range(3)]
+    counts = []
+    real_step = module.training_step
+
+    def counted(item, batch_idx):
+        torch.cuda.synchronize()
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            torch.cuda.set_sync_debug_mode("warn")
+            try:
+                real_step(item, batch_idx)
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+        counts.append([str(w.message)[:80] for w in seen if "synchroniz" in str(w.message)])
+
+    module.training_step = counted
+    trainer = L.Trainer(accelerator="gpu", devices=1, max_steps=3, max_epochs=1, logger=False, precision="32-true",
+                        enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
+                        num_sanity_val_steps=0, limit_val_batches=0, default_root_dir=str(tmp_path))
+    loader = torch.utils.data.DataLoader([{"batch": b} for b in batches], batch_size=None, collate_fn=lambda x: x)
+    trainer.fit(module, train_dataloaders=loader)
+    assert len(counts) == 3 and all(len(c) <= 1 for c in counts), counts
+
+
+def test_train_compile_gives_the_eager_loss_and_falls_back_naming_what_failed(target, monkeypatch, capsys):
+    """train.compile: the head's forward and logits through inductor give the eager loss and gradients
+    (TTT 2, on CPU); a function that does not compile runs eagerly, said once, with the same result."""
+    import headstart.train.module as module_py
+    from headstart.config import recipe_from_dict
+    from headstart.train.module import HeadModule
+
+    b = _batch(target, lens=(21, 9, 30))
+
+    def run(compile_):
+        torch.manual_seed(0)
+        head = build_head(HeadConfig(head_type="mtp"), target)
+        recipe = recipe_from_dict({"train": {"ttt_steps": 2, "compile": compile_}})
+        loss, _ = HeadModule(recipe, target, head).losses(b, with_stats=False)
+        loss.backward()
+        return loss.detach(), [p.grad for p in head.trainable_parameters() if p.grad is not None]
+
+    eager = run(False)
+    compiled = run(True)
+    torch.testing.assert_close(compiled[0], eager[0], rtol=1e-5, atol=1e-6)
+    for x, y in zip(compiled[1], eager[1]):
+        torch.testing.assert_close(x, y, rtol=1e-4, atol=1e-6)
+    assert "runs eagerly" not in capsys.readouterr().err
+
+    def broken(fn, **kw):
+        def fails(*a, **k):
+            raise RuntimeError("inductor: no C++ compiler\nmore detail")
+        return fails
+
+    monkeypatch.setattr(module_py.torch, "compile", broken)
+    fallback = run(True)
+    err = capsys.readouterr().err
+    assert "train.compile: mtp.forward_hidden runs eagerly: it did not compile (RuntimeError: inductor: no C++" in err
+    assert err.count("forward_hidden runs eagerly") == 1  # said once, not per step
+    torch.testing.assert_close(fallback[0], eager[0], rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("kind", ["mtp", "eagle3", "deepseek_mtp"])
+def test_batched_ttt_attention_equals_the_looped_one_with_its_gradient(target, deepseek_target, kind, monkeypatch):
+    """One attention call per unrolled step over all packed rows gives what the loop over sequences and
+    query blocks gave (tests/ttt_reference.py), forward and backward, at fp32, on sequences of several
+    lengths (a neighbour leaking in, or a key off by one row, shows)."""
+    from ttt_reference import use_looped
+
+    model = deepseek_target if kind == "deepseek_mtp" else target
+    kw = {"aux_layer_ids": [0, 1, 2]} if kind == "eagle3" else {}
+    head = build_head(HeadConfig(head_type=kind, **kw), model)
+    b = _batch(model, lens=(11, 7, 14, 3))
+
+    def run():
+        head.zero_grad(set_to_none=True)
+        outs, valid, _ = unroll(head, b, 4)
+        loss = sum((o[v] ** 2).mean() * (j + 1) for j, (o, v) in enumerate(zip(outs, valid)))
+        loss.backward()
+        # Rows p < j have no history at step j and are left out of every loss: only valid rows are compared.
+        return [o[v].detach() for o, v in zip(outs, valid)], [p.grad.clone() for p in head.trainable_parameters()
+                                                               if p.grad is not None]
+
+    got_o, got_g = run()
+    with monkeypatch.context() as m:
+        use_looped(m)
+        ref_o, ref_g = run()
+    for x, y in zip(got_o, ref_o):
+        torch.testing.assert_close(x, y, rtol=1e-5, atol=1e-5)
+    assert len(got_g) == len(ref_g) >= 8  # fc, the layer's projections and norms (not the unused lm_head)
+    for x, y in zip(got_g, ref_g):
+        torch.testing.assert_close(x, y, rtol=1e-4, atol=1e-5)
+
+
+def test_batched_ttt_attention_keeps_no_scores_for_backward(target, monkeypatch):
+    """What autograd saves for the unrolled steps: no per-head score tensor (B, H, L, keys), only the
+    steps' 2-D masks, which the layers and sequences share; the same check on a plain softmax(q k^T)
+    finds the scores."""
+    import headstart.train.ttt as ttt
+
+    head = build_head(HeadConfig(head_type="mtp"), target)
+    b = _batch(target, lens=(101, 60))
+    length = 100  # the longest shifted sequence
+
+    def scores_saved():
+        shapes = []
+
+        def pack(t):
+            shapes.append(tuple(t.shape))
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            unroll(head, b, 3)
+        return [sh for sh in shapes if len(sh) >= 3 and min(sh[-2:]) >= length]
+
+    assert scores_saved() == []
+
+    def plain(q, k, v, attn_mask=None, is_causal=False, scale=None, enable_gqa=False):  # keeps the probabilities
+        k, v = (t.repeat_interleave(q.shape[1] // t.shape[1], dim=1) for t in (k, v))
+        if attn_mask is None:
+            n = q.shape[-2]
+            attn_mask = torch.zeros(n, n).masked_fill(torch.ones(n, n, dtype=torch.bool).triu(1), float("-inf"))
+        return torch.softmax(q @ k.transpose(-1, -2) * scale + attn_mask, dim=-1) @ v
+
+    monkeypatch.setattr(ttt.F, "scaled_dot_product_attention", plain)
+    assert scores_saved()
+
+
+def test_ttt_attention_calls_do_not_grow_with_the_sequences(target):
+    """The same 48 rows packed as 1, 4 or 12 sequences run the same aten ops (no loop over sequences)."""
+    from torch.profiler import profile
+
+    head = build_head(HeadConfig(head_type="mtp"), target)
+    counts = []
+    for lens in ((49,), (13, 13, 13, 13), (5,) * 12 + (1,)):
+        b = _batch(target, lens=lens)
+        with profile() as prof:
+            outs, _, _ = unroll(head, b, 3)
+            sum(o.sum() for o in outs).backward()
+        counts.append(sum(e.count for e in prof.key_averages() if e.key == "aten::scaled_dot_product_attention"))
+    assert counts[0] == counts[1] == counts[2] == 3 * head.kv_layers(), counts
