@@ -3,12 +3,14 @@ config of the target in HF form, and the key-set / shape check (loaders skip unk
 so a wrong name would load as a random tensor: we check everything ourselves).
 
 A layout maps a native head to (config.json, tensors) and back. Our decoder layers keep q/k/v in one
-`qkv_proj` and gate/up in one `gate_up_proj`; serving engines name them apart.
+`qkv_proj` and gate/up in one `gate_up_proj`, and a MoE layer's routed experts stacked in one tensor per
+projection; serving engines name them apart.
 """
 
 from __future__ import annotations
 
 import abc
+import re
 from typing import Any
 
 import torch
@@ -62,15 +64,46 @@ def split_fused(state: dict[str, torch.Tensor], cfg: HeadConfig) -> dict[str, to
     """qkv_proj -> q_proj/k_proj/v_proj and gate_up_proj -> gate_proj/up_proj (weights and biases)."""
     q, kv = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
     out = {}
-    for name, t in state.items():
+    for name, t in unstack_experts(state).items():
         if ".qkv_proj." in name:
             for part, block in zip(("q_proj", "k_proj", "v_proj"), t.split([q, kv, kv])):
                 out[name.replace(".qkv_proj.", f".{part}.")] = block.contiguous()
         elif ".gate_up_proj." in name:
-            for part, block in zip(("gate_proj", "up_proj"), t.chunk(2)):
+            for part, block in zip(("gate_proj", "up_proj"), t.chunk(2, dim=-2)):
                 out[name.replace(".gate_up_proj.", f".{part}.")] = block.contiguous()
         else:
             out[name] = t
+    return out
+
+
+def unstack_experts(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Stacked routed experts (headstart.nn.experts: "...experts.down_proj.weight" (E, D, I)) -> one tensor per
+    expert ("...experts.{e}.down_proj.weight"), as checkpoints and serving engines name them."""
+    out = {}
+    for name, t in state.items():
+        m = re.search(r"\.experts\.(gate_up_proj|down_proj)\.weight$", name)
+        if m is None:
+            out[name] = t
+            continue
+        for e, w in enumerate(t.unbind(0)):
+            out[f"{name[:m.start()]}.experts.{e}.{m.group(1)}.weight"] = w.contiguous()
+    return out
+
+
+def stack_experts(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The inverse of `unstack_experts` (experts 0..E-1 of a projection must all be there)."""
+    out, groups = {}, {}
+    for name, t in state.items():
+        m = re.search(r"\.experts\.(\d+)\.(gate_up_proj|down_proj)\.weight$", name)
+        if m is None:
+            out[name] = t
+        else:
+            groups.setdefault(f"{name[:m.start()]}.experts.{m.group(2)}.weight", {})[int(m.group(1))] = t
+    for name, parts in groups.items():
+        if sorted(parts) != list(range(len(parts))):
+            missing = sorted(set(range(max(parts) + 1)) - set(parts))
+            raise AssetError(f"{name}: experts {missing} are missing (the checkpoint holds {sorted(parts)})")
+        out[name] = torch.stack([parts[e] for e in range(len(parts))])
     return out
 
 
@@ -92,7 +125,7 @@ def join_fused(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
             continue  # taken with its q_proj / gate_proj
         else:
             out[name] = t
-    return out
+    return stack_experts(out)
 
 
 def rename(state: dict[str, torch.Tensor], rules: list[tuple[str, str]]) -> dict[str, torch.Tensor]:

@@ -23,7 +23,9 @@ experts (always on) plus n_routed_experts routed ones, num_experts_per_tok per t
 softmax (V2) or sigmoid (V3) of an fp32 router; the choice is greedy, group-limited (V2: the
 topk_group groups with the best expert) or V3's noaux_tc (groups ranked by the sum of their two
 best bias-corrected scores; the bias only chooses, the weights are the uncorrected scores); weights
-are optionally renormalised (norm_topk_prob) and multiplied by routed_scaling_factor.
+are optionally renormalised (norm_topk_prob) and multiplied by routed_scaling_factor. The routed experts'
+weights are stacked (headstart.nn.experts): one grouped matmul per projection, no host sync, in training
+and on a GPU; one row-invariant Linear per expert in the CPU engine.
 """
 
 from __future__ import annotations
@@ -41,6 +43,7 @@ from headstart.errors import AssetError
 from headstart.models.base import CausalLM, materialise
 from headstart.models.loading import load_weights
 from headstart.nn.attention import AttentionBackend, AttentionMetadata, KVPages
+from headstart.nn.experts import RoutedExperts
 from headstart.nn.linear import Linear
 from headstart.nn.mlp import _ACTIVATIONS, GatedMLP
 from headstart.nn.norm import RMSNorm
@@ -436,31 +439,14 @@ class MoE(nn.Module):
     def __init__(self, cfg: DeepseekConfig) -> None:
         super().__init__()
         self.gate = Router(cfg)
-        self.experts = nn.ModuleList(GatedMLP(cfg.hidden_size, cfg.moe_intermediate_size, cfg.hidden_act)
-                                     for _ in range(cfg.n_routed_experts))
+        self.experts = RoutedExperts(cfg.n_routed_experts, cfg.hidden_size, cfg.moe_intermediate_size,
+                                     _ACTIVATIONS[cfg.hidden_act])
         shared = cfg.moe_intermediate_size * (cfg.n_shared_experts or 0)
         self.shared_experts = GatedMLP(cfg.hidden_size, shared, cfg.hidden_act) if shared else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = self.gate(x)
-        k = ids.shape[1]
-        flat = ids.flatten()
-        order = torch.argsort(flat, stable=True)  # (token, slot) pairs grouped by expert, tokens in order
-        counts = torch.bincount(flat, minlength=len(self.experts)).tolist()
-        tokens, w = order // k, weights.flatten()[order]
-        out = torch.zeros_like(x)
-        start = 0
-        # A token sums its experts in expert order, in any batch. In training every expert runs, an idle one
-        # on no rows: each rank must use the same parameters (DDP's reducer, FSDP's reduce-scatter) whichever
-        # experts its tokens chose. Without gradients (the engine, a frozen target) an idle expert is skipped.
-        training = torch.is_grad_enabled()
-        for e, count in enumerate(counts):
-            if not count and not training:
-                continue
-            rows = tokens[start:start + count]
-            y = self.experts[e](x[rows]) * w[start:start + count, None]
-            out.index_add_(0, rows, y.to(out.dtype))
-            start += count
+        out = self.experts(x, weights, ids)
         return out + self.shared_experts(x) if self.shared_experts is not None else out
 
 
@@ -518,7 +504,8 @@ class DeepseekForCausalLM(CausalLM):
 
     @staticmethod
     def packed_names() -> dict[str, tuple[str, int, list[int]]]:
-        """HF fragment -> (our fused parameter, block, block sizes): gate/up of every MLP and expert."""
+        """HF fragment -> (our fused parameter, block, block sizes): gate/up of every MLP and expert (the loader
+        stacks the experts' `experts.{e}.` tensors into `experts.gate_up_proj` / `down_proj`)."""
         return {"gate_proj": ("gate_up_proj", 0, [-1, -1]), "up_proj": ("gate_up_proj", 1, [-1, -1])}
 
 

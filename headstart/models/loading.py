@@ -13,6 +13,7 @@ other quantization is refused: its tensors are not weights a cast can read.
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Callable
 from contextlib import nullcontext
 from functools import cached_property
@@ -96,6 +97,9 @@ def load_weights(
         for name in params:
             if f".{ours}." in f".{name}":
                 needed[name] = len(sizes)
+    for name, p in params.items():
+        if _STACKED.search(name):  # one checkpoint tensor (or its blocks) per expert
+            needed[name] *= p.shape[0]
     files = safetensors_files(model_dir)
     fp8 = _Fp8(model_dir, files)
     for path in files:
@@ -104,17 +108,22 @@ def load_weights(
                 if hf_name.endswith(SCALE_SUFFIX) or any(s in hf_name for s in skip):
                     continue  # a scale is read with its weight
                 name, block = _map_name(hf_name, packed)
+                name, expert = _stacked_name(name, params)
                 if name not in params:
                     continue  # extra tensors (e.g. an MTP layer) are not ours to load
                 param = params[name]
+                if expert is not None and not 0 <= expert < param.shape[0]:
+                    raise AssetError(f"{path.name}: tensor {hf_name!r} names expert {expert}; the model has "
+                                     f"{param.shape[0]} (n_routed_experts); is config.json the right one?")
+                whole = param.data if expert is None else param.data[expert]
                 if block is None:
-                    target = param.data
+                    target = whole
                 else:
                     _, idx, sizes = block
                     if -1 in sizes:  # equal blocks, sized by the parameter (its rows / the number of blocks)
-                        sizes = [param.shape[0] // len(sizes)] * len(sizes)
+                        sizes = [whole.shape[0] // len(sizes)] * len(sizes)
                     start = sum(sizes[:idx])
-                    target = param.data.narrow(0, start, sizes[idx])
+                    target = whole.narrow(0, start, sizes[idx])
                 part = shard(name, None if block is None else block[1]) if shard is not None else None
                 if part == "zero":
                     target.zero_()
@@ -234,6 +243,21 @@ def dequantise_fp8(weight: torch.Tensor, scale_inv: torch.Tensor, block: tuple[i
     if r % b0:
         out[full * b0:].mul_(per_col[full])  # the partial last row block
     return out
+
+
+# Routed experts stacked into one parameter (headstart.nn.experts): "...experts.gate_up_proj.weight" (E, ...)
+# is filled by the checkpoint's "...experts.{e}.gate_proj.weight" / "up_proj" (blocks) / "down_proj".
+_STACKED = re.compile(r"\.experts\.(gate_up_proj|down_proj)\.weight$")
+_PER_EXPERT = re.compile(r"\.experts\.(\d+)\.")
+
+
+def _stacked_name(name: str, params: dict[str, Any]) -> tuple[str, int | None]:
+    """(our stacked parameter, expert index) for a per-expert checkpoint name, else (name, None)."""
+    m = _PER_EXPERT.search(name)
+    if m is None or name in params:
+        return name, None
+    stacked = name[:m.start()] + ".experts." + name[m.end():]
+    return (stacked, int(m.group(1))) if stacked in params else (name, None)
 
 
 def _map_name(hf_name: str, packed: dict[str, tuple[str, int, list[int]]]):
