@@ -86,7 +86,6 @@ def measure(tokens: int) -> dict[str, float]:
         out["fwd bf16 ms"] = _best(lambda: moe(xb))
         enable_cpu_kernels(moe, True)
         out["engine 4 rows bf16 ms"] = _best(lambda: moe(xb[:4]), repeat=10)
-    del moe
     out["prefill bf16 ms"] = _prefill()
     return out
 

@@ -18,12 +18,12 @@ from headstart.models.loading import load_weights
 from headstart.nn.experts import RoutedExperts, grouped_mm_runs
 from headstart.nn.linear import enable_cpu_kernels
 
-E, D, I, K = 8, 32, 24, 2
+E, D, H, K = 8, 32, 24, 2
 
 
 def _experts(seed=0, dtype=torch.float32):
     torch.manual_seed(seed)
-    return RoutedExperts(E, D, I, F.silu).to(dtype)
+    return RoutedExperts(E, D, H, F.silu).to(dtype)
 
 
 def _routing(n, seed=1, skip=(5,)):
@@ -43,7 +43,7 @@ def _per_expert_reference(m: RoutedExperts, x, weights, ids):
     out, start = torch.zeros_like(x), 0
     for e, count in enumerate(counts):
         rows = tokens[start:start + count]
-        gate, up = F.linear(x[rows], m.gate_up_proj.weight[e]).split(I, dim=-1)
+        gate, up = F.linear(x[rows], m.gate_up_proj.weight[e]).split(H, dim=-1)
         y = F.linear(F.silu(gate) * up, m.down_proj.weight[e]) * w[start:start + count, None]
         out.index_add_(0, rows, y.to(out.dtype))
         start += count
@@ -109,7 +109,7 @@ def test_the_engines_per_expert_kernels_equal_the_grouped_form_and_are_row_invar
 
 def _moe_cfg():
     return DeepseekConfig(model_type="deepseek_v2", vocab_size=16, hidden_size=D, intermediate_size=48,
-                          moe_intermediate_size=I, num_hidden_layers=2, num_attention_heads=2, q_lora_rank=None,
+                          moe_intermediate_size=H, num_hidden_layers=2, num_attention_heads=2, q_lora_rank=None,
                           kv_lora_rank=8, qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=8, rms_norm_eps=1e-6,
                           max_position_embeddings=64, n_routed_experts=E, num_experts_per_tok=K,
                           n_shared_experts=1, first_k_dense_replace=1)
@@ -170,7 +170,7 @@ def test_a_missing_or_extra_expert_is_named(tmp_path):
     with pytest.raises(AssetError, match="experts.gate_up_proj.weight"):
         _load(state, tmp_path)
     state = _per_expert_checkpoint(moe)
-    state["model.layers.1.mlp.experts.8.down_proj.weight"] = torch.zeros(D, I)
+    state["model.layers.1.mlp.experts.8.down_proj.weight"] = torch.zeros(D, H)
     with pytest.raises(AssetError, match="names expert 8; the model has 8"):
         _load(state, tmp_path)
 
@@ -188,7 +188,7 @@ def test_a_state_dict_saved_with_one_module_per_expert_still_loads():
 
 
 def test_unstack_and_stack_are_inverse_and_a_gap_is_named():
-    state = {"l.mlp.experts.gate_up_proj.weight": torch.randn(E, 2 * I, D), "l.other.weight": torch.randn(3)}
+    state = {"l.mlp.experts.gate_up_proj.weight": torch.randn(E, 2 * H, D), "l.other.weight": torch.randn(3)}
     flat = unstack_experts(state)
     assert "l.mlp.experts.7.gate_up_proj.weight" in flat and "l.mlp.experts.gate_up_proj.weight" not in flat
     back = stack_experts(flat)
