@@ -152,6 +152,30 @@ def test_greedy_decoding_through_the_latent_cache_equals_transformers(pair):
     assert k is v  # one latent tensor per layer: the keys and the values
 
 
+def test_the_engine_prefills_whole_prompts_expanded_and_still_equals_transformers(pair, monkeypatch):
+    """A step of whole prompts runs MLA expanded (as serving engines prefill) and writes the latent rows decode
+    reads: greedy tokens equal HF's; chunks after the first and decode steps run absorbed, and so does every
+    step of a batch-invariant engine (its row-invariant kernels take every row)."""
+    from headstart.inference import Engine, SamplingParams
+    from headstart.models.deepseek import MLAttention
+
+    name, hf, ours = pair
+    calls = []
+    real = MLAttention._expanded
+    monkeypatch.setattr(MLAttention, "_expanded", lambda self, *a: calls.append(a[0].shape[0]) or real(self, *a))
+    prompts = _prompts()
+    params = [SamplingParams(max_tokens=m, ignore_eos=True) for m in (9, 6, 12, 7)]
+    eng = Engine(ours, page_size=4, num_pages=64, max_batch_size=4, max_batched_tokens=64, batch_invariant=False)
+    got = [o.token_ids for o in eng.generate(prompts, params)]
+    for p, sp, tokens in zip(prompts, params, got):
+        out = hf.generate(torch.tensor([p]), max_new_tokens=sp.max_tokens, do_sample=False, pad_token_id=0)
+        assert tokens == out[0, len(p):].tolist(), name
+    assert calls == [sum(map(len, prompts))] * ours.config.num_hidden_layers, calls  # the prefill step only
+    calls.clear()
+    invariant = Engine(ours, page_size=4, num_pages=64, max_batch_size=4, max_batched_tokens=64)
+    assert [o.token_ids for o in invariant.generate(prompts, params)] == got and calls == []
+
+
 def test_prompt_lookup_speculation_is_lossless_on_a_deepseek_target(pair):
     """Verify steps of k + 1 rows write and roll back latent rows as decode steps do: the tokens of
     ngram speculation equal plain greedy decoding."""

@@ -13,7 +13,11 @@ both the keys and the values of a single KV head:
 - attention runs with q = [q_lat, q_pe] against k = [c, k_pe] and v = the same [c, k_pe]; the
   first kv_lora_rank columns of the output are the attention-weighted latent, and W_UV (kv_b_proj's
   value rows) takes it to each head's value space before o_proj.
-It is exactly HF's expanded computation reordered (the tests compare logits in fp32). With the
+It is exactly HF's expanded computation reordered (the tests compare logits in fp32). Training and a step of
+whole prompts (nothing cached before them) run MLA expanded instead, as serving engines prefill: per-head keys
+and values from kv_b_proj, qk_head_dim + v_head_dim per key (192 + 128 against 576 + 512), plain MHA for
+the fused kernels; the prompt's latent rows still go to the cache for decode. With the CPU kernels on, the
+engine prefills absorbed too (a token's bits must not depend on its step). With the
 engine's CPU kernels (`enable_cpu_kernels`) the per-head W_UK / W_UV products run as one row-invariant
 Linear per head and the fp32 router as an fp32 Linear, so a token's bits do not depend on what shares
 its step (greedy speculation equals greedy decoding); training (autograd) uses batched einsums.
@@ -42,7 +46,7 @@ from torch import nn
 from headstart.errors import AssetError
 from headstart.models.base import CausalLM, materialise
 from headstart.models.loading import load_weights
-from headstart.nn.attention import AttentionBackend, AttentionMetadata, KVPages
+from headstart.nn.attention import AttentionBackend, AttentionMetadata, KVPages, PackedCausalAttention
 from headstart.nn.experts import RoutedExperts
 from headstart.nn.linear import Linear
 from headstart.nn.mlp import _ACTIVATIONS, GatedMLP
@@ -319,6 +323,7 @@ class MLAttention(nn.Module):
             uv.append(b.requires_grad_(False))
         got = [lin.enable_cpu_kernels(rowwise, max_rows) for lin in uk + uv]
         object.__setattr__(self, "_absorbed", (_version(w), uk, uv))
+        object.__setattr__(self, "_kernel_rows", 1 << 62 if max_rows is None else max_rows)
         return got
 
     def _per_head(self) -> tuple[list[Linear], list[Linear]] | None:
@@ -337,13 +342,21 @@ class MLAttention(nn.Module):
         q_pe, k_pe = self.rope(q_pe, k_pe.view(n, 1, self.rope_dim), meta.positions, meta.step_cache)
         if getattr(backend, "expands_mla", False):
             return self._expanded(q_nope, q_pe, c, k_pe, meta, cache, backend)
+        latent = torch.cat([c.unsqueeze(1), k_pe], dim=-1)  # (N, 1, rank + rope): the cached row
         per_head = self._per_head()
+        if cache is not None and _fresh_prefill(meta) and (per_head is None or n > self._kernel_rows):
+            # Prompts with nothing cached before them: the latent rows go to the cache for decode, and the
+            # prompt attends to itself expanded, as serving engines prefill. Not where the row-invariant
+            # kernels take the step (a batch-invariant engine): a prompt token's bits would then depend on
+            # whether its step was a prefill.
+            for pages in {id(t): t for t in cache}.values():
+                pages.view(-1, 1, pages.shape[-1]).index_copy_(0, meta.slot_mapping, latent.to(pages.dtype))
+            return self._expanded(q_nope, q_pe, c, k_pe, meta, None, _PREFILL)
         if per_head is not None:  # row-invariant kernels, one Linear per head
             q_lat = torch.stack([lin(q_nope[:, j]) for j, lin in enumerate(per_head[0])], dim=1)
         else:
             q_lat = torch.einsum("nhd,hdr->nhr", q_nope, self.kv_b_proj.keys())  # q_nope . k_nope = q_lat . c
         query = torch.cat([q_lat, q_pe], dim=-1)  # (N, H, rank + rope)
-        latent = torch.cat([c.unsqueeze(1), k_pe], dim=-1)  # (N, 1, rank + rope): the cached row
         o = backend.forward(query, latent, latent, cache, meta, self.scale)[..., : self.rank]  # (N, H, rank)
         if per_head is not None:
             out = torch.stack([lin(o[:, j]) for j, lin in enumerate(per_head[1])], dim=1)
@@ -371,6 +384,15 @@ class MLAttention(nn.Module):
 
         o = backend.forward(fit(query), fit(keys), fit(v), cache, meta, self.scale)[..., : self.v]  # (N, H, v)
         return self.o_proj(o.reshape(n, h * self.v))
+
+
+_PREFILL = PackedCausalAttention()
+
+
+def _fresh_prefill(meta: AttentionMetadata) -> bool:
+    """A step of whole prompts only: each sequence's keys are exactly its new rows (no cached prefix, no chunk
+    before, no tree mask), at least one with more than one row."""
+    return meta.custom_masks is None and meta.q_lens_cpu == meta.kv_lens_cpu and max(meta.q_lens_cpu, default=0) > 1
 
 
 class Router(nn.Module):
