@@ -211,7 +211,9 @@ class TrainConfig:
     ttt_steps: int = 1  # training-time test: unrolled draft steps (1 = plain teacher forcing)
     ttt_decay: float = 0.8  # step j's loss is weighted by ttt_decay ** j
     block_decay_gamma: float = 4.0  # dflash: draft slot i's loss is weighted exp(-(i - 1) / gamma) (speculators')
-    loss_chunk_tokens: int = 256  # rows per vocabulary-sized chunk (no [tokens x vocab] tensor is kept)
+    # Rows per vocabulary-sized chunk of the loss (no [tokens x vocab] tensor is kept). null: by device
+    # (train.losses.loss_chunk_rows): 256 on CPU; on a GPU as many as fit LOSS_CHUNK_GPU_BYTES (fewer launches).
+    loss_chunk_tokens: int | None = None
     val_every_steps: int = 200  # engine validation interval (0: only at the end)
     val_prompts: int = 16  # held-out prompts (first user turns) decoded by the engine at each validation
     val_max_tokens: int = 64  # new tokens per validation prompt
@@ -224,9 +226,10 @@ class TrainConfig:
     compile: bool = False
 
     def __post_init__(self) -> None:
-        for key in ("max_steps", "batch_tokens", "grad_accum", "ttt_steps", "loss_chunk_tokens", "ckpt_every_steps",
-                    "max_bad_steps"):
+        for key in ("max_steps", "batch_tokens", "grad_accum", "ttt_steps", "ckpt_every_steps", "max_bad_steps"):
             _require(getattr(self, key) >= 1, f"train.{key}", f"must be >= 1, got {getattr(self, key)}")
+        _require(self.loss_chunk_tokens is None or self.loss_chunk_tokens >= 1, "train.loss_chunk_tokens",
+                 f"must be >= 1 or null (by device), got {self.loss_chunk_tokens}")
         _require(self.epochs is None or self.epochs >= 1, "train.epochs", "must be >= 1 or null")
         _require(self.block_decay_gamma > 0, "train.block_decay_gamma", f"must be > 0, got {self.block_decay_gamma}")
         _require(self.lr > 0, "train.lr", f"must be > 0, got {self.lr}")

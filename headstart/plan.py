@@ -212,11 +212,15 @@ def make_plan(recipe: Recipe, target_cfg: dict[str, Any], *, device: str = "H100
     per_tok = (d * (22 + 2 * aux) + 6 * hc.intermediate_size) * 2  # one layer's saved bf16 activations
     # A chunk's recompute keeps every TTT step's log q beside the one teacher they share (train.losses).
     loss_steps = tr.ttt_steps if hc.head_type in ("mtp", "eagle1", "deepseek_mtp", "eagle3") else 1
+    from headstart.train.losses import loss_chunk_rows
+
+    on_gpu = device != "CPU RAM" and recipe.trainer.accelerator != "cpu"
+    chunk = loss_chunk_rows(tr.loss_chunk_tokens, vd, loss_steps, "cuda" if on_gpu else "cpu", tr.batch_tokens)
     ph.terms = [target_term(tp), opt,
                 Term("head activations", tr.batch_tokens * per_tok * tr.ttt_steps,
                      f"{tr.batch_tokens:,} tokens x {tr.ttt_steps} TTT steps x (({22 + 2 * aux} d + 6 I) x 2 B)"),
-                Term("chunked loss", (loss_steps + 3) * tr.loss_chunk_tokens * vd * 4,
-                     f"{tr.loss_chunk_tokens:,} rows x {vd:,} logits x fp32 x ({loss_steps} steps' log q + the "
+                Term("chunked loss", (loss_steps + 3) * chunk * vd * 4,
+                     f"{chunk:,} rows x {vd:,} logits x fp32 x ({loss_steps} steps' log q + the "
                      "teacher's log p and p, shared by the steps + a gradient)")]
     if hc.head_type == "dflash":  # anchored blocks instead of token rows; every layer's context K/V and scores
         bs = hc.block_size or 8

@@ -2,6 +2,9 @@
 sequences (against the looped reference, tests/ttt_reference.py), the teacher once per chunk for every
 step, one host sync per micro-batch, train.compile."""
 
+import json
+from pathlib import Path
+
 import pytest
 import torch
 from test_train_parts import _batch, deepseek_target, target  # noqa: F401 - module fixtures shared
@@ -11,6 +14,8 @@ from headstart.models.llama import load_llama
 from headstart.nn.attention import packed_metadata
 from headstart.train.losses import distill
 from headstart.train.ttt import unroll
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.mark.parametrize("draft_vocab", [None, 96])
@@ -254,3 +259,24 @@ def test_ttt_attention_calls_do_not_grow_with_the_sequences(target):
             sum(o.sum() for o in outs).backward()
         counts.append(sum(e.count for e in prof.key_averages() if e.key == "aten::scaled_dot_product_attention"))
     assert counts[0] == counts[1] == counts[2] == 3 * head.kv_layers(), counts
+
+
+def test_the_loss_chunk_is_256_rows_on_cpu_and_what_fits_two_gib_on_a_gpu():
+    """Each chunk is a forward, a recompute and a backward of the lm_head and the KL: on a GPU fewer,
+    larger chunks are fewer launches; `headstart plan` counts the chunk the device will use."""
+    from headstart.config import recipe_from_dict
+    from headstart.plan import make_plan
+    from headstart.train.losses import loss_chunk_rows
+
+    assert loss_chunk_rows(None, 32000, 7, "cpu", 16384) == 256
+    assert loss_chunk_rows(None, 32000, 7, "cuda", 16384) == 1536  # 2 GiB / (10 x 32,000 x 4 B) = 1,677 rows
+    assert loss_chunk_rows(None, 32000, 7, "cuda", 1000) == 1024  # never beyond the micro-batch (whole blocks)
+    assert loss_chunk_rows(None, 128256, 7, "cuda", 4096) == 256  # at least one block
+    assert loss_chunk_rows(64, 32000, 7, "cuda", 16384) == 64  # the recipe's own value wins
+    cfg = json.loads((ROOT / "recipes/targets/llama-3.2-1b.json").read_text())
+    recipe = recipe_from_dict({"head": {"type": "eagle3", "draft_vocab_size": 32000},
+                               "train": {"ttt_steps": 7, "batch_tokens": 16384}})
+    gpu = {t.name: t for p in make_plan(recipe, cfg).phases for t in p.terms}["chunked loss"]
+    assert gpu.note.startswith("1,536 rows x 32,000 logits") and gpu.bytes == 10 * 1536 * 32000 * 4
+    cpu = {t.name: t for p in make_plan(recipe, cfg, device="CPU RAM", capacity_gb=24).phases for t in p.terms}
+    assert cpu["chunked loss"].note.startswith("256 rows")

@@ -344,7 +344,8 @@ class MLAttention(nn.Module):
             return self._expanded(q_nope, q_pe, c, k_pe, meta, cache, backend)
         latent = torch.cat([c.unsqueeze(1), k_pe], dim=-1)  # (N, 1, rank + rope): the cached row
         per_head = self._per_head()
-        if cache is not None and _fresh_prefill(meta) and (per_head is None or n > self._kernel_rows):
+        paged = isinstance(cache, tuple) and all(isinstance(t, torch.Tensor) for t in cache)  # not a step's list
+        if paged and _fresh_prefill(meta) and (per_head is None or n > self._kernel_rows):
             # Prompts with nothing cached before them: the latent rows go to the cache for decode, and the
             # prompt attends to itself expanded, as serving engines prefill. Not where the row-invariant
             # kernels take the step (a batch-invariant engine): a prompt token's bits would then depend on

@@ -35,6 +35,23 @@ class LossParts:
     mass: torch.Tensor = field(default_factory=lambda: torch.zeros(()))  # target mass inside the draft vocab
 
 
+CPU_LOSS_CHUNK = 256  # rows: the logits of a chunk stay in the CPU's caches
+LOSS_CHUNK_GPU_BYTES = 2 << 30  # a GPU's chunk: its live fp32 logits (every TTT step's log q, the teacher's, a grad)
+
+
+def loss_chunk_rows(configured: int | None, vocab: int, loss_steps: int, device_type: str, rows: int) -> int:
+    """Rows per chunk of the loss: `configured` if set; else 256 on CPU, and on a GPU as many as keep the
+    chunk's (loss_steps + 3) fp32 logit rows under LOSS_CHUNK_GPU_BYTES (whole 256-row blocks, at least one,
+    at most the micro-batch): each chunk is a forward, a recompute and a backward of the lm_head and the KL,
+    so fewer chunks are fewer launches (`headstart plan` counts the same bytes)."""
+    if configured is not None:
+        return configured
+    if device_type == "cpu":
+        return CPU_LOSS_CHUNK
+    fit = LOSS_CHUNK_GPU_BYTES // ((loss_steps + 3) * vocab * 4)
+    return max(CPU_LOSS_CHUNK, min(-(-rows // CPU_LOSS_CHUNK) * CPU_LOSS_CHUNK, fit // CPU_LOSS_CHUNK * CPU_LOSS_CHUNK))
+
+
 def target_logits(head: DraftHead, target_h: torch.Tensor) -> torch.Tensor:
     """(R, d) pre-norm target states -> (R, V) fp32 logits through the frozen norm and lm_head."""
     return head.target.lm_head(head.target.norm(target_h.to(head.target.lm_head.weight.dtype))).float()
