@@ -21,7 +21,7 @@ CASES = [  # (target family, head type, draft vocab, format)
     ("qwen2", "deepseek_mtp", None, "deepseek-mtp"), ("llama", "medusa", None, "medusa"),
     ("llama", "medusa", 64, "medusa"), ("llama", "draft_lm", None, "hf"), ("llama", "mtp", None, "native"),
     ("llama", "dflash", None, "vllm"), ("llama", "dflash", 64, "vllm"), ("qwen3", "dflash", 64, "vllm"),
-    ("llama", "dflash", 64, "native"),
+    ("llama", "dflash", 64, "native"), ("llama", "dflash", None, "sglang"), ("qwen3", "dflash", None, "sglang"),
 ]
 
 
@@ -178,7 +178,7 @@ def test_serving_names_and_config_fields(tmp_path, targets):
 
 
 @pytest.mark.parametrize(("family", "kind", "fmt", "reason"), [
-    ("llama", "mtp", "sglang", "holds eagle3, eagle1 heads, not 'mtp'"),
+    ("llama", "mtp", "sglang", "holds eagle3, eagle1, dflash heads, not 'mtp'"),
     ("llama", "mtp", "vllm", "Qwen3-family targets only"),
     ("llama", "eagle1", "vllm", "no `eagle` type"),
     ("qwen3", "eagle3", "sglang", "no q/k norms"),

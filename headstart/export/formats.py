@@ -2,7 +2,8 @@
 
 | format         | heads                  | loader it targets                                                      |
 |----------------|------------------------|------------------------------------------------------------------------|
-| `sglang`       | eagle3, eagle1         | SGLang `LlamaForCausalLMEagle3` / `LlamaForCausalLMEagle` (EAGLE code) |
+| `sglang`       | eagle3, eagle1, dflash | SGLang `LlamaForCausalLMEagle3` / `LlamaForCausalLMEagle` (EAGLE code) |
+|                |                        | / `DFlashDraftModel` (sglang_dflash.py)                                 |
 | `vllm`         | eagle3, mtp (Qwen3),   | vLLM speculators format (`speculators` 0.9.0 `eagle3` / `mtp` /        |
 |                | dflash                 | `dflash`)                                                              |
 | `deepseek-mtp` | deepseek_mtp, mtp      | DeepSeek-V3 MTP module at `model.layers.{L}` (vLLM/SGLang MTP loaders), |
@@ -23,6 +24,7 @@ from typing import Any
 import torch
 
 from headstart.errors import AssetError
+from headstart.export import sglang_dflash
 from headstart.export.layout import (
     Layout,
     config_bool,
@@ -133,9 +135,11 @@ def _no_qk_norm(head: DraftHead, name: str) -> str | None:
 
 class SGLang(Layout):
     name = "sglang"
-    families = ("eagle3", "eagle1")
+    families = ("eagle3", "eagle1", "dflash")  # dflash: sglang_dflash.py
 
     def refuse(self, head: DraftHead) -> str | None:
+        if head.config.head_type == "dflash":
+            return sglang_dflash.refuse(head)
         why = super().refuse(head) or _no_qk_norm(head, "SGLang")
         if why:
             return why
@@ -165,6 +169,8 @@ class SGLang(Layout):
 
     def write(self, head, target):  # noqa: ANN001, ANN201
         cfg = head.config
+        if cfg.head_type == "dflash":
+            return sglang_dflash.write(head, target, _layer_config(head, target, "qwen3"), _meta(head, self.name))
         state = split_fused(rename(native_state(head), self._rules(cfg.head_type)), cfg)
         config = _layer_config(head, target, "llama")
         config["tie_word_embeddings"] = False
@@ -183,11 +189,14 @@ class SGLang(Layout):
 
     def recognise(self, config):  # noqa: ANN001, ANN201
         arch = config.get("architectures") or []
-        if arch in (["LlamaForCausalLMEagle3"], ["LlamaForCausalLMEagle"]):
+        if arch in (["LlamaForCausalLMEagle3"], ["LlamaForCausalLMEagle"], [sglang_dflash.ARCHITECTURE]):
             return None
-        return f"architectures {arch!r} (expected LlamaForCausalLMEagle3 or LlamaForCausalLMEagle)"
+        return f"architectures {arch!r} (expected LlamaForCausalLMEagle3, LlamaForCausalLMEagle or DFlashDraftModel)"
 
     def read(self, config, tensors, target):  # noqa: ANN001, ANN201
+        if config["architectures"] == [sglang_dflash.ARCHITECTURE]:
+            fields, state = sglang_dflash.read(config, tensors, target)
+            return _head_config(config, "dflash", target, **fields, **_dims(config)), state
         eagle3 = config["architectures"] == ["LlamaForCausalLMEagle3"]
         state = rename(join_fused(tensors), invert(self._rules("eagle3" if eagle3 else "eagle1")))
         if eagle3:
