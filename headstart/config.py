@@ -93,6 +93,13 @@ class HeadSection:
     mask_token_id: int | None = None  # dflash: the token in the draft slots (None: the tokenizer's mask/unk/pad)
     # dflash training: anchored blocks per micro-batch (speculators' max_anchors), drawn among its supervised rows
     max_anchors: int = 512
+    # eagle3, EAGLE-3.1 (headstart.heads.eagle3): one RMSNorm over the concatenated aux states before fc /
+    # one per aux state (exclusive), the first layer's residual normed, the post-norm state fed back to the
+    # next draft step. None: speculators' trainer defaults (true, false, true, true).
+    norm_before_fc: bool | None = None
+    fc_norm: bool | None = None
+    norm_before_residual: bool | None = None
+    norm_output: bool | None = None
 
     def __post_init__(self) -> None:
         _require(self.num_layers >= 1, "head.num_layers", f"must be >= 1, got {self.num_layers}")
@@ -119,6 +126,11 @@ class HeadSection:
         _require(self.draft_vocab_size is None or self.draft_vocab_size > 0, "head.draft_vocab_size", "must be > 0")
         _require(self.postnorm_features is None or self.type in ("mtp", "eagle1", "deepseek_mtp"),
                  "head.postnorm_features", f"applies to mtp, eagle1 and deepseek_mtp heads, not {self.type}")
+        for flag in ("norm_before_fc", "fc_norm", "norm_before_residual", "norm_output"):
+            _require(getattr(self, flag) is None or self.type == "eagle3", f"head.{flag}",
+                     f"applies to eagle3 heads, not {self.type}")
+        _require(not (self.norm_before_fc and self.fc_norm), "head.fc_norm",
+                 "and head.norm_before_fc are exclusive (one norm over the concatenated aux states, or one per state)")
 
 
 @dataclass(kw_only=True)

@@ -64,6 +64,8 @@ class Plan:
     phases: list[Phase]
     disk_bytes_per_token: float | None
     assumptions: list[str]
+    # Where the recipe's head will serve (headstart.export.serving: each engine's layouts' own refusals).
+    serving: list[str] = field(default_factory=list)
 
     def refusals(self) -> list[str]:
         out = []
@@ -115,8 +117,8 @@ def target_params(c: Any, tp: int) -> tuple[float, float]:
     return rank, whole
 
 
-def _head_counts(recipe: Recipe, c: Any) -> tuple[int, Any]:
-    """(trainable parameters, resolved head config): the head built on the meta device."""
+def _head_counts(recipe: Recipe, c: Any) -> tuple[int, Any, list[str]]:
+    """(trainable parameters, resolved head config, where it serves): the head built on the meta device."""
     import torch
 
     from headstart.heads import build_head, head_config_from_recipe
@@ -127,7 +129,9 @@ def _head_counts(recipe: Recipe, c: Any) -> tuple[int, Any]:
         target = DeepseekForCausalLM(c) if _is_deepseek(c) else LlamaForCausalLM(c)
         target._fingerprint = "planning"  # no weights to hash: the head only records it
         head = build_head(head_config_from_recipe(recipe.head), target, init_from_target=False)
-    return sum(p.numel() for p in head.trainable_parameters()), head.config
+    from headstart.export.serving import summary
+
+    return sum(p.numel() for p in head.trainable_parameters()), head.config, summary(head)
 
 
 def make_plan(recipe: Recipe, target_cfg: dict[str, Any], *, device: str = "H100-80GB",
@@ -160,8 +164,10 @@ def make_plan(recipe: Recipe, target_cfg: dict[str, Any], *, device: str = "H100
         raise PlanError(f"engine.tensor_parallel {tp} does not divide the training ranks, trainer.devices x "
                         f"trainer.num_nodes = {recipe.trainer.devices} x {recipe.trainer.num_nodes} = {ranks}: "
                         f"set trainer.devices to a multiple of {tp} (or lower engine.tensor_parallel)")
-    head_params, hc = _head_counts(recipe, c)
+    head_params, hc, serving = _head_counts(recipe, c)
     aux = len(hc.aux_layer_ids or [])
+    # eagle3's input norms (norm_before_fc, fc_norm) keep a normed copy of the A aux states for backward.
+    aux_saved = aux if hc.norm_before_fc or hc.fc_norm else 0
     vd = hc.draft_vocab_size or c.vocab_size
     largest_tensor = max(c.vocab_size * d / tp, 3 * d * c.intermediate_size / tp) * act
     plan_phases: list[Phase] = []
@@ -209,7 +215,7 @@ def make_plan(recipe: Recipe, target_cfg: dict[str, Any], *, device: str = "H100
         opt = Term("head weights + grads + AdamW", 16 * head_params,
                    f"{head_params / 1e6:.1f} M trainable parameters x 16 B (fp32 weight, grad, 2 moments)")
     seq = min(recipe.data.max_length, tr.batch_tokens)
-    per_tok = (d * (22 + 2 * aux) + 6 * hc.intermediate_size) * 2  # one layer's saved bf16 activations
+    per_tok = (d * (22 + 2 * aux + aux_saved) + 6 * hc.intermediate_size) * 2  # one layer's saved bf16 activations
     # A chunk's recompute keeps every TTT step's log q beside the one teacher they share (train.losses).
     loss_steps = tr.ttt_steps if hc.head_type in ("mtp", "eagle1", "deepseek_mtp", "eagle3") else 1
     from headstart.train.losses import loss_chunk_rows
@@ -218,7 +224,8 @@ def make_plan(recipe: Recipe, target_cfg: dict[str, Any], *, device: str = "H100
     chunk = loss_chunk_rows(tr.loss_chunk_tokens, vd, loss_steps, "cuda" if on_gpu else "cpu", tr.batch_tokens)
     ph.terms = [target_term(tp), opt,
                 Term("head activations", tr.batch_tokens * per_tok * tr.ttt_steps,
-                     f"{tr.batch_tokens:,} tokens x {tr.ttt_steps} TTT steps x (({22 + 2 * aux} d + 6 I) x 2 B)"),
+                     f"{tr.batch_tokens:,} tokens x {tr.ttt_steps} TTT steps x "
+                     f"(({22 + 2 * aux + aux_saved} d + 6 I) x 2 B)"),
                 Term("chunked loss", (loss_steps + 3) * chunk * vd * 4,
                      f"{chunk:,} rows x {vd:,} logits x fp32 x ({loss_steps} steps' log q + the "
                      "teacher's log p and p, shared by the steps + a gradient)")]
@@ -313,11 +320,12 @@ def make_plan(recipe: Recipe, target_cfg: dict[str, Any], *, device: str = "H100
         "files onto its device, so a rank's host peak is its largest tensor (page cache aside)",
     ]
     return Plan(recipe=recipe.name or "", device=device, capacity=capacity_gb * GB, phases=phases_made,
-                disk_bytes_per_token=disk, assumptions=assumptions)
+                disk_bytes_per_token=disk, assumptions=assumptions, serving=serving)
 
 
 def render(plan: Plan) -> str:
     lines = [f"plan: {plan.recipe} on {plan.device} ({plan.capacity / GB:.0f} GB per device)"]
+    lines.extend(f"serves on {s}" for s in plan.serving)
     for ph in plan.phases:
         lines.append(f"\n{ph.name} ({ph.ranks} rank{'s' if ph.ranks != 1 else ''}): "
                      f"{ph.total / GB:.2f} GB per rank, host {ph.host_bytes / GB:.2f} GB per rank while loading")
@@ -349,13 +357,14 @@ def device_capacity(device: Any) -> tuple[str, float]:
 
 
 def check_fits(recipe: Recipe, target_cfg: dict[str, Any], device: Any, phases: tuple[str, ...],
-               where: str) -> None:
-    """Refuse, before anything loads, a job whose phases cannot fit this device."""
+               where: str) -> Plan:
+    """Refuse, before anything loads, a job whose phases cannot fit this device; -> its plan."""
     name, gb = device_capacity(device)
     plan = make_plan(recipe, target_cfg, device=name, capacity_gb=gb, where=where, phases=phases)
     refusals = plan.refusals()
     if refusals:
         raise PlanError("; ".join(refusals) + f" (headstart plan {recipe.name or 'RECIPE'} shows every term)")
+    return plan
 
 
 def target_config_path(recipe: Recipe) -> Any:
@@ -367,9 +376,9 @@ def target_config_path(recipe: Recipe) -> Any:
     return Path(resolve_model(recipe.target.model)) / "config.json"
 
 
-def check_recipe_fits(recipe: Recipe, phases: tuple[str, ...], device: Any) -> None:
+def check_recipe_fits(recipe: Recipe, phases: tuple[str, ...], device: Any) -> Plan:
     """check_fits with the recipe's own target config.json (train and precompute call it first)."""
     from headstart.fileio import read_json_object
 
     where = target_config_path(recipe)
-    check_fits(recipe, read_json_object(where, "model config"), device, phases, str(where))
+    return check_fits(recipe, read_json_object(where, "model config"), device, phases, str(where))

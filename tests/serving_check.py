@@ -1,10 +1,11 @@
 """Run inside the serving venv (`make serving-env`: speculators 0.9.0 and its transformers pin): load an
 export with speculators' own classes and compare its first-step logits with ours.
 
-    python serving_check.py eagle3|mtp|dflash EXPORT_DIR VERIFIER_DIR CASE.safetensors
+    python serving_check.py eagle3|mtp|dflash EXPORT_DIR VERIFIER_DIR CASE.safetensors [EXPORT_DIR CASE ...]
 CASE holds `input_ids` (T,), `hidden` (T, n_aux*H or H) and `expected` (our step-0 logits; dflash: the
-draft slots of the block at `anchor`).
-Prints one JSON line: {"max_abs_diff": ..., "argmax_equal": ...}.
+draft slots of the block at `anchor`); an eagle3 CASE may hold `expected_step1`, our second TTT step's
+logits at rows 1.. (speculators' step 1 at rows 0..: it feeds row i's output back with token i + 2).
+Prints one JSON line per (EXPORT_DIR, CASE): {"max_abs_diff": ..., "argmax_equal": ...}.
 """
 
 import json
@@ -23,17 +24,25 @@ def main(kind: str, export_dir: str, verifier_dir: str, case_path: str) -> None:
         verifier.update(load_file(f))
     ids, hidden = case["input_ids"].long(), case["hidden"].float()
     if kind == "eagle3":
-        from speculators.models.eagle3 import Eagle3DraftModel
+        from speculators.models.eagle3 import Eagle3DraftModel, Eagle3SpeculatorConfig
 
-        model = Eagle3DraftModel.from_pretrained(export_dir, attn_implementation="eager").float().eval()
+        config = Eagle3SpeculatorConfig.from_pretrained(export_dir)
+        # Dense masks: the default flex-attention block mask is padded to 128 rows, which the second TTT
+        # step's mask extension does not fit at this length.
+        config.transformer_layer_config._attn_implementation = "eager"
+        model = Eagle3DraftModel.from_pretrained(export_dir, config=config).float().eval()
         model.embed_tokens.weight.data.copy_(verifier["model.embed_tokens.weight"])
         seen = []
         model.lm_head.register_forward_hook(lambda m, i, o: seen.append(o))
         t = ids.numel()
+        steps = 2 if "expected_step1" in case else 1
         with torch.no_grad():  # row i = (features_i, t_{i+1})
             model(hidden_states=hidden[None, : t - 1], input_ids=ids[None, 1:], document_ids=torch.zeros(1, t - 1,
-                  dtype=torch.long), ttt_steps=1)
+                  dtype=torch.long), ttt_steps=steps)
         got = seen[0][0]
+        if steps == 2:  # the last row's step-1 token is speculators' padding
+            want1 = case["expected_step1"].float()
+            got, case["expected"] = torch.cat([got, seen[1][0][: want1.shape[0]]]), torch.cat([case["expected"], want1])
     elif kind == "dflash":  # one anchor at case["anchor"]: the only supervised row outside the last block
         from speculators.models.dflash import DFlashDraftModel
 
@@ -64,4 +73,7 @@ def main(kind: str, export_dir: str, verifier_dir: str, case_path: str) -> None:
 
 
 if __name__ == "__main__":
-    main(*sys.argv[1:5])
+    kind, verifier = sys.argv[1], sys.argv[3]
+    pairs = [sys.argv[2], sys.argv[4], *sys.argv[5:]]
+    for export_dir, case_path in zip(pairs[::2], pairs[1::2]):
+        main(kind, export_dir, verifier, case_path)

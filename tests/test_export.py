@@ -21,7 +21,7 @@ CASES = [  # (target family, head type, draft vocab, format)
     ("qwen2", "deepseek_mtp", None, "deepseek-mtp"), ("llama", "medusa", None, "medusa"),
     ("llama", "medusa", 64, "medusa"), ("llama", "draft_lm", None, "hf"), ("llama", "mtp", None, "native"),
     ("llama", "dflash", None, "vllm"), ("llama", "dflash", 64, "vllm"), ("qwen3", "dflash", 64, "vllm"),
-    ("llama", "dflash", 64, "native"),
+    ("llama", "dflash", 64, "native"), ("llama", "dflash", None, "sglang"), ("qwen3", "dflash", None, "sglang"),
 ]
 
 
@@ -58,11 +58,18 @@ def targets(tmp_path_factory):
     return out
 
 
-def _head(target, kind, dv, seed=1, aux=(1, 2), postnorm=True):
+# eagle3 heads here carry the EAGLE-3.1 flags SGLang implements too (fc_norm, norm_output), so that
+# every layout holds them; test_eagle31_flags_round_trip covers every combination in vLLM's.
+SGLANG_EAGLE31 = {"norm_before_fc": False, "fc_norm": True, "norm_before_residual": False, "norm_output": True}
+
+
+def _head(target, kind, dv, seed=1, aux=(1, 2), postnorm=True, flags=None):
     """aux: SGLang cannot name aux layer 0 (the tiny target has 2 layers); ids are distinct and ascending.
-    postnorm: mtp / deepseek_mtp heads read the post-norm state, as the engines that serve them feed."""
+    postnorm: mtp / deepseek_mtp heads read the post-norm state, as the engines that serve them feed.
+    flags: an eagle3 head's EAGLE-3.1 flags (default SGLANG_EAGLE31)."""
     torch.manual_seed(seed)
-    head = build_head(HeadConfig(head_type=kind, draft_vocab_size=dv,
+    flags = (SGLANG_EAGLE31 if flags is None else flags) if kind == "eagle3" else {}
+    head = build_head(HeadConfig(head_type=kind, draft_vocab_size=dv, **flags,
                                  aux_layer_ids=list(aux) if kind in ("eagle3", "dflash") else None,
                                  postnorm_features=True if postnorm and kind in ("mtp", "deepseek_mtp") else None,
                                  num_layers=2 if kind == "dflash" else 1, block_size=4 if kind == "dflash" else None),
@@ -121,8 +128,8 @@ def test_serving_names_and_config_fields(tmp_path, targets):
     # SGLang EAGLE-3
     export_head(_head(llama, "eagle3", 64), llama, "sglang", tmp_path / "sg3")
     assert _names(tmp_path / "sg3") == {"fc.weight", "norm.weight", "lm_head.weight", "d2t", "t2d",
-                                        "midlayer.input_layernorm.weight", "midlayer.hidden_norm.weight"} \
-        | {f"midlayer.{n}" for n in layer}
+                                        "midlayer.input_layernorm.weight", "midlayer.hidden_norm.weight",
+                                        "fc_norm.0.weight", "fc_norm.1.weight"} | {f"midlayer.{n}" for n in layer}
     t = load_file(str(tmp_path / "sg3" / "model.safetensors"))
     assert list(t["fc.weight"].shape) == [64, 128] and list(t["midlayer.self_attn.q_proj.weight"].shape) == [64, 128]
     assert t["d2t"].dtype == torch.int64 and t["t2d"].dtype == torch.bool
@@ -131,14 +138,17 @@ def test_serving_names_and_config_fields(tmp_path, targets):
     assert c["architectures"] == ["LlamaForCausalLMEagle3"] and c["num_hidden_layers"] == 1
     assert c["draft_vocab_size"] == 64 and c["target_hidden_size"] == 64 and c["tie_word_embeddings"] is False
     assert c["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [0, 1]  # SGLang: layer outputs
-    # vLLM speculators eagle3
-    export_head(_head(llama, "eagle3", 64, aux=(0, 1, 2)), llama, "vllm", tmp_path / "v3")
-    assert _names(tmp_path / "v3") == {"fc.weight", "norm.weight", "lm_head.weight", "d2t", "t2d",
+    assert c["fc_norm"] is True and c["norm_output"] is True  # LlamaForCausalLMEagle3 reads them from the config
+    # vLLM speculators eagle3, with the EAGLE-3.1 defaults of a new head
+    export_head(_head(llama, "eagle3", 64, aux=(0, 1, 2), flags={}), llama, "vllm", tmp_path / "v3")
+    assert _names(tmp_path / "v3") == {"fc.weight", "norm.weight", "lm_head.weight", "d2t", "t2d", "input_norm.weight",
                                        "layers.0.input_layernorm.weight", "layers.0.hidden_norm.weight"} \
         | {f"layers.0.{n}" for n in layer}
+    assert list(load_file(str(tmp_path / "v3" / "model.safetensors"))["input_norm.weight"].shape) == [192]
     c = json.loads((tmp_path / "v3" / "config.json").read_text())
     assert c["speculators_model_type"] == "eagle3" and c["draft_vocab_size"] == 64
-    assert c["norm_before_residual"] is False and c["target_hidden_size"] == 64
+    assert (c["norm_before_fc"], c["fc_norm"], c["norm_before_residual"], c["norm_output"]) == (True, False, True, True)
+    assert c["target_hidden_size"] == 64
     assert c["eagle_aux_hidden_state_layer_ids"] == [0, 1, 2]  # vLLM: the states entering the layers
     assert c["speculators_config"]["proposal_methods"][0]["speculative_tokens"] >= 1
     assert c["speculators_config"]["verifier"]["name_or_path"] == str(llama.source_dir)
@@ -168,7 +178,7 @@ def test_serving_names_and_config_fields(tmp_path, targets):
 
 
 @pytest.mark.parametrize(("family", "kind", "fmt", "reason"), [
-    ("llama", "mtp", "sglang", "holds eagle3, eagle1 heads, not 'mtp'"),
+    ("llama", "mtp", "sglang", "holds eagle3, eagle1, dflash heads, not 'mtp'"),
     ("llama", "mtp", "vllm", "Qwen3-family targets only"),
     ("llama", "eagle1", "vllm", "no `eagle` type"),
     ("qwen3", "eagle3", "sglang", "no q/k norms"),

@@ -288,8 +288,8 @@ def test_aux_layer_ids_must_be_distinct_and_ascending_everywhere(target, tmp_pat
         recipe_from_dict({"head": {"type": "eagle3", "aux_layer_ids": []}})
     # An SGLang export that does not name its layers imports with the same defaults (distinct on 2 layers).
     sg = tmp_path / "sglang"
-    export_head(build_head(_config("eagle3", aux_layer_ids=[1, 2], draft_vocab_size=None), target), target,
-                "sglang", sg)
+    export_head(build_head(_config("eagle3", aux_layer_ids=[1, 2], draft_vocab_size=None, norm_before_fc=False,
+                                   norm_before_residual=False), target), target, "sglang", sg)  # flags SGLang has
     cfg = json.loads((sg / "config.json").read_text())
     cfg.pop("headstart", None)
     cfg["eagle_config"].pop("eagle_aux_hidden_state_layer_ids")

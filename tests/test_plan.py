@@ -57,6 +57,36 @@ def test_the_head_and_optimizer_term_counts_the_real_head(tiny, family):
     assert term.bytes == 16 * sum(p.numel() for p in head.trainable_parameters())
 
 
+@pytest.mark.parametrize(("head", "vllm", "sglang"), [
+    ({"type": "eagle3"}, "yes (--format vllm)", "head.norm_before_fc"),  # a new eagle3 head: EAGLE-3.1 defaults
+    ({"type": "eagle3", "norm_before_fc": False, "norm_before_residual": False}, "yes (--format vllm)",
+     "yes (--format sglang)"),
+    ({"type": "eagle3", "norm_before_fc": False}, "yes (--format vllm)", "head.norm_before_residual"),
+    ({"type": "eagle1"}, "holds a eagle1 head", "yes (--format sglang)"),
+    ({"type": "dflash", "draft_vocab_size": 64}, "yes (--format vllm)", "has no lm_head or d2t of its own"),
+    ({"type": "dflash"}, "yes (--format vllm)", "yes (--format sglang)"),
+    ({"type": "mtp", "draft_vocab_size": 64}, "no place for that vocabulary", "no place for that vocabulary"),
+    ({"type": "medusa"}, "yes (--format medusa)", "holds a medusa head"),
+    ({"type": "draft_lm"}, "yes (--format hf)", "yes (--format hf)"),
+])
+def test_the_plan_says_where_the_head_serves_as_the_export_decides(tiny, head, vllm, sglang):
+    """Each engine's answer is the first of its layouts that takes the head, or the layouts' own refusals."""
+    from headstart.export.serving import serving
+
+    if head["type"] in ("eagle3", "dflash"):  # the tiny target's default aux ids include 0, which SGLang cannot name
+        head = head | {"aux_layer_ids": [1, 2]}
+    cfg = json.loads((tiny / "config.json").read_text())
+    recipe = recipe_from_dict({"target": {"model": str(tiny), "dtype": "fp32"}, "head": head})
+    plan = make_plan(recipe, cfg)
+    lines = dict(line.split(": ", 1) for line in plan.serving)
+    assert vllm in lines["vLLM"] and sglang in lines["SGLang"] and lines["headstart"] == "yes (--format native)"
+    assert lines["vLLM"].startswith("yes") == ("yes" in vllm)
+    built = build_head(HeadConfig(head_type=head["type"], draft_vocab_size=head.get("draft_vocab_size"),
+                                  aux_layer_ids=head.get("aux_layer_ids"),
+                                  **{k: v for k, v in head.items() if k.startswith("norm")}), load_llama(tiny, "fp32"))
+    assert [s.line() for s in serving(built)] == plan.serving  # the meta-device head answers as the real one
+
+
 @pytest.mark.parametrize("recipe", list(RECIPES))
 def test_every_8xh100_recipe_gets_its_verdict(recipe, capsys):
     target, fits = RECIPES[recipe]
@@ -67,6 +97,7 @@ def test_every_8xh100_recipe_gets_its_verdict(recipe, capsys):
     for term in ("target weights", "head weights + grads + AdamW", "head activations", "chunked loss", "KV pages"):
         assert term in out
     assert "TTT attention masks" in out  # every 8xH100 recipe unrolls TTT steps
+    assert "serves on vLLM: " in out and "serves on SGLang: " in out
     if recipe.startswith("llama-3.3-70b"):  # the target tensor-parallel in training too, the head FSDP-sharded
         train = out.split("train (16 ranks)")[1].split("validation")[0]
         assert "17.64 GB  8.82 B parameters (1/8 tensor-parallel shard)" in train

@@ -66,6 +66,46 @@ def test_speculators_loads_our_export_with_the_same_logits(tmp_path, family, kin
     assert sys.executable != str(SERVING_PY)  # the check ran in the other environment
 
 
+def test_speculators_computes_our_eagle31_heads_for_every_flag_combination(tmp_path):
+    """Each EAGLE-3.1 flag combination speculators accepts (norm_before_fc, fc_norm, norm_before_residual,
+    norm_output; the first two exclusive), exported for vLLM and run by speculators' Eagle3DraftModel:
+    the first step's logits and the second TTT step's (the output fed back, as norm_output says) equal
+    ours. One speculators process checks every export."""
+    import itertools
+
+    from headstart.heads.base import EAGLE31_FLAGS
+    from headstart.train.ttt import unroll
+
+    make_hf_model("llama", tmp_path / "target", seed=4)
+    target = load_llama(tmp_path / "target", "fp32")
+    ids = torch.randint(0, 320, (12,), generator=torch.Generator().manual_seed(3))
+    batch = target_forward(target, PackedBatch(ids, [12]), [0, 1, 2])
+    args = []
+    combos = [bits for bits in itertools.product((False, True), repeat=4) if not all(bits[:2])]
+    for n, bits in enumerate(combos):
+        torch.manual_seed(1)
+        head = build_head(HeadConfig(head_type="eagle3", draft_vocab_size=64, aux_layer_ids=[0, 1, 2],
+                                     **dict(zip(EAGLE31_FLAGS, bits))), target)
+        head.set_vocab_maps(*build_vocab_maps(torch.rand(320), 64))
+        with torch.no_grad():  # norms away from one: a norm applied twice, or skipped, shows
+            for p in head.parameters():
+                p.add_(0.1 * torch.randn_like(p))
+            outs, _, _ = unroll(head, batch, 2)
+        export_head(head, target, "vllm", tmp_path / f"export{n}")
+        save_file({"input_ids": ids, "hidden": batch.aux_hidden.reshape(12, -1).contiguous(),
+                   "expected": head.compute_logits(outs[0]).contiguous(),
+                   "expected_step1": head.compute_logits(outs[1][1:]).contiguous()}, str(tmp_path / f"case{n}.st"))
+        args += [str(tmp_path / f"export{n}"), str(tmp_path / f"case{n}.st")]
+    run = subprocess.run([str(SERVING_PY), str(ROOT / "tests" / "serving_check.py"), "eagle3", args[0],
+                          str(tmp_path / "target"), *args[1:]], capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr[-2000:]
+    results = [json.loads(line) for line in run.stdout.strip().splitlines() if line.startswith("{")]
+    assert len(results) == len(combos) == 12
+    for bits, result in zip(combos, results):
+        assert result["rows"] == 11 + 10 and result["argmax_equal"], (bits, result)
+        assert result["max_abs_diff"] < 1e-4, (bits, result)
+
+
 @pytest.mark.parametrize("vocab", [64, None])
 def test_speculators_loads_our_dflash_export_with_the_same_block_logits(tmp_path, vocab):
     """speculators' DFlashDraftModel, fed the aux states as vLLM captures them, gives our block logits

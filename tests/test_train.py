@@ -103,6 +103,9 @@ def _losses(run_dir):
 def test_train_writes_heads_metrics_and_validates_with_the_engine(tmp_path, chat_model_dir, capsys):
     path = _recipe(tmp_path, chat_model_dir, train={"ttt_steps": 2})
     assert main(["train", str(path), "--no-progress"]) == 0
+    printed = capsys.readouterr().out  # where the head serves, said before training (test_plan.py checks the lines)
+    assert "train: the head serves on vLLM: " in printed and "train: the head serves on SGLang: " in printed
+    assert printed.index("serves on") < printed.index("train: {")
     out = tmp_path / "run"
     for name in ("head-final", "head-best", "checkpoints/last.ckpt", "metrics.json", "metrics.csv", "train.json"):
         assert (out / name).exists(), name

@@ -173,13 +173,25 @@ def test_no_tokens_by_vocab_tensor_is_kept_for_backward(target):
 # ------------------------------------------------------------------------------ TTT == draft steps
 
 
-@pytest.mark.parametrize("kind", ["mtp", "eagle1", "deepseek_mtp", "eagle3"])
+# eagle3's EAGLE-3.1 flags: all off (EAGLE-3), the new defaults, per-state input norms with the post-norm
+# state fed back, and the residual norm alone.
+EAGLE31 = {"eagle3": dict.fromkeys(("norm_before_fc", "fc_norm", "norm_before_residual", "norm_output"), False),
+           "eagle3.1": {}, "eagle3-fc_norm": {"fc_norm": True, "norm_before_residual": False},
+           "eagle3-residual": {"norm_before_fc": False, "norm_before_residual": True, "norm_output": False}}
+
+
+@pytest.mark.parametrize("kind", ["mtp", "eagle1", "deepseek_mtp", *EAGLE31])
 def test_unrolled_step_j_is_the_engine_draft_step_j(target, kind):
     """Absorb positions 0..m with the target's states through the paged cache, then draft steps
     j = 1..3 one row each (own output fed back, ground-truth tokens): step j of the unroll at row
     m + j computes the same hidden state."""
-    kw = {"aux_layer_ids": [0, 1, 2]} if kind == "eagle3" else {}
+    kw = {"aux_layer_ids": [0, 1, 2], **EAGLE31[kind]} if kind in EAGLE31 else {}
+    kind = "eagle3" if kind in EAGLE31 else kind
     head = build_head(HeadConfig(head_type=kind, **kw), target).eval()
+    with torch.no_grad():  # the flags' norms away from one, so that a norm applied twice or skipped shows
+        for name, p in head.named_parameters():
+            if "norm" in name:
+                p.mul_(1 + 0.5 * torch.rand_like(p))
     b = _batch(target, lens=(7, 16, 5))  # checked in the middle sequence: its neighbours must not leak in
     steps = 4
     with torch.no_grad():

@@ -18,7 +18,7 @@ from headstart.export.formats import LAYOUTS
 from headstart.export.layout import Layout, check_tensors
 from headstart.fileio import apply_umask, atomic_path, check_output_path, read_json_object
 from headstart.heads import FAMILIES, DraftHead, HeadConfig, PackedBatch, is_head_checkpoint, save_head
-from headstart.heads.base import check_compatible
+from headstart.heads.base import EAGLE31_FLAGS, check_compatible
 from headstart.models.llama import LlamaForCausalLM
 
 EXPORT_FORMATS = ("sglang", "vllm", "deepseek-mtp", "medusa", "hf", "native")
@@ -199,7 +199,7 @@ def _read_back(layout: Layout, src: Path, target: LlamaForCausalLM, *,
         if isinstance(config.get("headstart"), dict):  # what a serving engine reads must agree with our record
             bare, _ = layout.read({k: v for k, v in config.items() if k != "headstart"}, tensors, target)
             for key in ("aux_layer_ids", "num_layers", "medusa_num_heads", "medusa_num_layers", "block_size",
-                        "mask_token_id", "draft_vocab_size"):
+                        "mask_token_id", "draft_vocab_size", *EAGLE31_FLAGS):
                 if getattr(bare, key) != getattr(cfg, key):
                     raise AssetError(f"config.json gives {key}={getattr(bare, key)!r} but the headstart record "
                                      f"says {getattr(cfg, key)!r} (edited after export?)")
@@ -341,10 +341,10 @@ def _same_outputs(a: DraftHead, b: DraftHead) -> bool:
         with torch.no_grad():
             return torch.equal(a.compute_logits(a.train_blocks(batch, blocks)),
                                b.compute_logits(b.train_blocks(batch, blocks)))
-    with torch.no_grad():
+    with torch.no_grad():  # the output states too: what the next draft step is fed (eagle3's norm_output)
         ha, _ = a.train_forward(batch)
         hb, _ = b.train_forward(batch)
-        return torch.equal(a.compute_logits(ha), b.compute_logits(hb))
+        return torch.equal(ha, hb) and torch.equal(a.compute_logits(ha), b.compute_logits(hb))
 
 
 __all__ = ["EXPORT_FORMATS", "IMPORT_FORMATS", "check_export_output", "export_head", "import_head", "is_export"]

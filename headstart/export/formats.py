@@ -2,7 +2,8 @@
 
 | format         | heads                  | loader it targets                                                      |
 |----------------|------------------------|------------------------------------------------------------------------|
-| `sglang`       | eagle3, eagle1         | SGLang `LlamaForCausalLMEagle3` / `LlamaForCausalLMEagle` (EAGLE code) |
+| `sglang`       | eagle3, eagle1, dflash | SGLang `LlamaForCausalLMEagle3` / `LlamaForCausalLMEagle` (EAGLE code) |
+|                |                        | / `DFlashDraftModel` (sglang_dflash.py)                                 |
 | `vllm`         | eagle3, mtp (Qwen3),   | vLLM speculators format (`speculators` 0.9.0 `eagle3` / `mtp` /        |
 |                | dflash                 | `dflash`)                                                              |
 | `deepseek-mtp` | deepseek_mtp, mtp      | DeepSeek-V3 MTP module at `model.layers.{L}` (vLLM/SGLang MTP loaders), |
@@ -23,8 +24,10 @@ from typing import Any
 import torch
 
 from headstart.errors import AssetError
+from headstart.export import sglang_dflash
 from headstart.export.layout import (
     Layout,
+    config_bool,
     config_dict,
     config_ids,
     config_int,
@@ -37,11 +40,16 @@ from headstart.export.layout import (
     target_hf_config,
 )
 from headstart.heads import DraftHead, HeadConfig
-from headstart.heads.base import EAGLE_FLAGS, default_aux_layers
+from headstart.heads.base import EAGLE31_FLAGS, EAGLE_FLAGS, default_aux_layers
 from headstart.models.deepseek import SUPPORTED_MODEL_TYPES as DEEPSEEK_MODEL_TYPES
 from headstart.models.llama import LlamaForCausalLM
 
 SPECULATORS_VERSION = "0.9.0"
+# EAGLE-3.1 flags SGLang's LlamaForCausalLMEagle3 lacks: its model (sglang/srt/models/llama_eagle3.py) builds
+# fc_norm.{i} when `fc_norm` is set and feeds back the post-norm state when `norm_output` is, but has no
+# norm over the concatenated aux states (no input_norm) and always keeps the un-normed fc output as the
+# first layer's residual.
+SGLANG_MISSING_FLAGS = ("norm_before_fc", "norm_before_residual")
 _DIMS = ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim")
 
 
@@ -103,7 +111,7 @@ def _head_config(config: dict[str, Any], head_type: str, target: LlamaForCausalL
         raw = dict(meta["head_config"])
         raw.pop("target", None)
         try:
-            return HeadConfig(**raw)
+            return HeadConfig.from_record(raw)
         except (TypeError, ValueError) as e:
             raise AssetError(f"config.json: the recorded headstart head_config is invalid ({str(e)[:160]})") from None
     try:
@@ -127,9 +135,11 @@ def _no_qk_norm(head: DraftHead, name: str) -> str | None:
 
 class SGLang(Layout):
     name = "sglang"
-    families = ("eagle3", "eagle1")
+    families = ("eagle3", "eagle1", "dflash")  # dflash: sglang_dflash.py
 
     def refuse(self, head: DraftHead) -> str | None:
+        if head.config.head_type == "dflash":
+            return sglang_dflash.refuse(head)
         why = super().refuse(head) or _no_qk_norm(head, "SGLang")
         if why:
             return why
@@ -139,6 +149,11 @@ class SGLang(Layout):
                 return f"SGLang's LlamaForCausalLMEagle3 has one layer (`midlayer`); this head has {cfg.num_layers}"
             if 0 in cfg.aux_layer_ids:
                 return "SGLang names aux layers by the layer whose output they are: aux 0 (the embedding) has none"
+            for flag in SGLANG_MISSING_FLAGS:
+                if getattr(cfg, flag):
+                    return (f"SGLang's LlamaForCausalLMEagle3 does not implement head.{flag} (it reads fc_norm and "
+                            f"norm_output only: sglang/srt/models/llama_eagle3.py); train the head with "
+                            f"head.{flag}: false to serve it on SGLang, or export it with --format vllm")
         else:
             flags = {k: getattr(cfg, k) for k in EAGLE_FLAGS["eagle1"]}
             if flags != EAGLE_FLAGS["eagle1"]:
@@ -154,6 +169,8 @@ class SGLang(Layout):
 
     def write(self, head, target):  # noqa: ANN001, ANN201
         cfg = head.config
+        if cfg.head_type == "dflash":
+            return sglang_dflash.write(head, target, _layer_config(head, target, "qwen3"), _meta(head, self.name))
         state = split_fused(rename(native_state(head), self._rules(cfg.head_type)), cfg)
         config = _layer_config(head, target, "llama")
         config["tie_word_embeddings"] = False
@@ -164,6 +181,7 @@ class SGLang(Layout):
                           target_hidden_size=target.config.hidden_size,
                           eagle_config={"eagle_aux_hidden_state_layer_ids": [j - 1 for j in cfg.aux_layer_ids],
                                         "use_aux_hidden_state": True})
+            config.update(fc_norm=cfg.fc_norm, norm_output=cfg.norm_output)  # read as config attributes
         else:
             config.update(architectures=["LlamaForCausalLMEagle"])
         config["headstart"] = _meta(head, self.name)
@@ -171,11 +189,14 @@ class SGLang(Layout):
 
     def recognise(self, config):  # noqa: ANN001, ANN201
         arch = config.get("architectures") or []
-        if arch in (["LlamaForCausalLMEagle3"], ["LlamaForCausalLMEagle"]):
+        if arch in (["LlamaForCausalLMEagle3"], ["LlamaForCausalLMEagle"], [sglang_dflash.ARCHITECTURE]):
             return None
-        return f"architectures {arch!r} (expected LlamaForCausalLMEagle3 or LlamaForCausalLMEagle)"
+        return f"architectures {arch!r} (expected LlamaForCausalLMEagle3, LlamaForCausalLMEagle or DFlashDraftModel)"
 
     def read(self, config, tensors, target):  # noqa: ANN001, ANN201
+        if config["architectures"] == [sglang_dflash.ARCHITECTURE]:
+            fields, state = sglang_dflash.read(config, tensors, target)
+            return _head_config(config, "dflash", target, **fields, **_dims(config)), state
         eagle3 = config["architectures"] == ["LlamaForCausalLMEagle3"]
         state = rename(join_fused(tensors), invert(self._rules("eagle3" if eagle3 else "eagle1")))
         if eagle3:
@@ -184,7 +205,11 @@ class SGLang(Layout):
             n = target.config.num_hidden_layers
             aux = [j + 1 for j in ids] if ids else default_aux_layers(n)
             vocab = config_int(config, "draft_vocab_size")
-            cfg = _head_config(config, "eagle3", target, aux_layer_ids=aux, draft_vocab_size=vocab, **_dims(config))
+            flags = {"fc_norm": config_bool(config, "fc_norm") or config_bool(config, "use_aux_norm"),
+                     "norm_output": config_bool(config, "norm_output")}
+            flags.update(dict.fromkeys(SGLANG_MISSING_FLAGS, False))  # what SGLang computes, whatever the config says
+            cfg = _head_config(config, "eagle3", target, aux_layer_ids=aux, draft_vocab_size=vocab, **flags,
+                               **_dims(config))
             cfg.draft_vocab_size = vocab
             state.pop("embed_tokens.weight", None)  # EAGLE-3 checkpoints may carry the target's embedding
         else:
@@ -248,7 +273,8 @@ class VLLM(Layout):
             if "lm_head.weight" not in state:
                 state["lm_head.weight"] = target.lm_head.weight.detach().cpu().clone()
             config = {"speculators_model_type": "eagle3", "architectures": ["Eagle3Speculator"], **common,
-                      "draft_vocab_size": int(state["d2t"].numel()), "norm_before_residual": False,
+                      "draft_vocab_size": int(state["d2t"].numel()),
+                      **{flag: getattr(cfg, flag) for flag in EAGLE31_FLAGS},
                       "target_hidden_size": target.config.hidden_size,
                       "eagle_aux_hidden_state_layer_ids": list(cfg.aux_layer_ids)}
         else:
@@ -353,8 +379,9 @@ class VLLM(Layout):
         if kind == "eagle3":
             ids = config_ids(config.get("eagle_aux_hidden_state_layer_ids"), "eagle_aux_hidden_state_layer_ids")
             n = target.config.num_hidden_layers
+            flags = {flag: config_bool(config, flag) for flag in EAGLE31_FLAGS}  # absent: off, as speculators reads it
             cfg = _head_config(config, "eagle3", target, aux_layer_ids=list(ids) if ids else default_aux_layers(n),
-                               num_layers=config_int(layer, "num_hidden_layers", 1), **_dims(layer))
+                               num_layers=config_int(layer, "num_hidden_layers", 1), **flags, **_dims(layer))
             cfg.draft_vocab_size = config_int(config, "draft_vocab_size")
             if "t2d" not in state and "d2t" in state:  # vLLM ignores t2d; rebuild it from d2t
                 t2d = torch.zeros(target.config.vocab_size, dtype=torch.bool)

@@ -194,6 +194,14 @@ def config_int(config: dict[str, Any], key: str, default: Any = None, *, least: 
     return value
 
 
+def config_bool(config: dict[str, Any], key: str) -> bool:
+    """A boolean config flag (absent: false, as the engines read it), or an error naming the key."""
+    value = config.get(key, False)
+    if not isinstance(value, bool):
+        raise AssetError(f"config.json: {key} must be true or false, got {str(value)[:40]!r}")
+    return value
+
+
 def config_dict(config: dict[str, Any], key: str) -> dict[str, Any]:
     value = config.get(key) or {}
     if not isinstance(value, dict):

@@ -57,6 +57,8 @@ def head_config_from_recipe(section: HeadSection) -> HeadConfig:
         draft_vocab_size=section.draft_vocab_size, medusa_num_heads=section.medusa_num_heads,
         medusa_num_layers=section.medusa_num_layers, postnorm_features=section.postnorm_features,
         dense_block=section.dense_block, block_size=section.block_size, mask_token_id=section.mask_token_id,
+        norm_before_fc=section.norm_before_fc, fc_norm=section.fc_norm,
+        norm_before_residual=section.norm_before_residual, norm_output=section.norm_output,
     )
 
 

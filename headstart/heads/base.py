@@ -53,6 +53,16 @@ EAGLE_FLAGS = {
     "eagle1": {"embed_norm": False, "hidden_norm": False, "layer_input_norm": False, "final_norm": False,
                "postnorm_features": True, "fc_bias": True},
 }
+# EAGLE-3.1 norm flags of eagle3 heads, with speculators' (0.9.0, models/eagle3/core.py) semantics:
+#   norm_before_fc        one RMSNorm over the concatenated aux states (A d) before fc
+#   fc_norm               one RMSNorm per aux state (d each) before fc; exclusive with norm_before_fc
+#   norm_before_residual  the first layer's residual is hidden_norm(f), not f
+#   norm_output           the state fed back to the next draft step is norm(y), the one the logits read
+# A new head gets speculators' trainer defaults (train/config/schema.py: norm_before_residual true,
+# norm_before_fc and norm_output true for eagle3, fc_norm false); a head saved before the flags
+# existed has them all off (HeadConfig.from_record).
+EAGLE31_FLAGS = ("norm_before_fc", "fc_norm", "norm_before_residual", "norm_output")
+EAGLE31_DEFAULTS = {"norm_before_fc": True, "fc_norm": False, "norm_before_residual": True, "norm_output": True}
 
 
 @dataclass(kw_only=True)
@@ -82,6 +92,11 @@ class HeadConfig:
     dense_block: bool = False  # deepseek_mtp on a DeepSeek target: a dense MLP instead of the target's MoE
     block_size: int | None = None  # dflash: positions per block (anchor + block_size - 1 drafts); None: 8
     mask_token_id: int | None = None  # dflash: the token filling the block's draft slots; None: the tokenizer's
+    # eagle3: EAGLE-3.1 norm flags (EAGLE31_FLAGS); None = EAGLE31_DEFAULTS for a new head.
+    norm_before_fc: bool | None = None
+    fc_norm: bool | None = None
+    norm_before_residual: bool | None = None
+    norm_output: bool | None = None
     # Filled by resolve(): the target this head belongs to.
     target: dict[str, Any] = field(default_factory=dict)
 
@@ -111,6 +126,25 @@ class HeadConfig:
         for name, value in EAGLE_FLAGS.get(self.head_type, {}).items():
             if getattr(self, name) is None:
                 setattr(self, name, value)
+        for name in EAGLE31_FLAGS:
+            value = getattr(self, name)
+            if value is not None and (self.head_type != "eagle3" or not isinstance(value, bool)):
+                raise ValueError(f"head.{name} is an eagle3 flag (true / false); got {str(value)[:20]!r} "
+                                 f"on a {self.head_type} head")
+            if self.head_type == "eagle3" and value is None:  # fc_norm asked for: the other input norm off
+                setattr(self, name, EAGLE31_DEFAULTS[name] and not (name == "norm_before_fc" and self.fc_norm))
+        if self.norm_before_fc and self.fc_norm:
+            raise ValueError("head.norm_before_fc and head.fc_norm are exclusive (one norm over the concatenated aux "
+                             "states, or one per state; speculators refuses both)")
+
+    @classmethod
+    def from_record(cls, raw: dict[str, Any]) -> HeadConfig:
+        """The config of a saved head (a checkpoint's config.json, an export's headstart record): a record
+        written before the EAGLE-3.1 flags existed was saved with them off, not with a new head's defaults."""
+        raw = dict(raw)
+        for name in EAGLE31_FLAGS:
+            raw.setdefault(name, saved_without(name, raw.get("head_type")))
+        return cls(**raw)
 
     def resolve(self, target: LlamaForCausalLM) -> HeadConfig:
         """A copy with every dimension filled from the target, checked against it."""
@@ -154,6 +188,11 @@ class HeadConfig:
         )
         kw.update(overrides)
         return DecoderLayerConfig(**kw)
+
+
+def saved_without(name: str, head_type: Any) -> Any:
+    """The value of EAGLE-3.1 flag `name` in a record saved before the flags existed (all off)."""
+    return False if head_type == "eagle3" else None
 
 
 def default_aux_layers(num_layers: int) -> list[int]:

@@ -13,7 +13,7 @@ from safetensors.torch import load_file, save_file
 
 from headstart.errors import AssetError
 from headstart.fileio import apply_umask, atomic_path, check_output_path, read_json_object, sha256_file
-from headstart.heads.base import HIDDEN_STATE_CONVENTION, DraftHead, HeadConfig
+from headstart.heads.base import EAGLE31_FLAGS, HIDDEN_STATE_CONVENTION, DraftHead, HeadConfig, saved_without
 
 
 def save_head(head: DraftHead, path: str | Path, *, overwrite: bool = False) -> Path:
@@ -90,7 +90,7 @@ def _read_head_config(path: str | Path) -> tuple[HeadConfig, str]:
     if unknown:
         raise AssetError(f"{f}: unknown keys {[k[:40] for k in unknown[:8]]}")
     try:
-        cfg = HeadConfig(**raw)
+        cfg = HeadConfig.from_record(raw)
     except (TypeError, ValueError) as e:
         raise AssetError(f"{f}: {str(e)[:200]}") from None
     fp = cfg.target.get("fingerprint") if isinstance(cfg.target, dict) else None
@@ -134,7 +134,8 @@ def _check_config_record(f: Path, cfg: HeadConfig) -> None:
     if not isinstance(saved, dict):
         raise AssetError(f"{f}: its {CONFIG_RECORD} record is not a JSON object")
     have = dataclasses.asdict(cfg)
-    for key, default in LATER_FIELDS.items():  # added after heads were saved: absent means the default
+    later = LATER_FIELDS | {name: saved_without(name, cfg.head_type) for name in EAGLE31_FLAGS}
+    for key, default in later.items():  # added after heads were saved: absent means the default
         if key not in saved and have.get(key) == default:
             have.pop(key)
     for key in sorted(set(saved) | set(have)):

@@ -5,6 +5,13 @@
     y = f + attn(x);  y = y + mlp(post_norm(y))            residual stream is f (not the embedding)
     logits = lm_head_draft(norm(y))                        (N, V_draft); target id = i + d2t[i]
 
+EAGLE-3.1 flags (heads.base.EAGLE31_FLAGS, speculators' Eagle3DraftModel semantics):
+    norm_before_fc:       f = fc(input_norm(cat(a)))               one norm over (N, 3d)
+    fc_norm:              f = fc(cat(fc_norm_i(a_i)))              one norm per aux state
+    norm_before_residual: y = hidden_norm(f) + attn(x)             the residual is the normed f
+    norm_output:          the head's output is norm(y) (the logits read it as is), so the next draft
+                          step, in the engine and in the TTT unroll, is fed the post-norm state
+
 Names map to SGLang's LlamaForCausalLMEagle3 as embed_norm -> midlayer.input_layernorm,
 hidden_norm -> midlayer.hidden_norm, layers.0 -> midlayer.
 """
@@ -29,6 +36,8 @@ class Eagle3Head(DraftHead):
         d, eps = cfg.hidden_size, target.config.rms_norm_eps
         a = len(cfg.aux_layer_ids)
         self.fc = Linear(a * d, d, bias=False)
+        self.input_norm = RMSNorm(a * d, eps) if cfg.norm_before_fc else None
+        self.fc_norm = nn.ModuleList(RMSNorm(d, eps) for _ in range(a)) if cfg.fc_norm else None
         self.embed_norm = RMSNorm(d, eps)
         self.hidden_norm = RMSNorm(d, eps)
         self.rotary = self.make_rotary(target)
@@ -63,21 +72,29 @@ class Eagle3Head(DraftHead):
         if aux is None:
             raise ValueError(f"eagle3 needs the hidden states entering layers {self.config.aux_layer_ids}")
         n, a, d = aux.shape  # (N, A, d)
-        return self.fc(aux.reshape(n, a * d).to(self.fc.weight.dtype))
+        x = aux.reshape(n, a * d).to(self.fc.weight.dtype)  # (N, A d)
+        if self.input_norm is not None:
+            x = self.input_norm(x)
+        if self.fc_norm is not None:
+            x = torch.cat([norm(part) for norm, part in zip(self.fc_norm, x.chunk(a, dim=-1))], dim=-1)
+        return self.fc(x)
 
     def forward_hidden(self, tokens: torch.Tensor, features: torch.Tensor, meta: AttentionMetadata,
                        caches: list[KVPages] | None, backend: AttentionBackend) -> torch.Tensor:
         e = self.embed_norm(self.embed(tokens))
-        x = torch.cat([e, self.hidden_norm(features).to(e.dtype)], dim=-1)  # (N, 2d)
-        y = self.layers[0](x, meta, caches[0] if caches is not None else None, backend, residual=features)
+        f = self.hidden_norm(features).to(e.dtype)
+        x = torch.cat([e, f], dim=-1)  # (N, 2d)
+        residual = f if self.config.norm_before_residual else features
+        y = self.layers[0](x, meta, caches[0] if caches is not None else None, backend, residual=residual)
         for j, layer in enumerate(self.layers[1:], start=1):
             y = layer(y, meta, caches[j] if caches is not None else None, backend)
-        return y
+        return self.norm(y) if self.config.norm_output else y
 
     def compute_logits(self, h: torch.Tensor) -> torch.Tensor:
-        """(N, d) -> (N, V_draft) logits over the draft vocabulary (the full vocab without one)."""
+        """(N, d) -> (N, V_draft) logits over the draft vocabulary (the full vocab without one); with
+        norm_output `h` is already normed."""
         head = self.lm_head if self.lm_head is not None else self.target.lm_head
-        return head(self.norm(h)).float()
+        return head(h if self.config.norm_output else self.norm(h)).float()
 
     def to_target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
         return draft_to_target(draft_ids, self.d2t)
@@ -94,7 +111,8 @@ class Eagle3Head(DraftHead):
         Measured on SmolLM2 (benchmarks/init.py --head eagle3, 12 equal steps): held-out KL at the
         start 7.19 nats (log V = 10.80), after the steps 4.28 and top-1 0.127. The previous init
         (random fc, target norm): 14.77 at the start, 5.45 / 0.062 after; fc_high alone: 11.21, then
-        4.53 / 0.116; tempered alone 7.93, then 5.08 / 0.079; all random: 10.77, then 5.99 / 0.079."""
+        4.53 / 0.116; tempered alone 7.93, then 5.08 / 0.079; all random: 10.77, then 5.99 / 0.079.
+        (Measured with the EAGLE-3.1 flags off; the input norms start at one.)"""
         copy_layer(self.layers[0], target.model.layers[-1])
         d = self.config.hidden_size
         with torch.no_grad():

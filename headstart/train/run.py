@@ -452,9 +452,12 @@ def run_train(recipe: Recipe, *, resume: bool = False, progress: bool = True) ->
     before the target loads, and held by one run at a time (a second one refuses at once)."""
     from headstart.plan import check_recipe_fits
 
-    check_recipe_fits(recipe, ("train", "validation"), torch.device(train_device(recipe.trainer)))  # before anything
+    plan = check_recipe_fits(recipe, ("train", "validation"), torch.device(train_device(recipe.trainer)))  # first
     out = check_output_dir(recipe, resume)
     rank = global_rank(recipe.trainer.devices)
+    if rank == 0:  # before any training: a head no engine of the target loads is better known now
+        for line in plan.serving:
+            print(f"train: the head serves on {line}")
     with exclusive_lock(lock_path(out, rank), what=f"train into {out}"):
         if rank == 0:
             remove_crash_leftovers(out)

@@ -1,0 +1,157 @@
+"""eagle3's EAGLE-3.1 flags (norm_before_fc, fc_norm, norm_before_residual, norm_output) through every
+place that reads a head's config: the defaults of a new head, a head saved before the flags existed,
+the vLLM and SGLang exports and their imports (SGLang refuses the two flags it lacks), the recipe.
+Semantics against speculators' own model: test_serving.py; train == engine: test_train_parts.py."""
+
+import itertools
+import json
+
+import pytest
+import torch
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
+from tiny_models import make_hf_model
+
+from headstart.errors import AssetError
+from headstart.export import export_head, import_head
+from headstart.fileio import sha256_file
+from headstart.heads import HeadConfig, PackedBatch, build_head, build_vocab_maps, load_head, save_head
+from headstart.heads.base import EAGLE31_DEFAULTS, EAGLE31_FLAGS
+from headstart.heads.checkpoint import CONFIG_RECORD
+from headstart.models.llama import load_llama
+
+# Every combination speculators accepts (norm_before_fc and fc_norm are exclusive): 12.
+COMBOS = [dict(zip(EAGLE31_FLAGS, bits)) for bits in itertools.product((False, True), repeat=4) if not all(bits[:2])]
+
+
+@pytest.fixture(scope="module")
+def target(tmp_path_factory):
+    d = tmp_path_factory.mktemp("llama")
+    make_hf_model("llama", d, seed=4)
+    return load_llama(d, "fp32")
+
+
+def _head(target, flags, aux=(1, 2)):
+    torch.manual_seed(1)
+    head = build_head(HeadConfig(head_type="eagle3", draft_vocab_size=64, aux_layer_ids=list(aux), **flags), target)
+    head.set_vocab_maps(*build_vocab_maps(torch.rand(320), 64))
+    with torch.no_grad():  # away from the start (norms at one would hide a norm applied twice or skipped)
+        for p in head.parameters():
+            p.add_(0.1 * torch.randn_like(p))
+    return head
+
+
+def _outputs(head, target):
+    """(output states, logits) of one forward and of the state fed back (the second draft step)."""
+    from headstart.train.ttt import unroll
+
+    gen = torch.Generator().manual_seed(7)
+    n, d, a = 9, target.config.hidden_size, len(head.config.aux_layer_ids)
+    batch = PackedBatch(torch.randint(0, 320, (n,), generator=gen), [4, 5], None,
+                        torch.randn(n, a, d, generator=gen), None)
+    with torch.no_grad():
+        outs, _, _ = unroll(head, batch, 2)
+        return [t for o in outs for t in (o, head.compute_logits(o))]
+
+
+def _same(a, b, target):
+    return all(torch.equal(x, y) for x, y in zip(_outputs(a, target), _outputs(b, target)))
+
+
+def test_a_new_head_takes_the_trainers_defaults_and_each_flag_changes_the_head(target):
+    cfg = HeadConfig(head_type="eagle3")
+    assert {k: getattr(cfg, k) for k in EAGLE31_FLAGS} == EAGLE31_DEFAULTS
+    assert HeadConfig(head_type="eagle3", fc_norm=True).norm_before_fc is False  # the other input norm gives way
+    assert HeadConfig(head_type="mtp").norm_output is None
+    with pytest.raises(ValueError, match="exclusive"):
+        HeadConfig(head_type="eagle3", norm_before_fc=True, fc_norm=True)
+    with pytest.raises(ValueError, match="head.norm_output is an eagle3 flag"):
+        HeadConfig(head_type="mtp", norm_output=True)
+    off = dict.fromkeys(EAGLE31_FLAGS, False)
+    base = _outputs(_head(target, off), target)
+    for flag in EAGLE31_FLAGS:  # a flag that were ignored somewhere would leave the outputs as they were
+        changed = _outputs(_head(target, off | {flag: True}), target)
+        assert not torch.allclose(changed[-1], base[-1]), flag
+    head = _head(target, off | {"norm_before_fc": True, "norm_output": True})
+    assert head.input_norm.weight.shape == (2 * 64,)  # two aux states x d
+    assert head.fc_norm is None
+
+
+def test_a_head_saved_before_the_flags_loads_with_them_off(tmp_path, target):
+    """An eagle3 head saved by an earlier headstart has no flag keys in config.json nor in the weights'
+    config record: it loads as EAGLE-3 (all off), not with a new head's defaults."""
+    old = _head(target, dict.fromkeys(EAGLE31_FLAGS, False))
+    save_head(old, tmp_path / "head")
+    cfg_file, weights = tmp_path / "head" / "config.json", tmp_path / "head" / "model.safetensors"
+    with safe_open(str(weights), framework="pt") as f:
+        record = json.loads(f.metadata()[CONFIG_RECORD])
+    tensors = load_file(str(weights))
+    for key in EAGLE31_FLAGS:
+        record.pop(key)
+    save_file(tensors, str(weights), metadata={CONFIG_RECORD: json.dumps(record, sort_keys=True)})
+    raw = json.loads(cfg_file.read_text())
+    raw = {k: v for k, v in raw.items() if k not in EAGLE31_FLAGS} | {"weights_sha256": sha256_file(weights)}
+    cfg_file.write_text(json.dumps(raw))
+    back = load_head(tmp_path / "head", target)
+    assert not any(getattr(back.config, k) for k in EAGLE31_FLAGS)
+    assert _same(back, old, target)
+    raw["norm_output"] = True  # an edit after saving is still found
+    cfg_file.write_text(json.dumps(raw))
+    with pytest.raises(AssetError, match="norm_output"):
+        load_head(tmp_path / "head", target)
+
+
+@pytest.mark.parametrize("flags", COMBOS, ids=lambda f: "+".join(k for k, v in f.items() if v) or "off")
+def test_every_combination_round_trips_through_vllm_and_sglang_where_it_serves(tmp_path, target, flags):
+    head = _head(target, flags)
+    export_head(head, target, "vllm", tmp_path / "v")
+    config = json.loads((tmp_path / "v" / "config.json").read_text())
+    assert {k: config[k] for k in EAGLE31_FLAGS} == flags
+    back = import_head(tmp_path / "v", "vllm", target, tmp_path / "vn")
+    assert {k: getattr(back.config, k) for k in EAGLE31_FLAGS} == flags and _same(back, head, target)
+    missing = [k for k in ("norm_before_fc", "norm_before_residual") if flags[k]]
+    if missing:
+        with pytest.raises(AssetError, match=f"SGLang's LlamaForCausalLMEagle3 does not implement head.{missing[0]}"):
+            export_head(head, target, "sglang", tmp_path / "s")
+        assert not (tmp_path / "s").exists()
+        return
+    export_head(head, target, "sglang", tmp_path / "s")
+    config = json.loads((tmp_path / "s" / "config.json").read_text())
+    assert (config["fc_norm"], config["norm_output"]) == (flags["fc_norm"], flags["norm_output"])
+    back = import_head(tmp_path / "s", "sglang", target, tmp_path / "sn")
+    assert {k: getattr(back.config, k) for k in EAGLE31_FLAGS} == flags and _same(back, head, target)
+
+
+@pytest.mark.parametrize("fmt", ["vllm", "sglang"])
+def test_an_engine_checkpoint_is_read_as_the_engine_reads_its_flags(tmp_path, target, fmt):
+    """Without our record, the flags come from the engine's own config fields (absent: off); an
+    edited field that disagrees with our record is refused."""
+    flags = {"norm_before_fc": False, "fc_norm": True, "norm_before_residual": False, "norm_output": True}
+    export_head(_head(target, flags), target, fmt, tmp_path / "e")
+    path = tmp_path / "e" / "config.json"
+    config = json.loads(path.read_text())
+    path.write_text(json.dumps(config | {"norm_output": False}))
+    with pytest.raises(AssetError, match="norm_output=False but the headstart record says True"):
+        import_head(tmp_path / "e", fmt, target, tmp_path / "bad")
+    bare = {k: v for k, v in config.items() if k not in ("headstart", "norm_output")}
+    path.write_text(json.dumps(bare))
+    back = import_head(tmp_path / "e", fmt, target, tmp_path / "n")
+    assert back.config.fc_norm is True and back.config.norm_output is False
+    assert back.config.norm_before_fc is False and back.config.norm_before_residual is False
+    path.write_text(json.dumps(bare | {"fc_norm": "yes"}))
+    with pytest.raises(AssetError, match="fc_norm must be true or false"):
+        import_head(tmp_path / "e", fmt, target, tmp_path / "n2")
+
+
+def test_the_recipe_sets_the_flags_for_eagle3_heads_only():
+    from headstart.config import HeadSection
+    from headstart.heads import head_config_from_recipe
+
+    cfg = head_config_from_recipe(HeadSection(type="eagle3", fc_norm=True, norm_output=False))
+    assert (cfg.norm_before_fc, cfg.fc_norm, cfg.norm_before_residual, cfg.norm_output) == (False, True, True, False)
+    with pytest.raises(ValueError, match="applies to eagle3 heads, not mtp") as e:
+        HeadSection(type="mtp", norm_output=True)
+    assert e.value.key == "head.norm_output"
+    with pytest.raises(ValueError, match="exclusive") as e:
+        HeadSection(type="eagle3", fc_norm=True, norm_before_fc=True)
+    assert e.value.key == "head.fc_norm"
