@@ -33,7 +33,8 @@ V2_LITE = dict(model_type="deepseek_v2", vocab_size=8192, hidden_size=2048, inte
                moe_intermediate_size=1408, num_hidden_layers=2, num_attention_heads=16, q_lora_rank=None,
                kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128, rms_norm_eps=1e-6,
                max_position_embeddings=4096, n_routed_experts=64, num_experts_per_tok=6, n_shared_experts=2,
-               first_k_dense_replace=1, topk_method="greedy", scoring_func="softmax")
+               first_k_dense_replace=1, topk_method="greedy", scoring_func="softmax", routed_scaling_factor=1.0,
+               norm_topk_prob=False, n_group=1, topk_group=1, moe_layer_freq=1, rope_theta=10000.0)
 
 
 def _best(fn, repeat: int = 3) -> float:  # noqa: ANN001
@@ -62,7 +63,7 @@ def measure(tokens: int) -> dict[str, float]:
     from headstart.nn.linear import enable_cpu_kernels
 
     torch.manual_seed(0)
-    cfg = DeepseekConfig(**V2_LITE)
+    cfg = DeepseekConfig.from_hf(dict(V2_LITE))
     out: dict[str, float] = {}
     x = torch.randn(tokens, cfg.hidden_size)
     moe = MoE(cfg)
@@ -97,7 +98,7 @@ def _prefill() -> float:
     from headstart.models.deepseek import DeepseekConfig, DeepseekForCausalLM, keep_routers_fp32
 
     torch.manual_seed(0)
-    model = DeepseekForCausalLM(DeepseekConfig(**V2_LITE)).to(torch.bfloat16).eval()
+    model = DeepseekForCausalLM(DeepseekConfig.from_hf(dict(V2_LITE))).to(torch.bfloat16).eval()
     keep_routers_fp32(model)
     for p in model.parameters():
         p.requires_grad_(False)
