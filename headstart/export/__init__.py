@@ -19,6 +19,7 @@ from headstart.export.layout import Layout, check_tensors
 from headstart.fileio import apply_umask, atomic_path, check_output_path, read_json_object
 from headstart.heads import FAMILIES, DraftHead, HeadConfig, PackedBatch, is_head_checkpoint, save_head
 from headstart.heads.base import check_compatible
+from headstart.heads.checkpoint import NATIVE_MARK
 from headstart.models.llama import LlamaForCausalLM
 
 EXPORT_FORMATS = ("sglang", "vllm", "deepseek-mtp", "medusa", "hf", "native")
@@ -32,9 +33,6 @@ def is_export(path: str | Path) -> bool:
         return f.is_file() and isinstance(json.loads(f.read_text()).get("headstart", {}).get("export_format"), str)
     except (json.JSONDecodeError, UnicodeDecodeError, AttributeError):
         return False
-
-
-NATIVE_MARK = "EXPORTED_BY_HEADSTART"  # a native export is a head checkpoint plus this file
 
 
 def _is_native_export(path: str | Path) -> bool:
