@@ -36,3 +36,46 @@ def test_force_never_deletes_a_users_file_in_a_head_directory(chat_model_dir, tm
     assert main(init + ["--out", str(head), "--force"]) == 0
     assert main(["import", str(exp), "--format", "vllm", "--target", str(chat_model_dir), "--out", str(head),
                  "--force"]) == 0
+
+
+def _precompute_recipe(tmp_path, model_dir, out):
+    from conftest import random_conversations, write_jsonl
+
+    data = write_jsonl(tmp_path / "d.jsonl", random_conversations(12))
+    r = tmp_path / "pc.yaml"
+    r.write_text(f"output_dir: {tmp_path / 'run'}\ntarget:\n  model: {model_dir}\n  dtype: fp32\ndata:\n  source: "
+                 f"{data}\n  max_length: 64\nprecompute:\n  output_dir: {out}\n  shard_tokens: 400\n")
+    return r
+
+
+def test_precompute_never_writes_over_a_users_files(chat_model_dir, tmp_path, capsys):
+    """A precompute directory without run.json that holds the user's own manifest.json (or anything
+    else) is refused, listing it; the refusal leaves no lock file behind."""
+    out = tmp_path / "mine"
+    out.mkdir()
+    (out / "manifest.json").write_text('{"mine": true}\n')
+    r = _precompute_recipe(tmp_path, chat_model_dir, out)
+    _fails(capsys, ["precompute", str(r)], "manifest.json")
+    assert (out / "manifest.json").read_text() == '{"mine": true}\n'
+    assert sorted(p.name for p in out.iterdir()) == ["manifest.json"]  # no .lock-rank0, no run.json
+    (out / "manifest.json").unlink()
+    (out / "shard-00000.safetensors").write_bytes(b"not ours")
+    _fails(capsys, ["precompute", str(r)], "shard-00000.safetensors")
+    assert sorted(p.name for p in out.iterdir()) == ["shard-00000.safetensors"]
+
+
+def test_a_refusal_under_a_lock_leaves_no_lock_file(tmp_path):
+    from headstart.errors import DataError
+    from headstart.fileio import exclusive_lock
+
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    with pytest.raises(DataError), exclusive_lock(mine / ".lock-rank0", what="precompute"):
+        raise DataError("refused")
+    assert list(mine.iterdir()) == []
+    with pytest.raises(DataError), exclusive_lock(tmp_path / "new" / ".lock-rank0", what="precompute"):
+        raise DataError("refused")
+    assert not (tmp_path / "new").exists()
+    with exclusive_lock(mine / ".lock-rank0", what="precompute"):  # a run that ends keeps its lock file
+        pass
+    assert [p.name for p in mine.iterdir()] == [".lock-rank0"]
