@@ -79,3 +79,38 @@ def test_a_refusal_under_a_lock_leaves_no_lock_file(tmp_path):
     with exclusive_lock(mine / ".lock-rank0", what="precompute"):  # a run that ends keeps its lock file
         pass
     assert [p.name for p in mine.iterdir()] == [".lock-rank0"]
+
+
+def test_regenerate_refusal_does_not_ask_for_the_flag_it_was_given(chat_model_dir, tmp_path, capsys):
+    from conftest import random_conversations, write_jsonl
+
+    data = write_jsonl(tmp_path / "d.jsonl", random_conversations(6))
+    r = tmp_path / "r.yaml"
+    r.write_text(f"output_dir: {tmp_path / 'run'}\ntarget:\n  model: {chat_model_dir}\ndata:\n  source: {data}\n"
+                 "regenerate:\n  limit: 3\n")
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "regenerated.jsonl").write_text("")
+    (tmp_path / "run" / "regenerated.jsonl.run.json").write_text(json.dumps({"limit": 3}))
+    err = _fails(capsys, ["regenerate", str(r)], "pass --resume")
+    err = _fails(capsys, ["regenerate", str(r), "--resume"], "regenerate.limit is 3")
+    assert "pass --resume" not in err and "above 3" in err
+
+
+def test_an_empty_weight_map_is_named(chat_model_dir, tmp_path, capsys):
+    """An index whose weight_map is empty beside a real model.safetensors: the index is named as the
+    problem, not "no weights"."""
+    head = tmp_path / "h"
+    assert main(["head", "init", "--type", "eagle1", "--model", str(chat_model_dir), "--out", str(head)]) == 0
+    exp = tmp_path / "sg"
+    assert main(["export", str(head), "--format", "sglang", "--model", str(chat_model_dir), "--out", str(exp)]) == 0
+    capsys.readouterr()
+    (exp / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": {}}))
+    err = _fails(capsys, ["import", str(exp), "--format", "sglang", "--target", str(chat_model_dir), "--out",
+                          str(tmp_path / "i")], "weight_map is empty")
+    assert "model.safetensors.index.json" in err and "no *.safetensors" not in err
+    import shutil
+
+    target = tmp_path / "target"
+    shutil.copytree(chat_model_dir, target)
+    (target / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": {}}))
+    _fails(capsys, ["generate", "--model", str(target), "--prompt", "hi", "--max-tokens", "2"], "weight_map is empty")

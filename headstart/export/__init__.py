@@ -20,6 +20,7 @@ from headstart.fileio import apply_umask, atomic_path, check_output_path, read_j
 from headstart.heads import FAMILIES, DraftHead, HeadConfig, PackedBatch, is_head_checkpoint, save_head
 from headstart.heads.base import check_compatible
 from headstart.heads.checkpoint import NATIVE_MARK
+from headstart.models.loading import empty_weight_map
 from headstart.models.llama import LlamaForCausalLM
 
 EXPORT_FORMATS = ("sglang", "vllm", "deepseek-mtp", "medusa", "hf", "native")
@@ -133,6 +134,8 @@ def _load_tensors(src: Path, prefix: str | None = None) -> dict[str, torch.Tenso
         weight_map = read_json_object(index, "safetensors index").get("weight_map")
         if not isinstance(weight_map, dict):
             raise AssetError(f"{index}: no weight_map")
+        if not weight_map:
+            raise AssetError(empty_weight_map(index))
         names = sorted(set(map(str, weight_map.values())))
         for name in names:  # plain file names of this checkpoint (lexically: an HF snapshot's files are symlinks)
             if not name or name in (".", "..") or any(c in name for c in "/\\\0"):
