@@ -20,8 +20,8 @@ from headstart.fileio import apply_umask, atomic_path, check_output_path, read_j
 from headstart.heads import FAMILIES, DraftHead, HeadConfig, PackedBatch, is_head_checkpoint, save_head
 from headstart.heads.base import check_compatible
 from headstart.heads.checkpoint import NATIVE_MARK
-from headstart.models.loading import empty_weight_map
 from headstart.models.llama import LlamaForCausalLM
+from headstart.models.loading import empty_weight_map
 
 EXPORT_FORMATS = ("sglang", "vllm", "deepseek-mtp", "medusa", "hf", "native")
 IMPORT_FORMATS = ("sglang", "vllm", "eagle", "deepseek-mtp", "medusa", "hf")

@@ -88,12 +88,11 @@ def run_regenerate(recipe: Recipe, resume: bool = False, progress: bool = True) 
             raise DataError(f"{out} already exists; remove it, set regenerate.output, or raise regenerate.limit "
                             "and pass --resume to add the next source rows to it")
         if not _grows(run_file, limit_of(recipe)):
-            done = read_json_object(run_file, "run record").get("limit", "unknown") if run_file.exists() else None
-            record = (f"its run record {run_file} says it read regenerate.limit {str(done)[:20]} rows" if done is not None
-                      else f"it has no run record ({run_file.name}) saying how many source rows it read")
-            raise DataError(f"--resume: {out} already exists, a finished run, and {record}; regenerate.limit is {limit_of(recipe)}, "
-                            "so there is nothing to add: raise regenerate.limit above "
-                            f"{done if isinstance(done, int) else 'the rows it holds'} (--set regenerate.limit=N) to "
+            done = read_json_object(run_file, "run record").get("limit") if run_file.exists() else None
+            read = f"read regenerate.limit={str(done)[:20]} source rows" if run_file.exists() else "has no run record"
+            raise DataError(f"--resume: {out} already exists, a finished run that {read}, and regenerate.limit is "
+                            f"{limit_of(recipe)}: there is nothing to add. Raise regenerate.limit above "
+                            f"{done if isinstance(done, int) else 'the rows it read'} (--set regenerate.limit=N) to "
                             "add the next source rows, or remove it / set regenerate.output to start afresh")
         extend = True  # renamed to the partial file once its provenance matches (below)
     else:
