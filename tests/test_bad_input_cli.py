@@ -114,3 +114,71 @@ def test_an_empty_weight_map_is_named(chat_model_dir, tmp_path, capsys):
     shutil.copytree(chat_model_dir, target)
     (target / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": {}}))
     _fails(capsys, ["generate", "--model", str(target), "--prompt", "hi", "--max-tokens", "2"], "weight_map is empty")
+
+
+ROOT = __import__("pathlib").Path(__file__).resolve().parents[1]
+QUICKSTART = str(ROOT / "recipes" / "quickstart.yaml")
+SEVENTY = str(ROOT / "recipes" / "llama-3.3-70b-mtp-8xh100.yaml")
+SEVENTY_CONFIG = ROOT / "recipes" / "targets" / "llama-3.3-70b.json"
+
+
+def test_plan_refuses_a_damaged_target_config_naming_the_file_and_key(tmp_path, capsys):
+    good = json.loads(SEVENTY_CONFIG.read_text())
+    for key, value in (("hidden_size", "big"), ("num_attention_heads", 0), ("num_hidden_layers", -30),
+                       ("vocab_size", 1.5), ("intermediate_size", True), ("num_key_value_heads", 3)):
+        cfg = tmp_path / f"{key}.json"
+        cfg.write_text(json.dumps({**good, key: value}))
+        err = _fails(capsys, ["plan", SEVENTY, "--target-config", str(cfg)], key)
+        assert err.startswith(f"headstart: error: {cfg}: "), err  # the file is blamed, not the head
+
+
+def test_plan_refuses_device_sizes_that_are_not_sizes(capsys):
+    for gb in ("nan", "inf", "-80", "0"):
+        _fails(capsys, ["plan", SEVENTY, "--target-config", str(SEVENTY_CONFIG), f"--device-memory-gb={gb}"],
+               "--device-memory-gb")
+    assert main(["plan", SEVENTY, "--target-config", str(SEVENTY_CONFIG), "--json"]) == 0
+    json.loads(capsys.readouterr().out, parse_constant=lambda c: pytest.fail(f"{c} is not JSON"))
+
+
+def test_plan_refuses_one_rank_holding_a_tensor_parallel_shard(capsys):
+    _fails(capsys, ["plan", SEVENTY, "--target-config", str(SEVENTY_CONFIG), "--set", "trainer.devices=1",
+                    "--set", "trainer.num_nodes=1"], "engine.tensor_parallel 8 does not divide the training ranks")
+
+
+def test_an_empty_recipe_is_refused(tmp_path, capsys):
+    for text in ("", "# only a comment\n", "{}\n"):
+        r = tmp_path / "empty.yaml"
+        r.write_text(text)
+        err = _fails(capsys, ["plan", str(r)], "empty")
+        assert str(r) in err and "recipes/quickstart.yaml" in err
+
+
+def test_plan_reads_the_shape_file_a_recipe_names(capsys):
+    """The 8xH100 recipes name their target's config.json (recipes/targets/) as target.config, so
+    `plan` runs where /models/... is absent; --target-config still wins."""
+    import os
+
+    cwd = os.getcwd()
+    os.chdir(ROOT)  # recipes name repository-relative paths, as the README runs them
+    try:
+        for recipe in ("llama-3.2-1b-eagle3", "llama-3.1-8b-eagle3", "llama-3.3-70b-mtp", "deepseek-v2-lite-mtp"):
+            assert main(["plan", f"recipes/{recipe}-8xh100.yaml"]) == 0, capsys.readouterr().err
+            assert "fits: every phase" in capsys.readouterr().out
+        _fails(capsys, ["plan", "recipes/llama-3.3-70b-mtp-8xh100.yaml", "--set", "target.config=nowhere.json"],
+               "target.config")
+    finally:
+        os.chdir(cwd)
+
+
+def test_a_missing_regenerated_source_says_which_verb_writes_it(tmp_path, capsys, monkeypatch):
+    import shutil
+
+    recipe = tmp_path / "r.yaml"
+    shutil.copy(ROOT / "recipes" / "smollm2-135m-mtp.yaml", recipe)
+    monkeypatch.chdir(tmp_path)  # a fresh checkout: runs/ holds nothing yet
+    err = _fails(capsys, ["data", "inspect", str(recipe)], "headstart regenerate")
+    assert "runs/smollm2-135m-mtp/regenerated.jsonl" in err
+    head = tmp_path / "h"
+    head.mkdir()
+    (head / "config.json").write_text("{}")
+    _fails(capsys, ["eval", str(recipe), "--head", str(head)], "headstart regenerate")
