@@ -259,12 +259,17 @@ def _csv(text: str, kind: type, flag: str) -> list:
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
+    import math
     from pathlib import Path
 
     from headstart.config import load_recipe
     from headstart.fileio import read_json_object
     from headstart.plan import make_plan, render, target_config_path
 
+    gb = args.device_memory_gb
+    if not (math.isfinite(gb) and gb > 0):
+        raise HeadstartError(f"--device-memory-gb {gb}: not a memory size; give the device's memory in GB, a positive "
+                             "number (e.g. 80 for an H100-80GB)")
     recipe = load_recipe(args.recipe, args.overrides)
     where = Path(args.target_config) if args.target_config else target_config_path(recipe)
     if not where.is_file():
