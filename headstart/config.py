@@ -315,7 +315,7 @@ def load_recipe(path: str | Path, overrides: list[str] | None = None) -> Recipe:
         raise ConfigError(f"{path}: not valid YAML: {e}") from None
     except UnicodeDecodeError as e:
         raise ConfigError(f"{path}: not UTF-8 text (byte {e.start})") from None
-    if raw is None or raw == {}:  # an empty (or truncated) file is a mistake, not a wish for every default
+    if raw is None:  # an empty file (or only comments) is a mistake, not a wish for every default (that is `{}`)
         raise ConfigError(f"{path}: the recipe is empty; a recipe describes a run completely (target, data, head, "
                           "train, ...): start from a copy of recipes/quickstart.yaml")
     if not isinstance(raw, dict):

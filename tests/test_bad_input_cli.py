@@ -146,7 +146,7 @@ def test_plan_refuses_one_rank_holding_a_tensor_parallel_shard(capsys):
 
 
 def test_an_empty_recipe_is_refused(tmp_path, capsys):
-    for text in ("", "# only a comment\n", "{}\n"):
+    for text in ("", "# only a comment\n", "\n\n"):
         r = tmp_path / "empty.yaml"
         r.write_text(text)
         err = _fails(capsys, ["plan", str(r)], "empty")
