@@ -37,9 +37,13 @@ class TargetConfig:
     # Compute dtype of the target's forward passes; auto: bf16 where the device computes it natively
     # (CUDA, CPUs with avx512_bf16 or AMX), fp32 otherwise (headstart.hardware).
     dtype: Dtype = "auto"
+    # The target's config.json alone (shapes, no weights; e.g. recipes/targets/llama-3.1-8b.json): what
+    # `headstart plan` reads on a machine where target.model is not present. Relative to the working directory.
+    config: str | None = None
 
     def __post_init__(self) -> None:
         _require(bool(self.model.strip()), "target.model", "must not be empty")
+        _require(self.config is None or bool(self.config.strip()), "target.config", "must not be empty (or null)")
 
 
 @dataclass(kw_only=True)

@@ -36,7 +36,7 @@ from headstart.train.validate import engine_acceptance, heldout_prompts
 # Keys that may change on --resume without changing what is being trained.
 RESUMABLE_CHANGES = ("train.max_steps", "train.epochs", "train.val_every_steps", "train.val_prompts",
                      "train.val_max_tokens", "train.val_loss_batches", "train.ckpt_every_steps", "train.num_workers",
-                     "logging", "trainer", "name", "precompute", "regenerate", "output_dir")
+                     "logging", "trainer", "name", "precompute", "regenerate", "output_dir", "target.config")
 
 
 def run_dir(recipe: Recipe) -> Path:
