@@ -30,6 +30,19 @@ def output_path(recipe: Recipe) -> Path:
     return Path(recipe.regenerate.output or Path(recipe.output_dir) / "regenerated.jsonl")
 
 
+def check_regenerated_source(recipe: Recipe, recipe_path: str | Path) -> None:
+    """A data.source that is this recipe's regenerate output and is not there yet: say which verb
+    writes it (a fresh checkout has no runs/), instead of "unknown data source"."""
+    from headstart.assets import DATASETS
+
+    src = Path(recipe.data.source).expanduser()
+    if recipe.data.source in DATASETS or src.is_file() or src.resolve() != output_path(recipe).resolve():
+        return
+    raise DataError(f"data.source {recipe.data.source}: not written yet; it is what `headstart regenerate "
+                    f"{recipe_path}` writes (the target's own answers to regenerate.source): run that first, or point "
+                    "data.source at a conversation file")
+
+
 def _seed(base: int, conv_id: str, turn: int) -> int:
     return int.from_bytes(hashlib.sha256(f"{base}:{conv_id}:{turn}".encode()).digest()[:4], "big")
 
