@@ -182,3 +182,34 @@ def test_a_missing_regenerated_source_says_which_verb_writes_it(tmp_path, capsys
     head.mkdir()
     (head / "config.json").write_text("{}")
     _fails(capsys, ["eval", str(recipe), "--head", str(head)], "headstart regenerate")
+
+
+def test_duplicate_aux_layer_ids_are_refused_before_training_and_on_import(chat_model_dir, tmp_path, capsys):
+    for kind in ("eagle3", "dflash"):
+        _fails(capsys, ["train", QUICKSTART, "--set", f"head.type={kind}", "--set", "head.aux_layer_ids=[0,0,1]",
+                        "--set", f"output_dir={tmp_path / kind}"], "head.aux_layer_ids")
+        assert not (tmp_path / kind).exists()
+    head = tmp_path / "e3"
+    assert main(["head", "init", "--type", "eagle3", "--model", str(chat_model_dir), "--out", str(head)]) == 0
+    exp = tmp_path / "vllm"
+    assert main(["export", str(head), "--format", "vllm", "--model", str(chat_model_dir), "--out", str(exp)]) == 0
+    capsys.readouterr()
+    cfg = json.loads((exp / "config.json").read_text())
+    for bare in (True, False):  # what vLLM reads, with and without headstart's own record beside it
+        edited = {k: v for k, v in cfg.items() if not (bare and k == "headstart")}
+        ids = edited["eagle_aux_hidden_state_layer_ids"]
+        edited["eagle_aux_hidden_state_layer_ids"] = [ids[0]] * len(ids)
+        (exp / "config.json").write_text(json.dumps(edited))
+        _fails(capsys, ["import", str(exp), "--format", "vllm", "--target", str(chat_model_dir), "--out",
+                        str(tmp_path / "i")], "distinct")
+        assert not (tmp_path / "i").exists()
+    # A speculators dflash checkpoint names its layers in aux_hidden_state_layer_ids.
+    head, exp = tmp_path / "h-dflash", tmp_path / "x-dflash"
+    assert main(["head", "init", "--type", "dflash", "--model", str(chat_model_dir), "--out", str(head)]) == 0
+    assert main(["export", str(head), "--format", "vllm", "--model", str(chat_model_dir), "--out", str(exp)]) == 0
+    capsys.readouterr()
+    cfg = {k: v for k, v in json.loads((exp / "config.json").read_text()).items() if k != "headstart"}
+    ids = cfg["aux_hidden_state_layer_ids"]
+    (exp / "config.json").write_text(json.dumps({**cfg, "aux_hidden_state_layer_ids": [ids[0]] * len(ids)}))
+    _fails(capsys, ["import", str(exp), "--format", "vllm", "--target", str(chat_model_dir), "--out",
+                    str(tmp_path / "i")], "distinct")
