@@ -30,7 +30,14 @@ from headstart.heads.base import TargetParts
 from headstart.nn.parallel import SINGLE, TensorParallel
 from headstart.train.data import ArrowSequences, PackedStream, ShardSequences, TokenSequences, TrainData, pack
 from headstart.train.module import HeadModule
-from headstart.train.outputs import FORMAT, check_output_dir, check_resume, lock_path, remove_crash_leftovers
+from headstart.train.outputs import (
+    FORMAT,
+    check_checkpoint_head,
+    check_output_dir,
+    check_resume,
+    lock_path,
+    remove_crash_leftovers,
+)
 from headstart.train.validate import engine_acceptance, heldout_prompts
 
 # Keys that may change on --resume without changing what is being trained.
@@ -311,6 +318,8 @@ class TrainRun:
                                    "resolved.world_size": self.world,
                                    "resolved.checkpoint": "sharded" if tr.strategy == "fsdp" else "file"})
         self.ckpt = check_resume(out, self.identity, resume, self.rank)
+        if self.ckpt is not None:
+            check_checkpoint_head(self.ckpt, self.head)
         self.best_tau = None
         if self.rank == 0:
             out.mkdir(parents=True, exist_ok=True)
