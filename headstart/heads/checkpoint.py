@@ -47,8 +47,9 @@ def check_head_output(path: str | Path, *, overwrite: bool = False) -> Path:
 
 
 NATIVE_MARK = "EXPORTED_BY_HEADSTART"  # a native export is a head checkpoint plus this file
-# What a head checkpoint directory holds; it is replaced only when it holds nothing else.
-HEAD_FILES = ("config.json", "model.safetensors", NATIVE_MARK)
+# What a head checkpoint directory holds (training's head-best adds its validation's metrics.json); it is
+# replaced only when it holds nothing else.
+HEAD_FILES = ("config.json", "model.safetensors", NATIVE_MARK, "metrics.json")
 
 
 def _foreign_files(path: str | Path) -> list[str]:
