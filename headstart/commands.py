@@ -195,6 +195,9 @@ def cmd_precompute(args: argparse.Namespace) -> int:
         return 0
     if len(args.what) != 1:
         raise HeadstartError("usage: headstart precompute RECIPE [--resume] [--set key=value]")
+    from headstart.launch import check_world_size
+
+    check_world_size("precompute")
     from headstart.config import load_recipe
     from headstart.precompute.regenerate import check_regenerated_source
 
@@ -219,10 +222,14 @@ def cmd_train(args: argparse.Namespace) -> int:
     from pathlib import Path
 
     from headstart.config import load_recipe
+    from headstart.launch import check_train_launch, torchrun_line
     from headstart.precompute.regenerate import check_regenerated_source
     from headstart.train import run_train
 
     recipe = load_recipe(args.recipe, args.overrides)
+    tr = recipe.trainer
+    flags = ["--resume"] * args.resume + ["--no-progress"] * args.no_progress
+    check_train_launch(tr, torchrun_line("train", args.recipe, args.overrides, flags, tr.devices, tr.num_nodes))
     check_regenerated_source(recipe, args.recipe)
     metrics = run_train(recipe, resume=args.resume, progress=not args.no_progress)
     if int(__import__("os").environ.get("RANK", "0")) == 0:
@@ -295,9 +302,11 @@ def cmd_eval(args: argparse.Namespace) -> int:
     from headstart.evaluate import EvalPlan, check_plan, evaluate, read_prompt_file
     from headstart.fileio import read_json_object
     from headstart.hardware import resolve_dtype
+    from headstart.launch import check_world_size
     from headstart.models import load_target
     from headstart.precompute.regenerate import check_regenerated_source
 
+    check_world_size("eval")
     recipe = load_recipe(args.recipe, args.overrides)
     if not args.prompts:  # the held-out prompts come from data.source
         check_regenerated_source(recipe, args.recipe)

@@ -51,3 +51,103 @@ def test_resume_from_another_heads_checkpoint_names_both_types(tmp_path, chat_mo
     torch.save(ckpt, tmp_path / "mtp" / "checkpoints" / "last.ckpt")
     _fails(capsys, ["train", str(mtp), "--no-progress", "--resume", "--set", "train.max_steps=3"],
            "not the recipe's mtp head (missing ['head.")
+
+
+QUICKSTART = str(ROOT / "recipes" / "quickstart.yaml")
+
+
+def test_fsdp_on_several_ranks_without_torchrun_is_refused_with_the_torchrun_line(capsys, monkeypatch, tmp_path):
+    for k in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "SLURM_PROCID"):
+        monkeypatch.delenv(k, raising=False)
+    out = tmp_path / "never"
+    err = _fails(capsys, ["train", QUICKSTART, "--set", "trainer.strategy=fsdp", "--set", "trainer.devices=2",
+                          "--set", f"output_dir={out}"], "torchrun --nproc-per-node 2 -m headstart.cli train")
+    assert f"{QUICKSTART} --set trainer.strategy=fsdp --set trainer.devices=2" in err
+    _fails(capsys, ["train", QUICKSTART, "--set", "trainer.num_nodes=2", "--set", f"output_dir={out}"],
+           "torchrun --nnodes 2")
+    assert not out.exists()
+
+
+def test_a_world_size_no_launcher_set_is_refused(capsys, monkeypatch, tmp_path):
+    for k in ("RANK", "LOCAL_RANK", "SLURM_PROCID"):
+        monkeypatch.delenv(k, raising=False)
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    out = tmp_path / "never"
+    _fails(capsys, ["train", QUICKSTART, "--set", f"output_dir={out}"], "WORLD_SIZE=2 is set in the environment")
+    _fails(capsys, ["eval", QUICKSTART, "--head", str(tmp_path)], "unset WORLD_SIZE")
+    _fails(capsys, ["precompute", QUICKSTART, "--set", f"output_dir={out}"], "unset WORLD_SIZE")
+    assert not out.exists()
+
+
+def _cli(argv, env, **kw):
+    import os
+    import subprocess
+    import sys
+
+    return subprocess.Popen([sys.executable, "-m", "headstart.cli", *argv], cwd=ROOT, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            env={**os.environ, "PYTHONPATH": str(ROOT), **env}, **kw)
+
+
+def _free_port():
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _eval_argv(tmp_path, chat_model_dir, tp):
+    prompts = write_jsonl(tmp_path / "p.jsonl", [{"prompt": "hi"}])
+    head = tmp_path / "h"
+    if not head.exists():
+        assert main(["head", "init", "--type", "mtp", "--model", str(chat_model_dir), "--out", str(head)]) == 0
+    r = tmp_path / "r.yaml"
+    r.write_text(f"output_dir: {tmp_path / 'run'}\ntarget:\n  model: {chat_model_dir}\n  dtype: fp32\n")
+    return ["eval", str(r), "--tp", str(tp), "--head", str(head), "--prompts", str(prompts), "--k", "1",
+            "--max-tokens", "2", "--no-progress"]
+
+
+def test_a_rendezvous_names_the_ranks_that_never_came(tmp_path, chat_model_dir):
+    env = {"WORLD_SIZE": "3", "RANK": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()),
+           "HEADSTART_RENDEZVOUS_TIMEOUT_S": "3"}
+    p = _cli(_eval_argv(tmp_path, chat_model_dir, 3), env)
+    out, err = p.communicate(timeout=120)
+    assert p.returncode == 2, err
+    last = err.strip().splitlines()[-1]
+    assert "1 of WORLD_SIZE=3 ranks came" in last and "rank(s) 1, 2 never came" in last, err
+    # A rank whose rank 0 never starts: named too.
+    env = {**env, "RANK": "2", "MASTER_PORT": str(_free_port())}
+    p = _cli(_eval_argv(tmp_path, chat_model_dir, 3), env)
+    out, err = p.communicate(timeout=120)
+    assert p.returncode == 2 and "found no rank 0" in err.strip().splitlines()[-1], err
+
+
+def test_sigterm_ends_a_verb_even_when_it_is_blocked(tmp_path, chat_model_dir):
+    """A rank waiting for its rank 0 is blocked inside torch's store (no Python runs): SIGTERM still
+    ends it, after the grace period; one waiting in Python ends at once."""
+    import signal
+    import subprocess
+    import time
+
+    argv = _eval_argv(tmp_path, chat_model_dir, 2)
+    for rank, said in (("1", "still running 1s after SIGTERM"), ("0", "headstart: terminated (SIGTERM)")):
+        env = {"WORLD_SIZE": "2", "RANK": rank, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()),
+               "HEADSTART_RENDEZVOUS_TIMEOUT_S": "600", "HEADSTART_TERM_GRACE_S": "1"}
+        p = _cli(argv, env, stdin=subprocess.DEVNULL)
+        deadline = time.monotonic() + 120
+        lines = []
+        while time.monotonic() < deadline:  # until it is waiting at the rendezvous
+            line = p.stderr.readline()
+            lines.append(line)
+            if "rendezvous: rank" in line or not line:
+                break
+        if rank == "0":
+            time.sleep(12)  # its waiting line comes after 10 s
+        p.send_signal(signal.SIGTERM)
+        try:
+            _, err = p.communicate(timeout=60)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            raise AssertionError(f"rank {rank} ignored SIGTERM: {''.join(lines)}") from None
+        assert p.returncode == 128 + signal.SIGTERM and said in err, (rank, p.returncode, "".join(lines) + err)

@@ -461,6 +461,10 @@ def run_train(recipe: Recipe, *, resume: bool = False, progress: bool = True) ->
     before the target loads, and held by one run at a time (a second one refuses at once)."""
     from headstart.plan import check_recipe_fits
 
+    if "RANK" in os.environ:  # ranks torchrun (or a hand-set environment) started: they all come, or are named
+        from headstart.launch import rendezvous
+
+        rendezvous()
     check_recipe_fits(recipe, ("train", "validation"), torch.device(train_device(recipe.trainer)))  # before anything
     out = check_output_dir(recipe, resume)
     rank = global_rank(recipe.trainer.devices)
