@@ -9,6 +9,7 @@ torchrun, a hand-set environment (RANK, WORLD_SIZE, MASTER_ADDR/PORT), or Lightn
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shlex
 import signal
@@ -23,6 +24,7 @@ from headstart.errors import ConfigError, HeadstartError
 RENDEZVOUS_TIMEOUT_S = 300.0  # default wait for every rank; HEADSTART_RENDEZVOUS_TIMEOUT_S overrides it
 TERM_GRACE_S = 15.0  # after SIGTERM / Ctrl-C, how long a blocked verb has to stop before it is ended
 _STORE: Any = None  # rank 0's store server: kept alive for the process group that forms on the same port
+_WAKE: Any = None  # the signal wakeup socket: open as long as the process runs (closing it ends the watchdog)
 
 
 class Terminated(KeyboardInterrupt):
@@ -148,9 +150,11 @@ def _ranks(ranks: list[int]) -> str:
 
 def install_signal_handlers() -> None:
     """SIGTERM raises Terminated in the main thread (as Ctrl-C raises KeyboardInterrupt), and a watchdog
-    ends the process if it is still running HEADSTART_TERM_GRACE_S (default 15 s) after either: a rank
-    blocked inside a collective or a store never returns to Python, so neither exception could stop it.
+    process ends this one if it is still running HEADSTART_TERM_GRACE_S (default 15 s) after either: a
+    rank blocked inside a collective or a store never returns to Python (and may hold the GIL), so
+    neither exception could stop it, and no thread of its own could either.
     For the command line only (`headstart` / `python -m headstart.cli`), not for a library caller."""
+    import select
     import socket
 
     if threading.current_thread() is not threading.main_thread():
@@ -160,21 +164,45 @@ def install_signal_handlers() -> None:
     def on_sigterm(signum: int, frame: Any) -> None:
         raise Terminated()
 
-    signal.signal(signal.SIGTERM, on_sigterm)
-    # The interpreter's C-level handler writes each signal's number here, in whatever thread the
-    # kernel interrupts: the watchdog sees it even while the main thread never runs Python again.
+    # The interpreter's C-level handler writes each handled signal's number into wake_w, whatever the
+    # main thread is doing; the watchdog (a grandchild, so no zombie is left) reads it from wake_r.
     wake_r, wake_w = socket.socketpair()
+    parent = os.getpid()
+    child = os.fork()
+    if child == 0:
+        try:
+            if os.fork() == 0:
+                _watch(wake_r, wake_w, parent, grace, select)
+        finally:
+            os._exit(0)
+    global _WAKE
+    os.waitpid(child, 0)
+    wake_r.close()
+    _WAKE = wake_w
     wake_w.setblocking(False)
+    signal.signal(signal.SIGTERM, on_sigterm)
     signal.set_wakeup_fd(wake_w.fileno(), warn_on_full_buffer=False)
 
-    def watch() -> None:
-        while data := wake_r.recv(1):
-            if data[0] not in (signal.SIGTERM, signal.SIGINT):
-                continue
-            time.sleep(grace)
-            name = signal.Signals(data[0]).name
-            print(f"headstart: still running {grace:g}s after {name} (blocked in a collective, a rendezvous or "
-                  "I/O); ending it now", file=sys.stderr, flush=True)
-            os._exit(128 + data[0])
 
-    threading.Thread(target=watch, name="headstart-signal-watchdog", daemon=True).start()
+def _watch(wake_r: Any, wake_w: Any, parent: int, grace: float, select: Any) -> None:
+    """The watchdog's loop: the first SIGTERM / SIGINT starts the grace period; the parent's exit (the
+    socket's end of file) ends the watchdog."""
+    wake_w.close()
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole process group
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    devnull = os.open(os.devnull, os.O_RDWR)
+    os.dup2(devnull, 0)
+    os.dup2(devnull, 1)  # a reader of the verb's stdout sees its end when the verb ends
+    while data := wake_r.recv(1):
+        if data[0] not in (signal.SIGTERM, signal.SIGINT):
+            continue
+        end = time.monotonic() + grace
+        while (left := end - time.monotonic()) > 0:
+            if select.select([wake_r], [], [], left)[0] and not wake_r.recv(64):
+                return  # the verb ended within the grace period
+        name = signal.Signals(data[0]).name
+        print(f"headstart: still running {grace:g}s after {name} (blocked in a collective, a rendezvous or "
+              "I/O); ending it now", file=sys.stderr, flush=True)
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(parent, signal.SIGKILL)
+        return

@@ -128,26 +128,32 @@ def test_sigterm_ends_a_verb_even_when_it_is_blocked(tmp_path, chat_model_dir):
     ends it, after the grace period; one waiting in Python ends at once."""
     import signal
     import subprocess
+    import threading
     import time
 
     argv = _eval_argv(tmp_path, chat_model_dir, 2)
-    for rank, said in (("1", "still running 1s after SIGTERM"), ("0", "headstart: terminated (SIGTERM)")):
+    for rank, said, code in (("1", "still running 1s after SIGTERM", -signal.SIGKILL),
+                             ("0", "headstart: terminated (SIGTERM)", 128 + signal.SIGTERM)):
         env = {"WORLD_SIZE": "2", "RANK": rank, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()),
                "HEADSTART_RENDEZVOUS_TIMEOUT_S": "600", "HEADSTART_TERM_GRACE_S": "1"}
         p = _cli(argv, env, stdin=subprocess.DEVNULL)
+        lines: list[str] = []
+
+        def read(stream=p.stderr, into=lines):
+            for line in stream:
+                into.append(line)
+
+        reader = threading.Thread(target=read, daemon=True)
+        reader.start()
         deadline = time.monotonic() + 120
-        lines = []
-        while time.monotonic() < deadline:  # until it is waiting at the rendezvous
-            line = p.stderr.readline()
-            lines.append(line)
-            if "rendezvous: rank" in line or not line:
-                break
-        if rank == "0":
-            time.sleep(12)  # its waiting line comes after 10 s
+        while time.monotonic() < deadline and not any("rendezvous: rank" in x for x in lines):
+            time.sleep(0.2)  # until it waits at the rendezvous (rank 0 says so after 10 s)
         p.send_signal(signal.SIGTERM)
         try:
-            _, err = p.communicate(timeout=60)
+            p.wait(timeout=60)
         except subprocess.TimeoutExpired:
             p.kill()
             raise AssertionError(f"rank {rank} ignored SIGTERM: {''.join(lines)}") from None
-        assert p.returncode == 128 + signal.SIGTERM and said in err, (rank, p.returncode, "".join(lines) + err)
+        reader.join(timeout=10)
+        err = "".join(lines)
+        assert p.returncode == code and said in err, (rank, p.returncode, err)
