@@ -71,7 +71,7 @@ def check_train_launch(trainer: Any, line: str) -> None:
     """train's ranks: trainer.devices x trainer.num_nodes processes. Lightning spawns the local ranks
     itself for DDP; FSDP (ModelParallelStrategy) and several nodes need torchrun, which is refused
     here with its command line instead of deadlocking once the spawned ranks start."""
-    check_world_size("train", line)
+    check_world_size("train")
     world = trainer.devices * trainer.num_nodes
     env = os.environ
     launched = any(k in env for k in ("RANK", "LOCAL_RANK", "SLURM_PROCID"))

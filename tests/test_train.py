@@ -470,6 +470,7 @@ def test_a_tensor_parallel_train_needs_its_ranks_launched(tmp_path, chat_model_d
     assert main(["train", str(path), "--no-progress", "--tp", "2"]) == 2  # 1 device: tp 2 cannot divide it
     assert "set trainer.devices to a multiple of 2" in capsys.readouterr().err
     monkeypatch.setenv("WORLD_SIZE", "4")
+    monkeypatch.setenv("LOCAL_RANK", "0")  # as torchrun sets it (a WORLD_SIZE no launcher set is refused)
     assert main(["train", str(path), "--no-progress", "--tp", "2", "--set", "trainer.devices=2"]) == 2
     assert "WORLD_SIZE=4 ranks but trainer.devices x trainer.num_nodes = 2 x 1 = 2" in capsys.readouterr().err
 

@@ -461,7 +461,9 @@ def run_train(recipe: Recipe, *, resume: bool = False, progress: bool = True) ->
     before the target loads, and held by one run at a time (a second one refuses at once)."""
     from headstart.plan import check_recipe_fits
 
-    if "RANK" in os.environ:  # ranks torchrun (or a hand-set environment) started: they all come, or are named
+    # Ranks torchrun (or a hand-set environment) started all come, or are named; a tensor-parallel run
+    # meets when it joins its groups (join_tensor_parallel, after its own checks).
+    if "RANK" in os.environ and recipe.engine.tensor_parallel == 1:
         from headstart.launch import rendezvous
 
         rendezvous()
