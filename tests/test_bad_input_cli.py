@@ -153,21 +153,15 @@ def test_an_empty_recipe_is_refused(tmp_path, capsys):
         assert str(r) in err and "recipes/quickstart.yaml" in err
 
 
-def test_plan_reads_the_shape_file_a_recipe_names(capsys):
+def test_plan_reads_the_shape_file_a_recipe_names(capsys, monkeypatch):
     """The 8xH100 recipes name their target's config.json (recipes/targets/) as target.config, so
     `plan` runs where /models/... is absent; --target-config still wins."""
-    import os
-
-    cwd = os.getcwd()
-    os.chdir(ROOT)  # recipes name repository-relative paths, as the README runs them
-    try:
-        for recipe in ("llama-3.2-1b-eagle3", "llama-3.1-8b-eagle3", "llama-3.3-70b-mtp", "deepseek-v2-lite-mtp"):
-            assert main(["plan", f"recipes/{recipe}-8xh100.yaml"]) == 0, capsys.readouterr().err
-            assert "fits: every phase" in capsys.readouterr().out
-        _fails(capsys, ["plan", "recipes/llama-3.3-70b-mtp-8xh100.yaml", "--set", "target.config=nowhere.json"],
-               "target.config")
-    finally:
-        os.chdir(cwd)
+    monkeypatch.chdir(ROOT)  # recipes name repository-relative paths, as the README runs them
+    for recipe in ("llama-3.2-1b-eagle3", "llama-3.1-8b-eagle3", "llama-3.3-70b-mtp", "deepseek-v2-lite-mtp"):
+        assert main(["plan", f"recipes/{recipe}-8xh100.yaml"]) == 0, capsys.readouterr().err
+        assert "fits: every phase" in capsys.readouterr().out
+    _fails(capsys, ["plan", "recipes/llama-3.3-70b-mtp-8xh100.yaml", "--set", "target.config=nowhere.json"],
+           "target.config")
 
 
 def test_a_missing_regenerated_source_says_which_verb_writes_it(tmp_path, capsys, monkeypatch):
