@@ -193,6 +193,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from headstart.launch import Terminated, install_signal_handlers
+
+    if argv is None:  # the command line itself (not a library call): SIGTERM and Ctrl-C always end it
+        install_signal_handlers()
     args = build_parser().parse_args(argv)
     if getattr(args, "tp", None) is not None:
         args.overrides.append(f"engine.tensor_parallel={args.tp}")
@@ -201,6 +205,9 @@ def main(argv: list[str] | None = None) -> int:
     except HeadstartError as e:
         print(f"headstart: error: {e}", file=sys.stderr)
         return 2
+    except Terminated:
+        print("headstart: terminated (SIGTERM)", file=sys.stderr)
+        return 143
     except KeyboardInterrupt:
         print("headstart: interrupted", file=sys.stderr)
         return 130

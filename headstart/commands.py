@@ -38,11 +38,13 @@ def cmd_data_inspect(args: argparse.Namespace) -> int:
     from headstart.config import load_recipe
     from headstart.data.dataset import build_dataset, stats_dict
     from headstart.data.template import mark_supervised
+    from headstart.precompute.regenerate import check_regenerated_source
 
     overrides = list(args.overrides)
     if args.limit is not None:
         overrides.append(f"data.limit={args.limit}")
     recipe = load_recipe(args.recipe, overrides)
+    check_regenerated_source(recipe, args.recipe)
     built = build_dataset(recipe.data, recipe.target.model, progress=not args.json)
     s = built.stats
     if args.json:
@@ -193,9 +195,14 @@ def cmd_precompute(args: argparse.Namespace) -> int:
         return 0
     if len(args.what) != 1:
         raise HeadstartError("usage: headstart precompute RECIPE [--resume] [--set key=value]")
+    from headstart.launch import check_world_size
+
+    check_world_size("precompute")
     from headstart.config import load_recipe
+    from headstart.precompute.regenerate import check_regenerated_source
 
     recipe = load_recipe(action, args.overrides)
+    check_regenerated_source(recipe, action)
     manifest = run_precompute(recipe, resume=args.resume, progress=not args.json)
     if args.json and manifest is not None:
         print(json.dumps(summary(manifest), indent=2))
@@ -215,9 +222,15 @@ def cmd_train(args: argparse.Namespace) -> int:
     from pathlib import Path
 
     from headstart.config import load_recipe
+    from headstart.launch import check_train_launch, torchrun_line
+    from headstart.precompute.regenerate import check_regenerated_source
     from headstart.train import run_train
 
     recipe = load_recipe(args.recipe, args.overrides)
+    tr = recipe.trainer
+    flags = ["--resume"] * args.resume + ["--no-progress"] * args.no_progress
+    check_train_launch(tr, torchrun_line("train", args.recipe, args.overrides, flags, tr.devices, tr.num_nodes))
+    check_regenerated_source(recipe, args.recipe)
     metrics = run_train(recipe, resume=args.resume, progress=not args.no_progress)
     if int(__import__("os").environ.get("RANK", "0")) == 0:
         keys = ("step", "tokens", "val_loss", "tau", "alpha", "top1_per_step")
@@ -259,12 +272,17 @@ def _csv(text: str, kind: type, flag: str) -> list:
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
+    import math
     from pathlib import Path
 
     from headstart.config import load_recipe
     from headstart.fileio import read_json_object
     from headstart.plan import make_plan, render, target_config_path
 
+    gb = args.device_memory_gb
+    if not (math.isfinite(gb) and gb > 0):
+        raise HeadstartError(f"--device-memory-gb {gb}: not a memory size; give the device's memory in GB, a positive "
+                             "number (e.g. 80 for an H100-80GB)")
     recipe = load_recipe(args.recipe, args.overrides)
     where = Path(args.target_config) if args.target_config else target_config_path(recipe)
     if not where.is_file():
@@ -284,9 +302,14 @@ def cmd_eval(args: argparse.Namespace) -> int:
     from headstart.evaluate import EvalPlan, check_plan, evaluate, read_prompt_file
     from headstart.fileio import read_json_object
     from headstart.hardware import resolve_dtype
+    from headstart.launch import check_world_size
     from headstart.models import load_target
+    from headstart.precompute.regenerate import check_regenerated_source
 
+    check_world_size("eval")
     recipe = load_recipe(args.recipe, args.overrides)
+    if not args.prompts:  # the held-out prompts come from data.source
+        check_regenerated_source(recipe, args.recipe)
     plan = EvalPlan(heads=args.head, ks=_csv(args.k, int, "--k"), temperatures=_csv(args.temperature, float,
                     "--temperature"), methods=_csv(args.spec, str, "--spec"), batch_size=args.batch_size,
                     max_tokens=args.max_tokens, seed=recipe.seed, allow_other_target=args.allow_other_target,

@@ -37,9 +37,13 @@ class TargetConfig:
     # Compute dtype of the target's forward passes; auto: bf16 where the device computes it natively
     # (CUDA, CPUs with avx512_bf16 or AMX), fp32 otherwise (headstart.hardware).
     dtype: Dtype = "auto"
+    # The target's config.json alone (shapes, no weights; e.g. recipes/targets/llama-3.1-8b.json): what
+    # `headstart plan` reads on a machine where target.model is not present. Relative to the working directory.
+    config: str | None = None
 
     def __post_init__(self) -> None:
         _require(bool(self.model.strip()), "target.model", "must not be empty")
+        _require(self.config is None or bool(self.config.strip()), "target.config", "must not be empty (or null)")
 
 
 @dataclass(kw_only=True)
@@ -330,7 +334,9 @@ def load_recipe(path: str | Path, overrides: list[str] | None = None) -> Recipe:
         raise ConfigError(f"{path}: not valid YAML: {e}") from None
     except UnicodeDecodeError as e:
         raise ConfigError(f"{path}: not UTF-8 text (byte {e.start})") from None
-    raw = {} if raw is None else raw
+    if raw is None:  # an empty file (or only comments) is a mistake, not a wish for every default (that is `{}`)
+        raise ConfigError(f"{path}: the recipe is empty; a recipe describes a run completely (target, data, head, "
+                          "train, ...): start from a copy of recipes/quickstart.yaml")
     if not isinstance(raw, dict):
         raise ConfigError(f"{path}: a recipe is a mapping of sections, got {type(raw).__name__}")
     overridden = apply_overrides(raw, overrides or [])

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from headstart.errors import DataError, OutputError
+from headstart.errors import DataError, HeadstartError, OutputError
 
 
 @contextlib.contextmanager
@@ -135,7 +135,10 @@ def _open_lock_file(path: Path) -> Any:
 
 @contextlib.contextmanager
 def exclusive_lock(path: Path, what: str) -> Iterator[None]:
-    """Hold `path` exclusively for `what`, or refuse at once naming the process that holds it."""
+    """Hold `path` exclusively for `what`, or refuse at once naming the process that holds it.
+    A refusal inside (a HeadstartError) removes the lock file, and its directory, if this call
+    created them: a refused run leaves nothing behind in the user's directory."""
+    made_dir, made_file = not path.parent.exists(), not path.exists()
     f = _open_lock_file(path)
     with f:
         try:
@@ -150,6 +153,13 @@ def exclusive_lock(path: Path, what: str) -> Iterator[None]:
         f.flush()
         try:
             yield
+        except HeadstartError:
+            if made_file:
+                with contextlib.suppress(OSError):
+                    path.unlink()
+                    if made_dir:
+                        path.parent.rmdir()  # only when empty
+            raise
         finally:
             fcntl.flock(f, fcntl.LOCK_UN)
 

@@ -368,12 +368,20 @@ def check_fits(recipe: Recipe, target_cfg: dict[str, Any], device: Any, phases: 
 
 
 def target_config_path(recipe: Recipe) -> Any:
-    """The recipe's target config.json (an embedded name or a local model directory)."""
+    """The recipe's target config.json: target.model's (an embedded name or a local model directory),
+    or, where that directory is not on this machine, the shapes file target.config names."""
     from pathlib import Path
 
-    from headstart.assets import resolve_model
+    from headstart.assets import MODELS, resolve_model
 
-    return Path(resolve_model(recipe.target.model)) / "config.json"
+    model, shapes = recipe.target.model, recipe.target.config
+    if shapes is not None and model not in MODELS and not Path(model).expanduser().is_dir():
+        if not Path(shapes).expanduser().is_file():
+            raise PlanError(f"target.config {shapes[:200]}: no such file (relative paths are read from the working "
+                            f"directory, {Path.cwd()}); and target.model {model[:200]} is not a directory here either: "
+                            "fix the path, or pass --target-config CONFIG_JSON")
+        return Path(shapes).expanduser()
+    return Path(resolve_model(model)) / "config.json"
 
 
 def check_recipe_fits(recipe: Recipe, phases: tuple[str, ...], device: Any) -> Plan:

@@ -473,6 +473,7 @@ def test_a_tensor_parallel_train_needs_its_ranks_launched(tmp_path, chat_model_d
     assert main(["train", str(path), "--no-progress", "--tp", "2"]) == 2  # 1 device: tp 2 cannot divide it
     assert "set trainer.devices to a multiple of 2" in capsys.readouterr().err
     monkeypatch.setenv("WORLD_SIZE", "4")
+    monkeypatch.setenv("LOCAL_RANK", "0")  # as torchrun sets it (a WORLD_SIZE no launcher set is refused)
     assert main(["train", str(path), "--no-progress", "--tp", "2", "--set", "trainer.devices=2"]) == 2
     assert "WORLD_SIZE=4 ranks but trainer.devices x trainer.num_nodes = 2 x 1 = 2" in capsys.readouterr().err
 
@@ -496,7 +497,7 @@ def test_fsdp_on_two_gloo_ranks_equals_one_process_and_resumes_sharded(tmp_path,
     assert p.wait() == 0, p.stderr.read().decode()[-2000:]
     fsdp = ["--set", "trainer.devices=2", "--set", "trainer.accelerator=cpu", "--set", "trainer.strategy=fsdp"]
     two = _recipe(tmp_path, chat_model_dir, name="two", train=train, n=64)
-    p = _cli(["train", str(two), "--no-progress", *fsdp])
+    p = _torchrun(2, ["train", str(two), "--no-progress", *fsdp])  # FSDP ranks come from torchrun
     _, err = p.communicate(timeout=900)
     assert p.returncode == 0, err.decode()[-3000:]
     _same_heads(tmp_path / "one", tmp_path / "two", chat_model_dir)
@@ -506,7 +507,7 @@ def test_fsdp_on_two_gloo_ranks_equals_one_process_and_resumes_sharded(tmp_path,
     assert ckpt.is_dir() and (ckpt / "meta.pt").is_file() and len(list(ckpt.glob("*.distcp"))) == 2
 
     cut = _recipe(tmp_path, chat_model_dir, name="cut", train={**train, "max_steps": 2}, n=64)
-    p = _cli(["train", str(cut), "--no-progress", *fsdp])
+    p = _torchrun(2, ["train", str(cut), "--no-progress", *fsdp])
     assert p.wait() == 0, p.stderr.read().decode()[-2000:]
     assert main(["train", str(cut), "--no-progress", "--resume", "--set", "train.max_steps=3",
                  "--set", "trainer.accelerator=cpu", "--set", "trainer.strategy=fsdp"]) == 2
@@ -532,7 +533,7 @@ def test_fsdp_on_two_gloo_ranks_equals_one_process_and_resumes_sharded(tmp_path,
             shard.unlink()
         with pytest.raises(DataError, match=f"the shard {shard.name} {named}"):
             checkpoint_step(bad)
-    p = _cli(["train", str(cut), "--no-progress", "--resume", "--set", "train.max_steps=3", *fsdp])
+    p = _torchrun(2, ["train", str(cut), "--no-progress", "--resume", "--set", "train.max_steps=3", *fsdp])
     assert p.wait() == 0, p.stderr.read().decode()[-2000:]
     _same_heads(tmp_path / "two", tmp_path / "cut", chat_model_dir)
 
@@ -550,8 +551,9 @@ def test_two_ranks_from_shards_equal_one_process(tmp_path, chat_model_dir, strat
     assert p.wait() == 0, p.stderr.read().decode()[-2000:]
     two = _recipe(tmp_path, chat_model_dir, name="two", train={**train, "shards_dir": tmp_path / "one" / "precompute"},
                   n=64, extra=extra)
-    p = _cli(["train", str(two), "--no-progress", "--set", "trainer.devices=2", "--set", "trainer.accelerator=cpu",
-              "--set", f"trainer.strategy={strategy}"])
+    launch = _cli if strategy == "ddp" else lambda args: _torchrun(2, args)  # Lightning spawns DDP ranks itself
+    p = launch(["train", str(two), "--no-progress", "--set", "trainer.devices=2", "--set", "trainer.accelerator=cpu",
+                "--set", f"trainer.strategy={strategy}"])
     _, err = p.communicate(timeout=900)
     assert p.returncode == 0, err.decode()[-3000:]
     _same_heads(tmp_path / "one", tmp_path / "two", chat_model_dir)

@@ -19,7 +19,9 @@ from headstart.export.layout import Layout, check_tensors
 from headstart.fileio import apply_umask, atomic_path, check_output_path, read_json_object
 from headstart.heads import FAMILIES, DraftHead, HeadConfig, PackedBatch, is_head_checkpoint, save_head
 from headstart.heads.base import EAGLE31_FLAGS, check_compatible
+from headstart.heads.checkpoint import NATIVE_MARK
 from headstart.models.llama import LlamaForCausalLM
+from headstart.models.loading import empty_weight_map
 
 EXPORT_FORMATS = ("sglang", "vllm", "deepseek-mtp", "medusa", "hf", "native")
 IMPORT_FORMATS = ("sglang", "vllm", "eagle", "deepseek-mtp", "medusa", "hf")
@@ -32,9 +34,6 @@ def is_export(path: str | Path) -> bool:
         return f.is_file() and isinstance(json.loads(f.read_text()).get("headstart", {}).get("export_format"), str)
     except (json.JSONDecodeError, UnicodeDecodeError, AttributeError):
         return False
-
-
-NATIVE_MARK = "EXPORTED_BY_HEADSTART"  # a native export is a head checkpoint plus this file
 
 
 def _is_native_export(path: str | Path) -> bool:
@@ -135,6 +134,8 @@ def _load_tensors(src: Path, prefix: str | None = None) -> dict[str, torch.Tenso
         weight_map = read_json_object(index, "safetensors index").get("weight_map")
         if not isinstance(weight_map, dict):
             raise AssetError(f"{index}: no weight_map")
+        if not weight_map:
+            raise AssetError(empty_weight_map(index))
         names = sorted(set(map(str, weight_map.values())))
         for name in names:  # plain file names of this checkpoint (lexically: an HF snapshot's files are symlinks)
             if not name or name in (".", "..") or any(c in name for c in "/\\\0"):

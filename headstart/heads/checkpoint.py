@@ -46,9 +46,31 @@ def check_head_output(path: str | Path, *, overwrite: bool = False) -> Path:
     return check_output_path(path, **_head_output_rules(path, overwrite))
 
 
+NATIVE_MARK = "EXPORTED_BY_HEADSTART"  # a native export is a head checkpoint plus this file
+# What a head checkpoint directory holds (training's head-best adds its validation's metrics.json); it is
+# replaced only when it holds nothing else.
+HEAD_FILES = ("config.json", "model.safetensors", NATIVE_MARK, "metrics.json")
+
+
+def _foreign_files(path: str | Path) -> list[str]:
+    d = Path(path)
+    return sorted(p.name for p in d.iterdir() if p.name not in HEAD_FILES) if d.is_dir() else []
+
+
 def _head_output_rules(path: str | Path, overwrite: bool) -> dict:
-    hint = "it is a head checkpoint: pass --force to replace it" if is_head_checkpoint(path) else ""
-    return {"replaces": is_head_checkpoint if overwrite else None, "hint": hint}
+    foreign = _foreign_files(path) if is_head_checkpoint(path) else []
+    if foreign:
+        listed = ", ".join(foreign[:5]) + (f" (+{len(foreign) - 5} more)" if len(foreign) > 5 else "")
+        hint = (f"it is a head checkpoint, but it also holds {listed}, which headstart did not write; replacing "
+                "it would delete them: move them out, or choose a new path")
+    else:
+        hint = "it is a head checkpoint: pass --force to replace it" if is_head_checkpoint(path) else ""
+    return {"replaces": _replaceable_head if overwrite else None, "hint": hint}
+
+
+def _replaceable_head(path: Path) -> bool:
+    """A head checkpoint holding only what `save_head` (and a native export) wrote."""
+    return is_head_checkpoint(path) and not _foreign_files(path)
 
 
 def is_head_checkpoint(path: str | Path) -> bool:

@@ -45,7 +45,7 @@ from torch import nn
 
 from headstart.errors import AssetError
 from headstart.models.base import CausalLM, materialise
-from headstart.models.loading import load_weights
+from headstart.models.loading import check_sizes, load_weights
 from headstart.nn.attention import AttentionBackend, AttentionMetadata, KVPages, PackedCausalAttention
 from headstart.nn.experts import RoutedExperts
 from headstart.nn.linear import Linear
@@ -138,6 +138,8 @@ class DeepseekConfig:
         if mt not in SUPPORTED_MODEL_TYPES:
             raise AssetError(f"{where}: model_type {mt!r} is not supported by headstart.models.deepseek "
                              f"(supported: {', '.join(SUPPORTED_MODEL_TYPES)})")
+        check_sizes(cfg, ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads"),
+                    ("max_position_embeddings",), where)
         v3 = mt == "deepseek_v3"
         experts = cfg.get("n_routed_experts")
         # A routed-expert config must say how it routes: HF's and DeepSeek's own code default these

@@ -20,7 +20,7 @@ from torch import nn
 
 from headstart.errors import AssetError
 from headstart.models.base import CausalLM, materialise
-from headstart.models.loading import fp8_block_size, load_weights
+from headstart.models.loading import check_sizes, fp8_block_size, load_weights
 from headstart.nn.decoder import DecoderLayer, DecoderLayerConfig
 from headstart.nn.norm import RMSNorm
 from headstart.nn.parallel import SINGLE, TensorParallel, VocabParallelEmbedding, VocabParallelLinear
@@ -64,8 +64,16 @@ class LlamaConfig:
                 f"{where}: model_type {mt!r} is not supported by headstart.models.llama "
                 f"(supported: {', '.join(SUPPORTED_MODEL_TYPES)})"
             )
+        check_sizes(cfg, ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads"),
+                    ("num_key_value_heads", "head_dim", "max_position_embeddings"), where)
+        heads, kv = cfg["num_attention_heads"], cfg.get("num_key_value_heads") or cfg["num_attention_heads"]
+        if heads % kv:
+            raise AssetError(f"{where}: num_attention_heads = {heads} is not a multiple of num_key_value_heads = {kv} "
+                             "(each key/value head serves a whole group of query heads); the config.json is damaged")
+        if not cfg.get("head_dim") and cfg["hidden_size"] % heads:
+            raise AssetError(f"{where}: hidden_size = {cfg['hidden_size']} is not a multiple of num_attention_heads "
+                             f"= {heads} and no head_dim is given; the config.json is damaged")
         try:
-            heads = cfg["num_attention_heads"]
             head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
             eos = cfg.get("eos_token_id")
             out = cls(

@@ -60,10 +60,34 @@ def fp8_block_size(cfg: dict[str, Any], where: str) -> tuple[int, int] | None:
     return block[0], block[1]
 
 
+def check_sizes(cfg: dict[str, Any], required: tuple[str, ...], optional: tuple[str, ...], where: str) -> None:
+    """A model config's sizes are positive integers (a damaged or hand-edited config.json names its
+    key here, not as a TypeError or ZeroDivisionError deep in the model's construction)."""
+    for key in required + optional:
+        if key not in cfg or (key in optional and cfg[key] is None):
+            if key in required:
+                raise AssetError(f"{where}: missing key {key!r}")
+            continue
+        value = cfg[key]
+        if not (isinstance(value, int) and not isinstance(value, bool) and value > 0):
+            raise AssetError(f"{where}: {key} = {str(value)[:40]!r} is not a size: it must be a positive integer "
+                             "(the config.json is damaged or was edited; restore it from the model's checkpoint)")
+
+
+def empty_weight_map(index: Path) -> str:
+    """The message for a safetensors index that names no weights file (whatever lies beside it)."""
+    beside = sorted(p.name for p in index.parent.glob("*.safetensors"))
+    there = f" although {', '.join(beside[:3])} lies beside it" if beside else ""
+    return (f"{index}: its weight_map is empty, so it names no weights file{there}; restore the index from the "
+            "original checkpoint, or delete it to read the *.safetensors files directly")
+
+
 def safetensors_files(model_dir: Path) -> list[Path]:
     index = model_dir / "model.safetensors.index.json"
     if index.is_file():
         names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        if not names:
+            raise AssetError(empty_weight_map(index))
         files = [model_dir / n for n in names]
         missing = [str(f) for f in files if not f.is_file()]
         if missing:

@@ -167,6 +167,9 @@ def init_tensor_parallel(size: int, timeout_s: float = 1800.0,
     if size == 1 and world == 1:
         return SINGLE, 0, 1
     if not dist.is_initialized():
+        from headstart.launch import rendezvous
+
+        rendezvous()  # bounded, naming the ranks that never came (the group's own wait is timeout_s)
         backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
         dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s))
     groups = [dist.new_group(ranks) for ranks in tp_groups(world, size)]

@@ -30,6 +30,19 @@ def output_path(recipe: Recipe) -> Path:
     return Path(recipe.regenerate.output or Path(recipe.output_dir) / "regenerated.jsonl")
 
 
+def check_regenerated_source(recipe: Recipe, recipe_path: str | Path) -> None:
+    """A data.source that is this recipe's regenerate output and is not there yet: say which verb
+    writes it (a fresh checkout has no runs/), instead of "unknown data source"."""
+    from headstart.assets import DATASETS
+
+    src = Path(recipe.data.source).expanduser()
+    if recipe.data.source in DATASETS or src.is_file() or src.resolve() != output_path(recipe).resolve():
+        return
+    raise DataError(f"data.source {recipe.data.source}: not written yet; it is what `headstart regenerate "
+                    f"{recipe_path}` writes (the target's own answers to regenerate.source): run that first, or point "
+                    "data.source at a conversation file")
+
+
 def _seed(base: int, conv_id: str, turn: int) -> int:
     return int.from_bytes(hashlib.sha256(f"{base}:{conv_id}:{turn}".encode()).digest()[:4], "big")
 
@@ -84,9 +97,16 @@ def run_regenerate(recipe: Recipe, resume: bool = False, progress: bool = True) 
         raise DataError(f"regenerate: the source {source} is the output; set regenerate.source to the conversations "
                         "to rewrite")
     if out.exists():
-        if not (resume and _grows(run_file, limit_of(recipe))):
+        if not resume:
             raise DataError(f"{out} already exists; remove it, set regenerate.output, or raise regenerate.limit "
                             "and pass --resume to add the next source rows to it")
+        if not _grows(run_file, limit_of(recipe)):
+            done = read_json_object(run_file, "run record").get("limit") if run_file.exists() else None
+            read = f"read regenerate.limit={str(done)[:20]} source rows" if run_file.exists() else "has no run record"
+            raise DataError(f"--resume: {out} already exists, a finished run that {read}, and regenerate.limit is "
+                            f"{limit_of(recipe)}: there is nothing to add. Raise regenerate.limit above "
+                            f"{done if isinstance(done, int) else 'the rows it read'} (--set regenerate.limit=N) to "
+                            "add the next source rows, or remove it / set regenerate.output to start afresh")
         extend = True  # renamed to the partial file once its provenance matches (below)
     else:
         extend = False

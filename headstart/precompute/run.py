@@ -208,6 +208,7 @@ def run_precompute(recipe: Recipe, resume: bool = False, progress: bool = True) 
     from headstart.plan import check_recipe_fits
 
     check_recipe_fits(recipe, ("precompute",), device)  # before the target loads: refuse what cannot fit
+    check_foreign(out)
     dtype = resolve_dtype(recipe.target.dtype, device)
     progress = progress and tp.rank == 0  # one bar per model copy
     if progress and rank == 0:
@@ -314,8 +315,22 @@ def _run(recipe: Recipe, out: Path, header: dict[str, Any], resume: bool, rank: 
     return manifest or json.loads((out / "manifest.json").read_text())
 
 
+def check_foreign(out: Path) -> None:
+    """A precompute directory without run.json holds nothing but our locks and temporaries: a
+    manifest.json, shards or anything else there are someone else's, and are never written over."""
+    if (out / "run.json").exists() or not out.is_dir():
+        return
+    foreign = sorted(p.name for p in out.iterdir() if not (p.name.startswith(".lock-rank") or ".tmp-" in p.name))
+    if foreign:
+        listed = ", ".join(foreign[:5]) + (f" (+{len(foreign) - 5} more)" if len(foreign) > 5 else "")
+        what = "shards of another run" if any(n.startswith("shard-") for n in foreign) else "files of someone else's"
+        raise DataError(f"{out} holds {what} ({listed}) and no run.json: it is not a precompute run of headstart, "
+                        "and precompute would write over them; choose another precompute.output_dir, or move them out")
+
+
 def _check_output_dir(out: Path, header: dict[str, Any], resume: bool, rank: int) -> None:
     run_file = out / "run.json"
+    check_foreign(out)
     has_data = out.exists() and any(out.glob("shard-*.safetensors"))
     if run_file.exists():
         prev = read_json_object(run_file, "run record")

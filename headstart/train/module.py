@@ -441,7 +441,8 @@ class HeadModule(L.LightningModule):
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         # tokens_seen was synced by the caller (a collective cannot run inside the save).
         checkpoint["headstart"] = {"consumed": self.consumed, "tokens_seen": self.tokens_seen,
-                                   "skipped_steps": self.skipped_steps}
+                                   "skipped_steps": self.skipped_steps,
+                                   "head_type": self.head.config.head_type}  # checked before a resume loads it
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         info = checkpoint.get("headstart", {})

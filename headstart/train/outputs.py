@@ -126,6 +126,34 @@ def checkpoint_step(path: Path, max_steps: int | None = None) -> int:
     return step
 
 
+def check_checkpoint_head(path: Path, head: Any) -> None:
+    """A checkpoint to resume holds a head of the recipe's type and shape (a last.ckpt copied from
+    another run is named here, not by a traceback about missing keys once Lightning loads it)."""
+    import torch
+
+    want = head.config.head_type
+    ckpt: Any = torch.load(path / SHARDED_META if path.is_dir() else path, map_location="cpu", weights_only=True,
+                           mmap=not path.is_dir())
+    recorded = (ckpt.get("headstart") or {}).get("head_type")
+    if recorded is not None and recorded != want:
+        raise ConfigError(f"--resume: {path} holds a {str(recorded)[:40]} head but the recipe trains a {want} head "
+                          "(head.type); resume with the recipe that wrote it, or choose another output_dir")
+    state = ckpt.get("state_dict")
+    if isinstance(state, dict):  # a file checkpoint: its head's tensors by name and shape
+        have = {k: tuple(v.shape) for k, v in state.items() if isinstance(v, torch.Tensor)}
+        need = {f"head.{k}": tuple(v.shape) for k, v in head.state_dict().items()}
+        missing = sorted(k for k in need if k not in have)
+        unexpected = sorted(k for k in have if k not in need)
+        shapes = sorted(k for k in need if k in have and have[k] != need[k])
+        if missing or unexpected or shapes:
+            what = f"a {recorded} head of another shape" if recorded else "another head (an older checkpoint " \
+                                                                          "that does not record its type)"
+            detail = "; ".join(f"{label} {names[:3]}" for label, names in (
+                ("missing", missing), ("unexpected", unexpected), ("other shapes", shapes)) if names)
+            raise ConfigError(f"--resume: {path} holds {what}, not the recipe's {want} head ({detail}); resume with "
+                              "the recipe that wrote it, or choose another output_dir")
+
+
 def _check_shards(path: Path, damaged: str) -> None:
     """Every byte range torch.distributed.checkpoint's .metadata names is in its shard file (a shard
     cut short or deleted is named here, not found by a reader's traceback mid-load)."""

@@ -30,13 +30,20 @@ from headstart.heads.base import TargetParts
 from headstart.nn.parallel import SINGLE, TensorParallel
 from headstart.train.data import ArrowSequences, PackedStream, ShardSequences, TokenSequences, TrainData, pack
 from headstart.train.module import HeadModule
-from headstart.train.outputs import FORMAT, check_output_dir, check_resume, lock_path, remove_crash_leftovers
+from headstart.train.outputs import (
+    FORMAT,
+    check_checkpoint_head,
+    check_output_dir,
+    check_resume,
+    lock_path,
+    remove_crash_leftovers,
+)
 from headstart.train.validate import engine_acceptance, heldout_prompts
 
 # Keys that may change on --resume without changing what is being trained.
 RESUMABLE_CHANGES = ("train.max_steps", "train.epochs", "train.val_every_steps", "train.val_prompts",
                      "train.val_max_tokens", "train.val_loss_batches", "train.ckpt_every_steps", "train.num_workers",
-                     "logging", "trainer", "name", "precompute", "regenerate", "output_dir")
+                     "logging", "trainer", "name", "precompute", "regenerate", "output_dir", "target.config")
 
 
 def run_dir(recipe: Recipe) -> Path:
@@ -311,6 +318,8 @@ class TrainRun:
                                    "resolved.world_size": self.world,
                                    "resolved.checkpoint": "sharded" if tr.strategy == "fsdp" else "file"})
         self.ckpt = check_resume(out, self.identity, resume, self.rank)
+        if self.ckpt is not None:
+            check_checkpoint_head(self.ckpt, self.head)
         self.best_tau = None
         if self.rank == 0:
             out.mkdir(parents=True, exist_ok=True)
@@ -452,6 +461,12 @@ def run_train(recipe: Recipe, *, resume: bool = False, progress: bool = True) ->
     before the target loads, and held by one run at a time (a second one refuses at once)."""
     from headstart.plan import check_recipe_fits
 
+    # Ranks torchrun (or a hand-set environment) started all come, or are named; a tensor-parallel run
+    # meets when it joins its groups (join_tensor_parallel, after its own checks).
+    if "RANK" in os.environ and recipe.engine.tensor_parallel == 1:
+        from headstart.launch import rendezvous
+
+        rendezvous()
     plan = check_recipe_fits(recipe, ("train", "validation"), torch.device(train_device(recipe.trainer)))  # first
     out = check_output_dir(recipe, resume)
     rank = global_rank(recipe.trainer.devices)

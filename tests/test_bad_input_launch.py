@@ -1,0 +1,159 @@
+"""Bad launches (issue 34): a resume from another head's checkpoint, multi-process launches without
+torchrun, a rendezvous whose ranks never come, SIGTERM. Each ends with one clear line, never a
+traceback or a hang."""
+
+import json
+import shutil
+from pathlib import Path
+
+from conftest import random_conversations, write_jsonl
+
+from headstart.cli import main
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _fails(capsys, argv, match):
+    assert main(argv) == 2, argv
+    err = capsys.readouterr().err
+    last = err.strip().splitlines()[-1]  # progress bars may come before it
+    assert last.startswith("headstart: error:") and match in last and "Traceback" not in err, err
+    return last
+
+
+def _recipe(tmp_path, model_dir, name, head, steps=2):
+    data = tmp_path / "d.jsonl"
+    if not data.exists():
+        write_jsonl(data, random_conversations(24, 0, max_rounds=1, user_words=(2, 8), reply_words=(4, 16)))
+    text = (f"output_dir: {tmp_path / name}\nseed: 3\ntarget:\n  model: {model_dir}\n  dtype: fp32\n"
+            f"data:\n  source: {data}\n  max_length: 64\n  heldout_fraction: 0.15\nhead:\n  type: {head}\n  k: 2\n"
+            f"train:\n  source: online\n  max_steps: {steps}\n  batch_tokens: 128\n  warmup_steps: 1\n"
+            "  val_every_steps: 0\n  val_prompts: 1\n  val_max_tokens: 4\n  val_loss_batches: 1\n"
+            "  ckpt_every_steps: 1\ntrainer:\n  precision: 32-true\nlogging:\n  wandb: false\n")
+    p = tmp_path / f"{name}.yaml"
+    p.write_text(text)
+    return p
+
+
+def test_resume_from_another_heads_checkpoint_names_both_types(tmp_path, chat_model_dir, capsys):
+    mtp, dflash = (_recipe(tmp_path, chat_model_dir, n, n) for n in ("mtp", "dflash"))
+    assert main(["train", str(mtp), "--no-progress"]) == 0
+    assert main(["train", str(dflash), "--no-progress"]) == 0
+    capsys.readouterr()
+    shutil.copy(tmp_path / "dflash" / "checkpoints" / "last.ckpt", tmp_path / "mtp" / "checkpoints" / "last.ckpt")
+    err = _fails(capsys, ["train", str(mtp), "--no-progress", "--resume", "--set", "train.max_steps=3"], "dflash")
+    assert "mtp" in err and "last.ckpt" in err
+    assert json.loads((tmp_path / "mtp" / "train.json").read_text())["format"] == "headstart-train/1"
+    import torch  # a checkpoint of an older headstart records no head type: its tensors tell
+
+    ckpt = torch.load(tmp_path / "mtp" / "checkpoints" / "last.ckpt", weights_only=True)
+    ckpt["headstart"].pop("head_type")
+    torch.save(ckpt, tmp_path / "mtp" / "checkpoints" / "last.ckpt")
+    _fails(capsys, ["train", str(mtp), "--no-progress", "--resume", "--set", "train.max_steps=3"],
+           "not the recipe's mtp head (missing ['head.")
+
+
+QUICKSTART = str(ROOT / "recipes" / "quickstart.yaml")
+
+
+def test_fsdp_on_several_ranks_without_torchrun_is_refused_with_the_torchrun_line(capsys, monkeypatch, tmp_path):
+    for k in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "SLURM_PROCID"):
+        monkeypatch.delenv(k, raising=False)
+    out = tmp_path / "never"
+    err = _fails(capsys, ["train", QUICKSTART, "--set", "trainer.strategy=fsdp", "--set", "trainer.devices=2",
+                          "--set", f"output_dir={out}"], "torchrun --nproc-per-node 2 -m headstart.cli train")
+    assert f"{QUICKSTART} --set trainer.strategy=fsdp --set trainer.devices=2" in err
+    _fails(capsys, ["train", QUICKSTART, "--set", "trainer.num_nodes=2", "--set", f"output_dir={out}"],
+           "torchrun --nnodes 2")
+    assert not out.exists()
+
+
+def test_a_world_size_no_launcher_set_is_refused(capsys, monkeypatch, tmp_path):
+    for k in ("RANK", "LOCAL_RANK", "SLURM_PROCID"):
+        monkeypatch.delenv(k, raising=False)
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    out = tmp_path / "never"
+    _fails(capsys, ["train", QUICKSTART, "--set", f"output_dir={out}"], "WORLD_SIZE=2 is set in the environment")
+    _fails(capsys, ["eval", QUICKSTART, "--head", str(tmp_path)], "unset WORLD_SIZE")
+    _fails(capsys, ["precompute", QUICKSTART, "--set", f"output_dir={out}"], "unset WORLD_SIZE")
+    assert not out.exists()
+
+
+def _cli(argv, env, **kw):
+    import os
+    import subprocess
+    import sys
+
+    return subprocess.Popen([sys.executable, "-m", "headstart.cli", *argv], cwd=ROOT, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            env={**os.environ, "PYTHONPATH": str(ROOT), **env}, **kw)
+
+
+def _free_port():
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _eval_argv(tmp_path, chat_model_dir, tp):
+    prompts = write_jsonl(tmp_path / "p.jsonl", [{"prompt": "hi"}])
+    head = tmp_path / "h"
+    if not head.exists():
+        assert main(["head", "init", "--type", "mtp", "--model", str(chat_model_dir), "--out", str(head)]) == 0
+    r = tmp_path / "r.yaml"
+    r.write_text(f"output_dir: {tmp_path / 'run'}\ntarget:\n  model: {chat_model_dir}\n  dtype: fp32\n")
+    return ["eval", str(r), "--tp", str(tp), "--head", str(head), "--prompts", str(prompts), "--k", "1",
+            "--max-tokens", "2", "--no-progress"]
+
+
+def test_a_rendezvous_names_the_ranks_that_never_came(tmp_path, chat_model_dir):
+    env = {"WORLD_SIZE": "3", "RANK": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()),
+           "HEADSTART_RENDEZVOUS_TIMEOUT_S": "3"}
+    p = _cli(_eval_argv(tmp_path, chat_model_dir, 3), env)
+    out, err = p.communicate(timeout=120)
+    assert p.returncode == 2, err
+    last = err.strip().splitlines()[-1]
+    assert "1 of WORLD_SIZE=3 ranks came" in last and "rank(s) 1, 2 never came" in last, err
+    # A rank whose rank 0 never starts: named too.
+    env = {**env, "RANK": "2", "MASTER_PORT": str(_free_port())}
+    p = _cli(_eval_argv(tmp_path, chat_model_dir, 3), env)
+    out, err = p.communicate(timeout=120)
+    assert p.returncode == 2 and "found no rank 0" in err.strip().splitlines()[-1], err
+
+
+def test_sigterm_ends_a_verb_even_when_it_is_blocked(tmp_path, chat_model_dir):
+    """A rank waiting for its rank 0 is blocked inside torch's store (no Python runs): SIGTERM still
+    ends it, after the grace period; one waiting in Python ends at once."""
+    import signal
+    import subprocess
+    import threading
+    import time
+
+    argv = _eval_argv(tmp_path, chat_model_dir, 2)
+    for rank, said, code in (("1", "still running 1s after SIGTERM", -signal.SIGKILL),
+                             ("0", "headstart: terminated (SIGTERM)", 128 + signal.SIGTERM)):
+        env = {"WORLD_SIZE": "2", "RANK": rank, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()),
+               "HEADSTART_RENDEZVOUS_TIMEOUT_S": "600", "HEADSTART_TERM_GRACE_S": "1"}
+        p = _cli(argv, env, stdin=subprocess.DEVNULL)
+        lines: list[str] = []
+
+        def read(stream=p.stderr, into=lines):
+            for line in stream:
+                into.append(line)
+
+        reader = threading.Thread(target=read, daemon=True)
+        reader.start()
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and not any("rendezvous: rank" in x for x in lines):
+            time.sleep(0.2)  # until it waits at the rendezvous (rank 0 says so after 10 s)
+        p.send_signal(signal.SIGTERM)
+        try:
+            p.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            raise AssertionError(f"rank {rank} ignored SIGTERM: {''.join(lines)}") from None
+        reader.join(timeout=10)
+        err = "".join(lines)
+        assert p.returncode == code and said in err, (rank, p.returncode, err)
