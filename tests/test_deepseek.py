@@ -171,6 +171,12 @@ def test_the_engine_prefills_whole_prompts_expanded_and_still_equals_transformer
         out = hf.generate(torch.tensor([p]), max_new_tokens=sp.max_tokens, do_sample=False, pad_token_id=0)
         assert tokens == out[0, len(p):].tolist(), name
     assert calls == [sum(map(len, prompts))] * ours.config.num_hidden_layers, calls  # the prefill step only
+    # Chunked: only a prompt's first chunk (nothing cached before it) runs expanded; a later chunk attends to its
+    # cached prefix too, absorbed.
+    calls.clear()
+    chunked = Engine(ours, page_size=4, num_pages=64, max_batch_size=3, max_batched_tokens=8, batch_invariant=False)
+    assert [o.token_ids for o in chunked.generate(prompts, params)] == got
+    assert 0 < len(calls) < 4 * ours.config.num_hidden_layers
     calls.clear()
     invariant = Engine(ours, page_size=4, num_pages=64, max_batch_size=4, max_batched_tokens=64)
     assert [o.token_ids for o in invariant.generate(prompts, params)] == got and calls == []

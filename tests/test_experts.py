@@ -101,10 +101,46 @@ def test_the_engines_per_expert_kernels_equal_the_grouped_form_and_are_row_invar
         assert torch.equal(batch, alone)
     torch.testing.assert_close(batch.float(), grouped.float(), rtol=2e-2 if dtype == torch.bfloat16 else 1e-5,
                                atol=1e-2 if dtype == torch.bfloat16 else 1e-6)
-    # A changed weight (an optimizer step) is read anew, not from the kernels' stale copy.
+    # A changed weight is read anew, not from the kernels' stale copy: in place (an optimizer step) or replaced
+    # (a load through .data, which the per-expert views would not see).
     with torch.no_grad():
         m.down_proj.weight.mul_(2)
         torch.testing.assert_close(m(x, weights, ids).float(), 2 * batch.float(), rtol=2e-2, atol=1e-2)
+        m.down_proj.weight.data = m.down_proj.weight.data * 2
+        torch.testing.assert_close(m(x, weights, ids).float(), 4 * batch.float(), rtol=2e-2, atol=2e-2)
+
+
+def test_with_the_cpu_kernels_on_training_still_reaches_the_expert_weights():
+    """The kernels' copies are for no-grad forwards only: a training forward after a validation (which
+    enabled them) must give the stacked weights their gradient."""
+    m = _experts()
+    weights, ids = _routing(6)
+    enable_cpu_kernels(m, rowwise_kernels=True, max_rows=None)
+    m(torch.randn(6, D), weights, ids).square().sum().backward()
+    assert m.gate_up_proj.weight.grad is not None and m.gate_up_proj.weight.grad.abs().sum() > 0
+
+
+def test_a_token_sums_its_experts_in_expert_order_bit_for_bit():
+    """With three or more experts per token the order of the sum shows in the bits: the grouped form adds
+    them in expert order, as the per-expert form (and the engine) does."""
+    torch.manual_seed(3)
+    m = RoutedExperts(E, D, H, F.silu)
+    g = torch.Generator().manual_seed(4)
+    ids = torch.stack([torch.randperm(E, generator=g)[:4] for _ in range(32)])
+    weights = torch.rand(32, 4, generator=g)
+    x = torch.randn(32, D)
+    with torch.no_grad():
+        got = m(x, weights, ids)
+        flat = ids.flatten()
+        order = torch.argsort(flat, stable=True)
+        tokens, w = order // 4, weights.flatten()[order]
+        want, start = torch.zeros_like(x), 0
+        for e, count in enumerate(torch.bincount(flat, minlength=E).tolist()):
+            rows = tokens[start:start + count]
+            gate, up = F.linear(x[rows], m.gate_up_proj.weight[e]).split(H, dim=-1)
+            want.index_add_(0, rows, F.linear(F.silu(gate) * up, m.down_proj.weight[e]) * w[start:start + count, None])
+            start += count
+    assert torch.equal(got, want)
 
 
 def _moe_cfg():

@@ -280,3 +280,23 @@ def test_the_loss_chunk_is_256_rows_on_cpu_and_what_fits_two_gib_on_a_gpu():
     assert gpu.note.startswith("1,536 rows x 32,000 logits") and gpu.bytes == 10 * 1536 * 32000 * 4
     cpu = {t.name: t for p in make_plan(recipe, cfg, device="CPU RAM", capacity_gb=24).phases for t in p.terms}
     assert cpu["chunked loss"].note.startswith("256 rows")
+
+
+def test_a_chain_heads_loss_chunk_on_a_gpu_is_the_one_plan_counts(target):  # noqa: F811
+    """HeadModule picks the chunk by the batch's device and the TTT steps that share it (a meta-device batch
+    stands for a GPU's here)."""
+    from headstart.config import recipe_from_dict
+    from headstart.heads import PackedBatch
+    from headstart.train.losses import loss_chunk_rows
+    from headstart.train.module import HeadModule
+
+    recipe = recipe_from_dict({"head": {"type": "mtp"}, "train": {"ttt_steps": 7, "batch_tokens": 262144}})
+    head = build_head(HeadConfig(head_type="mtp"), target)
+    module = HeadModule(recipe, target, head)
+    vocab = target.config.vocab_size
+    rows = 262144  # a tiny vocabulary: only a long micro-batch shows the chunk
+    batch = PackedBatch(torch.zeros(rows, dtype=torch.long), [rows], torch.empty(rows, 8, device="meta"), None, None)
+    assert module._loss_chunk(head, batch) == loss_chunk_rows(None, vocab, 7, "cuda", rows) != \
+        loss_chunk_rows(None, vocab, 1, "cuda", rows)
+    cpu = PackedBatch(batch.input_ids, [rows], torch.empty(rows, 8), None, None)
+    assert module._loss_chunk(head, cpu) == 256

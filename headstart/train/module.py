@@ -235,7 +235,7 @@ class HeadModule(L.LightningModule):
         head, w = head or self.head, self.cfg.loss_weights
         kind = head.config.head_type
         per_step: list[LossParts] = []
-        chunk = self._loss_chunk(head, self.cfg.ttt_steps if kind in CHAIN_HEADS else 1, batch)
+        chunk = self._loss_chunk(head, batch)
         if kind in CHAIN_HEADS:
             outs, _, sh = unroll(head, batch, self.cfg.ttt_steps)
             target_h = batch.hidden[sh.target_rows.to(device, non_blocking=True)]
@@ -271,7 +271,9 @@ class HeadModule(L.LightningModule):
                          kl=[float(p.kl.detach()) / max(p.rows, 1) for p in per_step])
         return total, stats
 
-    def _loss_chunk(self, head: DraftHead, steps: int, batch: PackedBatch) -> int:
+    def _loss_chunk(self, head: DraftHead, batch: PackedBatch) -> int:
+        """Rows per loss chunk on this batch's device; the TTT steps of a chain head share each chunk."""
+        steps = self.cfg.ttt_steps if head.config.head_type in CHAIN_HEADS else 1
         vocab = head.config.draft_vocab_size or head.target.vocab_size
         return loss_chunk_rows(self.cfg.loss_chunk_tokens, vocab, steps, batch.hidden.device.type,
                                int(batch.input_ids.numel()))
@@ -297,7 +299,7 @@ class HeadModule(L.LightningModule):
             batch = idle_block(batch, head.block_size)
             blocks = AnchoredBlocks(torch.zeros(1, dtype=torch.long), torch.zeros(1, dtype=torch.long), head.block_size)
         h = head.train_blocks(batch, blocks)
-        chunk = self._loss_chunk(head, 1, batch)
+        chunk = self._loss_chunk(head, batch)
         bs, rows = head.block_size, blocks.rows  # host indices: the supervised slots are chosen without a sync
         mask = batch.loss_mask.cpu()[rows] > 0 if batch.loss_mask is not None else torch.ones_like(rows).bool()
         slot = torch.arange(rows.numel()) % bs
