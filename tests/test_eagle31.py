@@ -149,6 +149,9 @@ def test_the_recipe_sets_the_flags_for_eagle3_heads_only():
 
     cfg = head_config_from_recipe(HeadSection(type="eagle3", fc_norm=True, norm_output=False))
     assert (cfg.norm_before_fc, cfg.fc_norm, cfg.norm_before_residual, cfg.norm_output) == (False, True, True, False)
+    for flag in EAGLE31_FLAGS:  # each flag away from its default reaches the head (a dropped one would not)
+        cfg = head_config_from_recipe(HeadSection(type="eagle3", **{flag: not EAGLE31_DEFAULTS[flag]}))
+        assert getattr(cfg, flag) is (not EAGLE31_DEFAULTS[flag]), flag
     with pytest.raises(ValueError, match="applies to eagle3 heads, not mtp") as e:
         HeadSection(type="mtp", norm_output=True)
     assert e.value.key == "head.norm_output"
