@@ -158,3 +158,37 @@ def test_the_recipe_sets_the_flags_for_eagle3_heads_only():
     with pytest.raises(ValueError, match="exclusive") as e:
         HeadSection(type="eagle3", fc_norm=True, norm_before_fc=True)
     assert e.value.key == "head.fc_norm"
+
+
+def test_sglangs_own_eagle3_config_is_read_as_sglang_reads_it(tmp_path, target):
+    """Without our record: SGLang's legacy name `use_aux_norm` is fc_norm; norm_before_fc or
+    norm_before_residual set true is refused, with or without the input_norm tensor (SGLang's
+    LlamaForCausalLMEagle3 has no such norm: it would serve the head without it)."""
+    flags = {"norm_before_fc": False, "fc_norm": True, "norm_before_residual": False, "norm_output": True}
+    head = _head(target, flags)
+    export_head(head, target, "sglang", tmp_path / "e")
+    path, weights = tmp_path / "e" / "config.json", tmp_path / "e" / "model.safetensors"
+    bare = {k: v for k, v in json.loads(path.read_text()).items() if k not in ("headstart", "fc_norm")}
+    path.write_text(json.dumps(bare | {"use_aux_norm": True}))
+    back = import_head(tmp_path / "e", "sglang", target, tmp_path / "n")
+    assert {k: getattr(back.config, k) for k in EAGLE31_FLAGS} == flags and _same(back, head, target)
+
+    export_head(_head(target, dict.fromkeys(EAGLE31_FLAGS, False)), target, "sglang", tmp_path / "f")
+    path, weights = tmp_path / "f" / "config.json", tmp_path / "f" / "model.safetensors"
+    bare = {k: v for k, v in json.loads(path.read_text()).items() if k != "headstart"}
+    path.write_text(json.dumps(bare | {"norm_before_fc": False, "norm_before_residual": False}))
+    back = import_head(tmp_path / "f", "sglang", target, tmp_path / "n2")
+    assert not any(getattr(back.config, k) for k in EAGLE31_FLAGS)
+    for flag in ("norm_before_fc", "norm_before_residual"):
+        path.write_text(json.dumps(bare | {flag: True}))
+        with pytest.raises(AssetError, match=f"config.json: {flag} is true, but SGLang's LlamaForCausalLMEagle3 "
+                                             "has no such norm.*--format vllm"):
+            import_head(tmp_path / "f", "sglang", target, tmp_path / "n3")
+    save_file(load_file(str(weights)) | {"input_norm.weight": torch.ones(2 * 64)}, str(weights))
+    path.write_text(json.dumps(bare | {"norm_before_fc": True}))  # the tensor there too: still named by the flag
+    with pytest.raises(AssetError, match="norm_before_fc is true, but SGLang's LlamaForCausalLMEagle3 has no such"):
+        import_head(tmp_path / "f", "sglang", target, tmp_path / "n3")
+    path.write_text(json.dumps(bare | {"norm_before_residual": "yes"}))
+    with pytest.raises(AssetError, match="norm_before_residual must be true or false, got 'yes'"):
+        import_head(tmp_path / "f", "sglang", target, tmp_path / "n3")
+    assert not (tmp_path / "n3").exists()

@@ -50,6 +50,8 @@ SPECULATORS_VERSION = "0.9.0"
 # norm over the concatenated aux states (no input_norm) and always keeps the un-normed fc output as the
 # first layer's residual.
 SGLANG_MISSING_FLAGS = ("norm_before_fc", "norm_before_residual")
+_SGLANG_MISSING_NORM = {"norm_before_fc": "an RMSNorm over the concatenated aux states before fc",
+                        "norm_before_residual": "hidden_norm on the first layer's residual"}
 _DIMS = ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim")
 
 
@@ -207,7 +209,13 @@ class SGLang(Layout):
             vocab = config_int(config, "draft_vocab_size")
             flags = {"fc_norm": config_bool(config, "fc_norm") or config_bool(config, "use_aux_norm"),
                      "norm_output": config_bool(config, "norm_output")}
-            flags.update(dict.fromkeys(SGLANG_MISSING_FLAGS, False))  # what SGLang computes, whatever the config says
+            for flag in SGLANG_MISSING_FLAGS:  # SGLang ignores them: it would serve another head than was trained
+                if config_bool(config, flag):
+                    raise AssetError(f"config.json: {flag} is true, but SGLang's LlamaForCausalLMEagle3 has no such "
+                                     f"norm ({_SGLANG_MISSING_NORM[flag]}; sglang/srt/models/llama_eagle3.py), so it "
+                                     "would serve this head without it; a head trained with it serves on vLLM: "
+                                     "export it from its training checkpoint with --format vllm")
+                flags[flag] = False
             cfg = _head_config(config, "eagle3", target, aux_layer_ids=aux, draft_vocab_size=vocab, **flags,
                                **_dims(config))
             cfg.draft_vocab_size = vocab
