@@ -192,3 +192,25 @@ def test_sglangs_own_eagle3_config_is_read_as_sglang_reads_it(tmp_path, target):
     with pytest.raises(AssetError, match="norm_before_residual must be true or false, got 'yes'"):
         import_head(tmp_path / "f", "sglang", target, tmp_path / "n3")
     assert not (tmp_path / "n3").exists()
+
+
+def test_an_export_that_feeds_back_another_state_is_refused(tmp_path, target, monkeypatch):
+    """The export check compares the output states too: a read-back head that lost norm_output gives
+    the same logits (its lm_head reads norm(y) either way) but feeds y, not norm(y), to the next step."""
+    import headstart.export as export
+
+    head, read = _head(target, dict.fromkeys(EAGLE31_FLAGS, False) | {"norm_output": True}), []
+    real = export._read_back
+
+    def losing_norm_output(*args, **kwargs):
+        back = real(*args, **kwargs)
+        back.config.norm_output = False
+        read.append(back)
+        return back
+
+    monkeypatch.setattr(export, "_read_back", losing_norm_output)
+    with pytest.raises(AssetError, match="export as vllm: the checkpoint read back gives other"):
+        export_head(head, target, "vllm", tmp_path / "v")
+    assert not (tmp_path / "v").exists()
+    mine, back = _outputs(head, target), _outputs(read[0], target)
+    assert torch.equal(mine[1], back[1]) and not torch.equal(mine[0], back[0])  # first step: same logits only

@@ -101,8 +101,9 @@ def export_head(head: DraftHead, target: LlamaForCausalLM, fmt: str, out: str | 
         (tmp / "config.json").write_text(json.dumps(config, indent=2, default=str))
         back = _read_back(layout, tmp, target)
         if not _same_outputs(head, back):
-            raise AssetError(f"export as {fmt}: the checkpoint read back gives other logits than the head; "
-                             "nothing was kept (a bug: please report it)")
+            raise AssetError(f"export as {fmt}: the checkpoint read back gives other logits or output states "
+                             "(what the next draft step is fed) than the head; nothing was kept (a bug: please "
+                             "report it)")
     return {"format": fmt, "out": str(Path(out).resolve()), "tensors": len(tensors),
             "bytes": sum(t.numel() * t.element_size() for t in tensors.values()), "roundtrip": "identical"}
 
