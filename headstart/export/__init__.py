@@ -189,7 +189,7 @@ def _read_back(layout: Layout, src: Path, target: LlamaForCausalLM, *,
     if found is not None:
         raise AssetError(f"{src}: not a {layout.name} checkpoint: found {found}")
     _check_target(config, target, src, allow_other_target)
-    tensors = _load_tensors(src, layout.tensor_prefix(config))
+    tensors = layout.tensor_names(config, _load_tensors(src, layout.tensor_prefix(config)))
     if not tensors:
         raise AssetError(f"{src}: no tensors under {layout.tensor_prefix(config)!r}")
     _check_finite(tensors, str(src))

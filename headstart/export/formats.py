@@ -195,6 +195,9 @@ class SGLang(Layout):
             return None
         return f"architectures {arch!r} (expected LlamaForCausalLMEagle3, LlamaForCausalLMEagle or DFlashDraftModel)"
 
+    def tensor_names(self, config, tensors):  # noqa: ANN001, ANN201
+        return sglang_dflash.plain_names(tensors) if config["architectures"] == [sglang_dflash.ARCHITECTURE] else tensors
+
     def read(self, config, tensors, target):  # noqa: ANN001, ANN201
         if config["architectures"] == [sglang_dflash.ARCHITECTURE]:
             fields, state = sglang_dflash.read(config, tensors, target)
