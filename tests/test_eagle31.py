@@ -65,7 +65,7 @@ def test_a_new_head_takes_the_trainers_defaults_and_each_flag_changes_the_head(t
     assert HeadConfig(head_type="mtp").norm_output is None
     with pytest.raises(ValueError, match="exclusive"):
         HeadConfig(head_type="eagle3", norm_before_fc=True, fc_norm=True)
-    with pytest.raises(ValueError, match="head.norm_output is an eagle3 flag"):
+    with pytest.raises(ValueError, match="^norm_output applies to eagle3 heads, not mtp"):
         HeadConfig(head_type="mtp", norm_output=True)
     off = dict.fromkeys(EAGLE31_FLAGS, False)
     base = _outputs(_head(target, off), target)
@@ -214,3 +214,16 @@ def test_an_export_that_feeds_back_another_state_is_refused(tmp_path, target, mo
     assert not (tmp_path / "v").exists()
     mine, back = _outputs(head, target), _outputs(read[0], target)
     assert torch.equal(mine[1], back[1]) and not torch.equal(mine[0], back[0])  # first step: same logits only
+
+
+def test_a_flag_of_the_wrong_type_is_named_plainly(tmp_path, target):
+    """An eagle3 flag must be a boolean: the message names the key as config.json spells it, and a
+    null in a saved head's config.json is refused, not read as a new head's default."""
+    with pytest.raises(ValueError, match="^norm_output must be true or false, got 'yes'$"):
+        HeadConfig(head_type="eagle3", norm_output="yes")
+    save_head(_head(target, dict.fromkeys(EAGLE31_FLAGS, False)), tmp_path / "head")
+    cfg_file = tmp_path / "head" / "config.json"
+    raw = json.loads(cfg_file.read_text())
+    cfg_file.write_text(json.dumps(raw | {"norm_output": None}))
+    with pytest.raises(AssetError, match=r"config.json: norm_output must be true or false, got null$"):
+        load_head(tmp_path / "head", target)
