@@ -227,3 +227,33 @@ def test_a_flag_of_the_wrong_type_is_named_plainly(tmp_path, target):
     cfg_file.write_text(json.dumps(raw | {"norm_output": None}))
     with pytest.raises(AssetError, match=r"config.json: norm_output must be true or false, got null$"):
         load_head(tmp_path / "head", target)
+
+
+def test_head_init_sets_the_flags_on_eagle3_heads_only(tmp_path, chat_model_dir, capsys):
+    """`head init --type eagle3` takes the trainer's defaults unless told: --no-norm-before-fc
+    --no-norm-before-residual makes a head SGLang serves."""
+    from headstart.cli import main
+    from headstart.export.formats import SGLANG_MISSING_FLAGS
+    from headstart.heads import read_head_config
+
+    def init(*argv):
+        return main(["head", "init", "--model", str(chat_model_dir), *argv])
+
+    def flags(path):
+        return {k: getattr(read_head_config(path), k) for k in EAGLE31_FLAGS}
+
+    assert init("--type", "eagle3", "--out", str(tmp_path / "new")) == 0
+    assert flags(tmp_path / "new") == EAGLE31_DEFAULTS
+    assert init("--type", "eagle3", "--no-norm-before-fc", "--no-norm-before-residual", "--out", str(tmp_path / "s")) == 0
+    assert flags(tmp_path / "s") == {"norm_before_fc": False, "fc_norm": False, "norm_before_residual": False,
+                                     "norm_output": True}
+    assert not any(flags(tmp_path / "s")[k] for k in SGLANG_MISSING_FLAGS)
+    assert init("--type", "eagle3", "--fc-norm", "--no-norm-output", "--out", str(tmp_path / "f")) == 0
+    assert flags(tmp_path / "f") == {"norm_before_fc": False, "fc_norm": True, "norm_before_residual": True,
+                                     "norm_output": False}
+    capsys.readouterr()
+    assert init("--type", "mtp", "--no-norm-output", "--out", str(tmp_path / "m")) == 2
+    assert "--no-norm-output applies to eagle3 heads, not mtp" in capsys.readouterr().err
+    assert init("--type", "eagle3", "--norm-before-fc", "--fc-norm", "--out", str(tmp_path / "x")) == 2
+    assert "norm_before_fc and fc_norm are exclusive" in capsys.readouterr().err
+    assert not (tmp_path / "m").exists() and not (tmp_path / "x").exists()

@@ -155,7 +155,8 @@ class SGLang(Layout):
                 if getattr(cfg, flag):
                     return (f"SGLang's LlamaForCausalLMEagle3 does not implement head.{flag} (it reads fc_norm and "
                             f"norm_output only: sglang/srt/models/llama_eagle3.py); train the head with "
-                            f"head.{flag}: false to serve it on SGLang, or export it with --format vllm")
+                            f"head.{flag}: false (head init --no-{flag.replace('_', '-')}) to serve it on SGLang, or "
+                            "export it with --format vllm")
         else:
             flags = {k: getattr(cfg, k) for k in EAGLE_FLAGS["eagle1"]}
             if flags != EAGLE_FLAGS["eagle1"]:
