@@ -244,7 +244,8 @@ def test_head_init_sets_the_flags_on_eagle3_heads_only(tmp_path, chat_model_dir,
 
     assert init("--type", "eagle3", "--out", str(tmp_path / "new")) == 0
     assert flags(tmp_path / "new") == EAGLE31_DEFAULTS
-    assert init("--type", "eagle3", "--no-norm-before-fc", "--no-norm-before-residual", "--out", str(tmp_path / "s")) == 0
+    sglang = ["--no-norm-before-fc", "--no-norm-before-residual"]
+    assert init("--type", "eagle3", *sglang, "--out", str(tmp_path / "s")) == 0
     assert flags(tmp_path / "s") == {"norm_before_fc": False, "fc_norm": False, "norm_before_residual": False,
                                      "norm_output": True}
     assert not any(flags(tmp_path / "s")[k] for k in SGLANG_MISSING_FLAGS)

@@ -135,7 +135,8 @@ def test_block_size_is_read_from_dflash_config_first_then_the_top_level(bare):
 
 @pytest.mark.parametrize(("edit", "match"), [
     ({"attention_bias": True}, "attention_bias is true; our dflash layers have no biases"),
-    ({"dflash_config": {"target_layer_ids": [0, 2]}}, r"target_layer_ids \[0, 2\] are outside this target's layers 0..1"),
+    ({"dflash_config": {"target_layer_ids": [0, 2]}},
+     r"target_layer_ids \[0, 2\] are outside this target's layers 0..1"),
     ({"dflash_config": {"target_layer_ids": [-1, 0]}}, r"target_layer_ids \[-1, 0\] are outside"),
     ({"dflash_config": {"target_layer_ids": []}}, "config.json: dflash_config.target_layer_ids is empty"),
     ({"dflash_config": {"num_target_layers": "2"}}, "config.json: dflash_config.num_target_layers must be an integer"),

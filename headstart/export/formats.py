@@ -197,7 +197,8 @@ class SGLang(Layout):
         return f"architectures {arch!r} (expected LlamaForCausalLMEagle3, LlamaForCausalLMEagle or DFlashDraftModel)"
 
     def tensor_names(self, config, tensors):  # noqa: ANN001, ANN201
-        return sglang_dflash.plain_names(tensors) if config["architectures"] == [sglang_dflash.ARCHITECTURE] else tensors
+        dflash = config["architectures"] == [sglang_dflash.ARCHITECTURE]
+        return sglang_dflash.plain_names(tensors) if dflash else tensors
 
     def read(self, config, tensors, target):  # noqa: ANN001, ANN201
         if config["architectures"] == [sglang_dflash.ARCHITECTURE]:
