@@ -125,6 +125,12 @@ def build_parser() -> argparse.ArgumentParser:
     q.add_argument("--postnorm-features", action="store_true",
                    help="mtp / deepseek_mtp: read the target's state after its final norm (what vLLM and SGLang feed "
                         "drafters; their layouts refuse a head trained on the pre-norm state)")
+    # eagle3's EAGLE-3.1 norm flags; unset: the trainer's defaults (on, fc-norm off), which SGLang cannot serve.
+    for flag, what in (("norm-before-fc", "one RMSNorm over the concatenated aux states before fc (SGLang: off)"),
+                       ("fc-norm", "one RMSNorm per aux state before fc (default off)"),
+                       ("norm-before-residual", "the first layer's residual is hidden_norm(f) (SGLang: off)"),
+                       ("norm-output", "the next draft step is fed the post-norm state")):
+        q.add_argument(f"--{flag}", action=argparse.BooleanOptionalAction, default=None, help=f"eagle3: {what}")
     q.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], default="fp32")
     q.add_argument("--out", required=True, help="checkpoint directory to write (a new or empty directory)")
     q.add_argument("--force", action="store_true", help="replace --out if it is an existing head checkpoint")

@@ -244,7 +244,7 @@ def cmd_train(args: argparse.Namespace) -> int:
 def cmd_head_init(args: argparse.Namespace) -> int:
     from headstart.assets import resolve_model
     from headstart.heads import HeadConfig, build_head, save_head
-    from headstart.heads.base import POSTNORM_FAMILIES
+    from headstart.heads.base import EAGLE31_FLAGS, POSTNORM_FAMILIES
     from headstart.heads.checkpoint import check_head_output
     from headstart.models import load_target
 
@@ -252,8 +252,14 @@ def cmd_head_init(args: argparse.Namespace) -> int:
     try:
         if args.postnorm_features and args.type not in POSTNORM_FAMILIES:  # named by the flag, not the field
             raise ValueError(f"--postnorm-features applies to {', '.join(POSTNORM_FAMILIES)} heads, not {args.type}")
+        norms = {k: getattr(args, k) for k in EAGLE31_FLAGS if getattr(args, k) is not None}
+        for name, value in norms.items():
+            if args.type != "eagle3":
+                raise ValueError(f"--{'' if value else 'no-'}{name.replace('_', '-')} applies to eagle3 heads, "
+                                 f"not {args.type}")
         cfg = HeadConfig(head_type=args.type, num_layers=args.num_layers, medusa_num_heads=args.medusa_heads,
-                         postnorm_features=True if args.postnorm_features else None, block_size=args.block_size)
+                         postnorm_features=True if args.postnorm_features else None, block_size=args.block_size,
+                         **norms)
     except ValueError as e:
         raise HeadstartError(f"head init: {e}") from None
     target = load_target(resolve_model(args.model), dtype=args.dtype)

@@ -65,7 +65,7 @@ def test_a_new_head_takes_the_trainers_defaults_and_each_flag_changes_the_head(t
     assert HeadConfig(head_type="mtp").norm_output is None
     with pytest.raises(ValueError, match="exclusive"):
         HeadConfig(head_type="eagle3", norm_before_fc=True, fc_norm=True)
-    with pytest.raises(ValueError, match="head.norm_output is an eagle3 flag"):
+    with pytest.raises(ValueError, match="^norm_output applies to eagle3 heads, not mtp"):
         HeadConfig(head_type="mtp", norm_output=True)
     off = dict.fromkeys(EAGLE31_FLAGS, False)
     base = _outputs(_head(target, off), target)
@@ -149,9 +149,112 @@ def test_the_recipe_sets_the_flags_for_eagle3_heads_only():
 
     cfg = head_config_from_recipe(HeadSection(type="eagle3", fc_norm=True, norm_output=False))
     assert (cfg.norm_before_fc, cfg.fc_norm, cfg.norm_before_residual, cfg.norm_output) == (False, True, True, False)
+    for flag in EAGLE31_FLAGS:  # each flag away from its default reaches the head (a dropped one would not)
+        cfg = head_config_from_recipe(HeadSection(type="eagle3", **{flag: not EAGLE31_DEFAULTS[flag]}))
+        assert getattr(cfg, flag) is (not EAGLE31_DEFAULTS[flag]), flag
     with pytest.raises(ValueError, match="applies to eagle3 heads, not mtp") as e:
         HeadSection(type="mtp", norm_output=True)
     assert e.value.key == "head.norm_output"
     with pytest.raises(ValueError, match="exclusive") as e:
         HeadSection(type="eagle3", fc_norm=True, norm_before_fc=True)
     assert e.value.key == "head.fc_norm"
+
+
+def test_sglangs_own_eagle3_config_is_read_as_sglang_reads_it(tmp_path, target):
+    """Without our record: SGLang's legacy name `use_aux_norm` is fc_norm; norm_before_fc or
+    norm_before_residual set true is refused, with or without the input_norm tensor (SGLang's
+    LlamaForCausalLMEagle3 has no such norm: it would serve the head without it)."""
+    flags = {"norm_before_fc": False, "fc_norm": True, "norm_before_residual": False, "norm_output": True}
+    head = _head(target, flags)
+    export_head(head, target, "sglang", tmp_path / "e")
+    path, weights = tmp_path / "e" / "config.json", tmp_path / "e" / "model.safetensors"
+    bare = {k: v for k, v in json.loads(path.read_text()).items() if k not in ("headstart", "fc_norm")}
+    path.write_text(json.dumps(bare | {"use_aux_norm": True}))
+    back = import_head(tmp_path / "e", "sglang", target, tmp_path / "n")
+    assert {k: getattr(back.config, k) for k in EAGLE31_FLAGS} == flags and _same(back, head, target)
+
+    export_head(_head(target, dict.fromkeys(EAGLE31_FLAGS, False)), target, "sglang", tmp_path / "f")
+    path, weights = tmp_path / "f" / "config.json", tmp_path / "f" / "model.safetensors"
+    bare = {k: v for k, v in json.loads(path.read_text()).items() if k != "headstart"}
+    path.write_text(json.dumps(bare | {"norm_before_fc": False, "norm_before_residual": False}))
+    back = import_head(tmp_path / "f", "sglang", target, tmp_path / "n2")
+    assert not any(getattr(back.config, k) for k in EAGLE31_FLAGS)
+    for flag in ("norm_before_fc", "norm_before_residual"):
+        path.write_text(json.dumps(bare | {flag: True}))
+        with pytest.raises(AssetError, match=f"config.json: {flag} is true, but SGLang's LlamaForCausalLMEagle3 "
+                                             "has no such norm.*--format vllm"):
+            import_head(tmp_path / "f", "sglang", target, tmp_path / "n3")
+    save_file(load_file(str(weights)) | {"input_norm.weight": torch.ones(2 * 64)}, str(weights))
+    path.write_text(json.dumps(bare | {"norm_before_fc": True}))  # the tensor there too: still named by the flag
+    with pytest.raises(AssetError, match="norm_before_fc is true, but SGLang's LlamaForCausalLMEagle3 has no such"):
+        import_head(tmp_path / "f", "sglang", target, tmp_path / "n3")
+    path.write_text(json.dumps(bare | {"norm_before_residual": "yes"}))
+    with pytest.raises(AssetError, match="norm_before_residual must be true or false, got 'yes'"):
+        import_head(tmp_path / "f", "sglang", target, tmp_path / "n3")
+    assert not (tmp_path / "n3").exists()
+
+
+def test_an_export_that_feeds_back_another_state_is_refused(tmp_path, target, monkeypatch):
+    """The export check compares the output states too: a read-back head that lost norm_output gives
+    the same logits (its lm_head reads norm(y) either way) but feeds y, not norm(y), to the next step."""
+    import headstart.export as export
+
+    head, read = _head(target, dict.fromkeys(EAGLE31_FLAGS, False) | {"norm_output": True}), []
+    real = export._read_back
+
+    def losing_norm_output(*args, **kwargs):
+        back = real(*args, **kwargs)
+        back.config.norm_output = False
+        read.append(back)
+        return back
+
+    monkeypatch.setattr(export, "_read_back", losing_norm_output)
+    with pytest.raises(AssetError, match="export as vllm: the checkpoint read back gives other"):
+        export_head(head, target, "vllm", tmp_path / "v")
+    assert not (tmp_path / "v").exists()
+    mine, back = _outputs(head, target), _outputs(read[0], target)
+    assert torch.equal(mine[1], back[1]) and not torch.equal(mine[0], back[0])  # first step: same logits only
+
+
+def test_a_flag_of_the_wrong_type_is_named_plainly(tmp_path, target):
+    """An eagle3 flag must be a boolean: the message names the key as config.json spells it, and a
+    null in a saved head's config.json is refused, not read as a new head's default."""
+    with pytest.raises(ValueError, match="^norm_output must be true or false, got 'yes'$"):
+        HeadConfig(head_type="eagle3", norm_output="yes")
+    save_head(_head(target, dict.fromkeys(EAGLE31_FLAGS, False)), tmp_path / "head")
+    cfg_file = tmp_path / "head" / "config.json"
+    raw = json.loads(cfg_file.read_text())
+    cfg_file.write_text(json.dumps(raw | {"norm_output": None}))
+    with pytest.raises(AssetError, match=r"config.json: norm_output must be true or false, got null$"):
+        load_head(tmp_path / "head", target)
+
+
+def test_head_init_sets_the_flags_on_eagle3_heads_only(tmp_path, chat_model_dir, capsys):
+    """`head init --type eagle3` takes the trainer's defaults unless told: --no-norm-before-fc
+    --no-norm-before-residual makes a head SGLang serves."""
+    from headstart.cli import main
+    from headstart.export.formats import SGLANG_MISSING_FLAGS
+    from headstart.heads import read_head_config
+
+    def init(*argv):
+        return main(["head", "init", "--model", str(chat_model_dir), *argv])
+
+    def flags(path):
+        return {k: getattr(read_head_config(path), k) for k in EAGLE31_FLAGS}
+
+    assert init("--type", "eagle3", "--out", str(tmp_path / "new")) == 0
+    assert flags(tmp_path / "new") == EAGLE31_DEFAULTS
+    sglang = ["--no-norm-before-fc", "--no-norm-before-residual"]
+    assert init("--type", "eagle3", *sglang, "--out", str(tmp_path / "s")) == 0
+    assert flags(tmp_path / "s") == {"norm_before_fc": False, "fc_norm": False, "norm_before_residual": False,
+                                     "norm_output": True}
+    assert not any(flags(tmp_path / "s")[k] for k in SGLANG_MISSING_FLAGS)
+    assert init("--type", "eagle3", "--fc-norm", "--no-norm-output", "--out", str(tmp_path / "f")) == 0
+    assert flags(tmp_path / "f") == {"norm_before_fc": False, "fc_norm": True, "norm_before_residual": True,
+                                     "norm_output": False}
+    capsys.readouterr()
+    assert init("--type", "mtp", "--no-norm-output", "--out", str(tmp_path / "m")) == 2
+    assert "--no-norm-output applies to eagle3 heads, not mtp" in capsys.readouterr().err
+    assert init("--type", "eagle3", "--norm-before-fc", "--fc-norm", "--out", str(tmp_path / "x")) == 2
+    assert "norm_before_fc and fc_norm are exclusive" in capsys.readouterr().err
+    assert not (tmp_path / "m").exists() and not (tmp_path / "x").exists()

@@ -87,6 +87,22 @@ def test_the_plan_says_where_the_head_serves_as_the_export_decides(tiny, head, v
     assert [s.line() for s in serving(built)] == plan.serving  # the meta-device head answers as the real one
 
 
+def test_eagle3s_input_norms_add_a_normed_copy_of_the_aux_states_to_the_head_activations(tiny):
+    """norm_before_fc and fc_norm each keep a normed copy of the A aux states (A d per token, bf16) for
+    backward, on every TTT step; with both off there is none."""
+    cfg = json.loads((tiny / "config.json").read_text())
+
+    def activations(**flags):
+        recipe = recipe_from_dict({"target": {"model": str(tiny), "dtype": "fp32"},
+                                   "head": {"type": "eagle3", "aux_layer_ids": [1, 2], **flags}})
+        train = next(p for p in make_plan(recipe, cfg).phases if p.name == "train")
+        return recipe.train, next(t.bytes for t in train.terms if t.name == "head activations")
+
+    tr, off = activations(norm_before_fc=False)
+    normed_copy = tr.batch_tokens * tr.ttt_steps * 2 * cfg["hidden_size"] * 2
+    assert activations()[1] == activations(fc_norm=True)[1] == off + normed_copy
+
+
 @pytest.mark.parametrize("recipe", list(RECIPES))
 def test_every_8xh100_recipe_gets_its_verdict(recipe, capsys):
     target, fits = RECIPES[recipe]

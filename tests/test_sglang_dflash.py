@@ -6,7 +6,7 @@ import json
 
 import pytest
 import torch
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 from tiny_models import make_hf_model
 
 from headstart.errors import AssetError
@@ -93,3 +93,84 @@ def test_sglangs_default_layer_ids():
     assert default_target_layers(32, 1) == [16]
     with pytest.raises(AssetError, match="at least 4 layers"):
         default_target_layers(2, 2)
+
+
+def test_sglangs_default_layer_ids_round_as_sglang_does():
+    # 1 + i * 28 / 3 = 1, 10.33, 19.67, 29: SGLang rounds (int(round(...))), a floor would give 19
+    assert default_target_layers(32, 4) == [1, 10, 20, 29]
+
+
+def test_a_target_without_silu_is_refused(tmp_path, target, monkeypatch):
+    head = _head(target)
+    monkeypatch.setattr(head.target.model.config, "hidden_act", "gelu_pytorch_tanh")
+    with pytest.raises(AssetError, match="DFlash MLP takes SiLU only; this target's activation is gelu_pytorch_tanh"):
+        export_head(head, target, "sglang", tmp_path / "e")
+    assert not (tmp_path / "e").exists()
+
+
+@pytest.fixture
+def bare(tmp_path, target):
+    """An SGLang DFlash export without our record (as SGLang's own checkpoints come), and an importer
+    of it under another config.json."""
+    export_head(_head(target), target, "sglang", tmp_path / "e")
+    path = tmp_path / "e" / "config.json"
+    config = {k: v for k, v in json.loads(path.read_text()).items() if k != "headstart"}
+
+    def read(edited, name="n"):
+        path.write_text(json.dumps(edited))
+        return import_head(tmp_path / "e", "sglang", target, tmp_path / name)
+
+    return config, read
+
+
+def test_block_size_is_read_from_dflash_config_first_then_the_top_level(bare):
+    config, read = bare
+    dflash = {k: v for k, v in config["dflash_config"].items() if k != "block_size"}
+    assert read({k: v for k, v in config.items() if k != "block_size"}, "a").config.block_size == 4
+    assert read(config | {"dflash_config": dflash}, "b").config.block_size == 4
+    assert read(config | {"block_size": 6}, "c").config.block_size == 4  # dflash_config's wins
+    neither = {k: v for k, v in config.items() if k != "block_size"} | {"dflash_config": dflash}
+    assert read(neither, "d").config.block_size == 16  # DFlashDraftModel's default
+
+
+@pytest.mark.parametrize(("edit", "match"), [
+    ({"attention_bias": True}, "attention_bias is true; our dflash layers have no biases"),
+    ({"dflash_config": {"target_layer_ids": [0, 2]}},
+     r"target_layer_ids \[0, 2\] are outside this target's layers 0..1"),
+    ({"dflash_config": {"target_layer_ids": [-1, 0]}}, r"target_layer_ids \[-1, 0\] are outside"),
+    ({"dflash_config": {"target_layer_ids": []}}, "config.json: dflash_config.target_layer_ids is empty"),
+    ({"dflash_config": {"num_target_layers": "2"}}, "config.json: dflash_config.num_target_layers must be an integer"),
+    ({"dflash_config": {"mask_token_id": -1}}, r"config.json: dflash_config.mask_token_id -1 is outside the target's "
+                                               r"vocabulary \(0..319\)"),
+    ({"dflash_config": {"mask_token_id": 320}}, "config.json: dflash_config.mask_token_id 320 is outside"),
+], ids=["bias", "layer-id-high", "layer-id-negative", "no-layer-ids", "layers-as-text", "mask-negative", "mask-high"])
+def test_what_sglang_would_not_load_as_trained_is_refused_on_import(bare, tmp_path, edit, match):
+    config, read = bare
+    if "dflash_config" in edit:
+        edit = {"dflash_config": config["dflash_config"] | edit["dflash_config"]}
+    with pytest.raises(AssetError, match=match):
+        read(config | edit)
+    assert not (tmp_path / "n").exists()
+
+
+@pytest.mark.parametrize("name", ["embed_tokens.weight", "lm_head.weight", "model.lm_head.weight"])
+def test_a_checkpoint_with_its_own_embedding_or_lm_head_is_refused(bare, tmp_path, target, name):
+    config, read = bare
+    weights = tmp_path / "e" / "model.safetensors"
+    save_file(load_file(str(weights)) | {name: target.lm_head.weight.detach().clone()}, str(weights))
+    with pytest.raises(AssetError, match=f"{name.removeprefix('model.')} is present; SGLang's DFlashDraftModel reads "
+                                         "the target's embedding and lm_head"):
+        read(config)
+
+
+def test_tensor_names_under_model_are_read_as_sglangs_loader_reads_them(bare, tmp_path, target):
+    config, read = bare
+    weights = tmp_path / "e" / "model.safetensors"
+    plain = load_file(str(weights))
+    save_file({f"model.{k}": v for k, v in plain.items()}, str(weights))
+    back = read(config)
+    save_file(plain, str(weights))
+    assert torch.equal(_block_logits(back, target), _block_logits(read(config, "n2"), target))
+    save_file(plain | {"model.fc.weight": plain["fc.weight"].clone()}, str(weights))
+    with pytest.raises(AssetError, match="model.fc.weight and fc.weight"):
+        read(config, "n3")

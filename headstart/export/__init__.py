@@ -101,8 +101,9 @@ def export_head(head: DraftHead, target: LlamaForCausalLM, fmt: str, out: str | 
         (tmp / "config.json").write_text(json.dumps(config, indent=2, default=str))
         back = _read_back(layout, tmp, target)
         if not _same_outputs(head, back):
-            raise AssetError(f"export as {fmt}: the checkpoint read back gives other logits than the head; "
-                             "nothing was kept (a bug: please report it)")
+            raise AssetError(f"export as {fmt}: the checkpoint read back gives other logits or output states "
+                             "(what the next draft step is fed) than the head; nothing was kept (a bug: please "
+                             "report it)")
     return {"format": fmt, "out": str(Path(out).resolve()), "tensors": len(tensors),
             "bytes": sum(t.numel() * t.element_size() for t in tensors.values()), "roundtrip": "identical"}
 
@@ -188,7 +189,7 @@ def _read_back(layout: Layout, src: Path, target: LlamaForCausalLM, *,
     if found is not None:
         raise AssetError(f"{src}: not a {layout.name} checkpoint: found {found}")
     _check_target(config, target, src, allow_other_target)
-    tensors = _load_tensors(src, layout.tensor_prefix(config))
+    tensors = layout.tensor_names(config, _load_tensors(src, layout.tensor_prefix(config)))
     if not tensors:
         raise AssetError(f"{src}: no tensors under {layout.tensor_prefix(config)!r}")
     _check_finite(tensors, str(src))

@@ -50,6 +50,8 @@ SPECULATORS_VERSION = "0.9.0"
 # norm over the concatenated aux states (no input_norm) and always keeps the un-normed fc output as the
 # first layer's residual.
 SGLANG_MISSING_FLAGS = ("norm_before_fc", "norm_before_residual")
+_SGLANG_MISSING_NORM = {"norm_before_fc": "an RMSNorm over the concatenated aux states before fc",
+                        "norm_before_residual": "hidden_norm on the first layer's residual"}
 _DIMS = ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim")
 
 
@@ -153,7 +155,8 @@ class SGLang(Layout):
                 if getattr(cfg, flag):
                     return (f"SGLang's LlamaForCausalLMEagle3 does not implement head.{flag} (it reads fc_norm and "
                             f"norm_output only: sglang/srt/models/llama_eagle3.py); train the head with "
-                            f"head.{flag}: false to serve it on SGLang, or export it with --format vllm")
+                            f"head.{flag}: false (head init --no-{flag.replace('_', '-')}) to serve it on SGLang, or "
+                            "export it with --format vllm")
         else:
             flags = {k: getattr(cfg, k) for k in EAGLE_FLAGS["eagle1"]}
             if flags != EAGLE_FLAGS["eagle1"]:
@@ -193,6 +196,10 @@ class SGLang(Layout):
             return None
         return f"architectures {arch!r} (expected LlamaForCausalLMEagle3, LlamaForCausalLMEagle or DFlashDraftModel)"
 
+    def tensor_names(self, config, tensors):  # noqa: ANN001, ANN201
+        dflash = config["architectures"] == [sglang_dflash.ARCHITECTURE]
+        return sglang_dflash.plain_names(tensors) if dflash else tensors
+
     def read(self, config, tensors, target):  # noqa: ANN001, ANN201
         if config["architectures"] == [sglang_dflash.ARCHITECTURE]:
             fields, state = sglang_dflash.read(config, tensors, target)
@@ -207,7 +214,13 @@ class SGLang(Layout):
             vocab = config_int(config, "draft_vocab_size")
             flags = {"fc_norm": config_bool(config, "fc_norm") or config_bool(config, "use_aux_norm"),
                      "norm_output": config_bool(config, "norm_output")}
-            flags.update(dict.fromkeys(SGLANG_MISSING_FLAGS, False))  # what SGLang computes, whatever the config says
+            for flag in SGLANG_MISSING_FLAGS:  # SGLang ignores them: it would serve another head than was trained
+                if config_bool(config, flag):
+                    raise AssetError(f"config.json: {flag} is true, but SGLang's LlamaForCausalLMEagle3 has no such "
+                                     f"norm ({_SGLANG_MISSING_NORM[flag]}; sglang/srt/models/llama_eagle3.py), so it "
+                                     "would serve this head without it; a head trained with it serves on vLLM: "
+                                     "export it from its training checkpoint with --format vllm")
+                flags[flag] = False
             cfg = _head_config(config, "eagle3", target, aux_layer_ids=aux, draft_vocab_size=vocab, **flags,
                                **_dims(config))
             cfg.draft_vocab_size = vocab

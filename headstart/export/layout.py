@@ -43,6 +43,10 @@ class Layout(abc.ABC):
         """Where this layout's tensors live in a checkpoint (None: every tensor is the head's)."""
         return None
 
+    def tensor_names(self, config: dict[str, Any], tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """The checkpoint's tensors under the names this layout reads (a loader may take several spellings)."""
+        return tensors
+
     @abc.abstractmethod
     def write(self, head: DraftHead, target: LlamaForCausalLM) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
         """-> (config.json contents, tensors under the serving names)."""

@@ -6,7 +6,7 @@ sglang/srt/models/dflash.py (DFlashDraftModel) and sglang/srt/speculative/dflash
                  and dflash_config {target_layer_ids, block_size, mask_token_id, num_target_layers}
     tensors      fc.weight [d, K d], hidden_norm.weight, layers.{i}.{input_layernorm, post_attention_layernorm,
                  self_attn.{q,k,v,o}_proj, self_attn.{q,k}_norm, mlp.{gate,up,down}_proj}.weight, norm.weight
-                 (SGLang's loader also takes them under `model.`; our import takes the plain names only)
+                 (SGLang's loader also takes them under `model.`, and so does our import)
 
 The model holds no embedding and no lm_head: it reads the target's, over the whole vocabulary, so a
 head with a draft vocabulary has no place there. Its layers always apply q/k norms and take SiLU.
@@ -44,6 +44,17 @@ def default_target_layers(num_target_layers: int, num_draft_layers: int) -> list
     return [int(round(1 + i * span / (num_draft_layers - 1))) for i in range(num_draft_layers)]
 
 
+def plain_names(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The tensors under our names: SGLang's loader also takes every name under `model.`."""
+    out: dict[str, torch.Tensor] = {}
+    for name, t in tensors.items():
+        plain = name.removeprefix("model.")
+        if plain in out:
+            raise AssetError(f"model.{plain} and {plain} are both present; SGLang's loader reads them as one tensor")
+        out[plain] = t
+    return out
+
+
 def refuse(head: DraftHead) -> str | None:
     cfg = head.config
     if cfg.draft_vocab_size:
@@ -78,12 +89,17 @@ def read(config: dict[str, Any], tensors: dict[str, torch.Tensor],
     dflash = config_dict(config, "dflash_config")
     n = target.config.num_hidden_layers
     trained = dflash.get("num_target_layers", config.get("num_target_layers"))
+    if trained is not None and (isinstance(trained, bool) or not isinstance(trained, int)):
+        raise AssetError(f"config.json: dflash_config.num_target_layers must be an integer, got {str(trained)[:20]!r}")
     if trained is not None and trained != n:
-        raise AssetError(f"config.json: dflash_config.num_target_layers is {str(trained)[:20]}, this target has {n} "
+        raise AssetError(f"config.json: dflash_config.num_target_layers is {trained}, this target has {n} "
                          "layers (a head for another target)")
     layers = config_int(config, "num_hidden_layers")
     ids = config_ids(dflash.get("target_layer_ids", config.get("target_layer_ids")), "dflash_config.target_layer_ids")
-    ids = ids if ids else default_target_layers(n, layers)
+    if ids == []:  # SGLang refuses it too; only an absent key takes its default
+        raise AssetError("config.json: dflash_config.target_layer_ids is empty; SGLang refuses that (the head fuses "
+                         "at least one target layer): name the layers, or leave the key out for SGLang's default")
+    ids = ids if ids is not None else default_target_layers(n, layers)
     if any(not 0 <= k < n for k in ids):
         raise AssetError(f"config.json: dflash_config.target_layer_ids {ids[:8]} are outside this target's layers "
                          f"0..{n - 1}")
@@ -94,6 +110,9 @@ def read(config: dict[str, Any], tensors: dict[str, torch.Tensor],
     if isinstance(mask, bool) or not isinstance(mask, int):
         raise AssetError("config.json: dflash_config.mask_token_id must be a token id (SGLang would look the mask "
                          f"token up in the tokenizer, which an import does not read), got {str(mask)[:20]!r}")
+    if not 0 <= mask < target.config.vocab_size:
+        raise AssetError(f"config.json: dflash_config.mask_token_id {mask} is outside the target's vocabulary "
+                         f"(0..{target.config.vocab_size - 1})")
     if config.get("attention_bias"):
         raise AssetError("config.json: attention_bias is true; our dflash layers have no biases")
     state = join_fused(tensors)
@@ -105,4 +124,4 @@ def read(config: dict[str, Any], tensors: dict[str, torch.Tensor],
             "mask_token_id": mask}, state
 
 
-__all__ = ["ARCHITECTURE", "default_target_layers", "read", "refuse", "write"]
+__all__ = ["ARCHITECTURE", "default_target_layers", "plain_names", "read", "refuse", "write"]

@@ -126,16 +126,18 @@ class HeadConfig:
         for name, value in EAGLE_FLAGS.get(self.head_type, {}).items():
             if getattr(self, name) is None:
                 setattr(self, name, value)
+        # Named as config.json spells them (a saved head's, an export's record); the recipe names its own keys.
         for name in EAGLE31_FLAGS:
             value = getattr(self, name)
-            if value is not None and (self.head_type != "eagle3" or not isinstance(value, bool)):
-                raise ValueError(f"head.{name} is an eagle3 flag (true / false); got {str(value)[:20]!r} "
-                                 f"on a {self.head_type} head")
+            if value is not None and self.head_type != "eagle3":
+                raise ValueError(f"{name} applies to eagle3 heads, not {self.head_type} (got {json_shown(value)})")
+            if value is not None and not isinstance(value, bool):
+                raise ValueError(f"{name} must be true or false, got {json_shown(value)}")
             if self.head_type == "eagle3" and value is None:  # fc_norm asked for: the other input norm off
                 setattr(self, name, EAGLE31_DEFAULTS[name] and not (name == "norm_before_fc" and self.fc_norm))
         if self.norm_before_fc and self.fc_norm:
-            raise ValueError("head.norm_before_fc and head.fc_norm are exclusive (one norm over the concatenated aux "
-                             "states, or one per state; speculators refuses both)")
+            raise ValueError("norm_before_fc and fc_norm are exclusive (one norm over the concatenated aux states, or "
+                             "one per state; speculators refuses both)")
 
     @classmethod
     def from_record(cls, raw: dict[str, Any]) -> HeadConfig:
@@ -143,6 +145,8 @@ class HeadConfig:
         written before the EAGLE-3.1 flags existed was saved with them off, not with a new head's defaults."""
         raw = dict(raw)
         for name in EAGLE31_FLAGS:
+            if raw.get("head_type") == "eagle3" and name in raw and raw[name] is None:  # not a new head's default
+                raise ValueError(f"{name} must be true or false, got null")
             raw.setdefault(name, saved_without(name, raw.get("head_type")))
         return cls(**raw)
 
@@ -188,6 +192,13 @@ class HeadConfig:
         )
         kw.update(overrides)
         return DecoderLayerConfig(**kw)
+
+
+def json_shown(value: Any) -> str:
+    """A config value as its file spells it (true, null), a string quoted and cut short."""
+    if value is None or isinstance(value, bool):
+        return {None: "null", True: "true", False: "false"}[value]
+    return repr(str(value)[:20])
 
 
 def saved_without(name: str, head_type: Any) -> Any:
