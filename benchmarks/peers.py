@@ -16,24 +16,27 @@ headstart, so it reads the shards by their documented layout (headstart/precompu
                               heads predict over the same tokens
 Both sides store a per-token loss mask (1 = an assistant token); each trainer shifts it its own way.
 
-`train` runs speculators.train.cli.main (what `speculators train` runs) with four patches, each
-because the stock code cannot run on a CPU-only torch:
-  1. speculators/train/trainer.py `Trainer.__init__`: `acc = torch.accelerator.current_accelerator()`
-     is None without an accelerator and the trainer falls back to "cuda", so `torch.autocast("cuda")`
-     disables itself (a warning) and bf16 hidden states meet fp32 weights in `fc`. Patched: the call
-     answers torch.device("cpu") while the Trainer is built (it is read only there).
-  2. the same `__init__` keeps `self.local_rank = get_local_rank()` (the int 0) and moves the model and
-     every batch with `.to(self.local_rank)`, i.e. to cuda:0. Patched: get_local_rank answers "cpu" in
-     the trainer module.
-  3. speculators/train/trainer.py:80 `_StepTimer.mark` calls `torch.accelerator.synchronize()` on every
-     logged step, which raises "RuntimeError: Cannot access accelerator device when none is available."
-     Patched: without an accelerator, synchronize is a no-op (the CPU runs synchronously anyway).
+`train` runs speculators.train.cli.main (what `speculators train` runs) with four patches (line numbers
+are speculators 0.9.0's speculators/train/trainer.py):
+  1. :227 `acc = torch.accelerator.current_accelerator()` is None on a CPU-only torch and the trainer
+     falls back to "cuda"; the step's `torch.autocast("cuda", bf16)` (:539) then warns "CUDA is not
+     available or torch_xla is imported. Disabling autocast." and runs fp32. Patched: the call answers
+     torch.device("cpu") while the Trainer is built (the only place it is read), so speculators trains
+     in bf16 autocast as `headstart train` does (precision bf16-mixed on this CPU).
+  2. :221 `self.local_rank = get_local_rank()` is the int 0 and :348 `self.model.to(self.local_rank)`
+     (and :533 each batch) moves to device 0: "RuntimeError: Cannot access accelerator device when none
+     is available." Patched: get_local_rank answers "cpu" in the trainer module.
+  3. :80 `_StepTimer.mark` calls `torch.accelerator.synchronize()` on every logged step: the same
+     RuntimeError. Patched: without an accelerator, synchronize is a no-op (the CPU runs synchronously).
   4. `Trainer.run_training` runs `num_epochs` whole epochs; `max_steps` only stops the epoch it falls
      in and the next epoch would still take one step. Patched: num_epochs = ceil(steps / batches per
      epoch), so the run takes exactly `steps` optimizer steps (the LR schedule spans `max_steps`).
+Two stock settings cannot run here and are flags, not patches: `--draft-attn-impl sdpa` (the default
+simple_flex_attention stops at speculators/models/attention.py:55 with "NotImplementedError:
+FlexAttention does not support backward on CPU"), `--loss-implementation eager` (the default fused loss
+imports Triton, not installed: speculators/losses/utils.py:118).
 Everything else is speculators' own: its config resolution, model construction from the verifier,
-MultipackDistributedBatchSamplerV2 packing, eager KL loss (`--loss-implementation eager`: the fused
-loss needs Triton), AdamW, LR schedule, checkpointer (save_pretrained in bf16).
+MultipackDistributedBatchSamplerV2 packing, KL loss, AdamW, LR schedule, checkpointer (save_pretrained in bf16).
 """
 
 from __future__ import annotations
