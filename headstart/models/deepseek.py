@@ -48,7 +48,7 @@ from headstart.models.base import CausalLM, materialise
 from headstart.models.loading import check_sizes, load_weights
 from headstart.nn.attention import AttentionBackend, AttentionMetadata, KVPages, PackedCausalAttention
 from headstart.nn.experts import RoutedExperts
-from headstart.nn.linear import Linear
+from headstart.nn.linear import Linear, weight_version
 from headstart.nn.mlp import _ACTIVATIONS, GatedMLP
 from headstart.nn.norm import RMSNorm
 from headstart.nn.parallel import SINGLE, TensorParallel, VocabParallelEmbedding, VocabParallelLinear
@@ -260,12 +260,6 @@ class DeepseekConfig:
         return self.parameter_count() - moe_layers * max(idle, 0) * 3 * self.hidden_size * self.moe_intermediate_size
 
 
-def _version(w: torch.Tensor) -> tuple[int, int]:
-    """What identifies a weight's current values: its storage and in-place version (a load or an
-    optimizer step changes it; inference tensors have no version and never change)."""
-    return w.data_ptr(), -1 if w.is_inference() else w._version
-
-
 def _init_like_linear(weight: torch.Tensor) -> None:
     """nn.Linear's default initialisation, for weights held outside a Linear (torch.empty is whatever the
     allocator returns: a head built without the target's weights trained on NaN or 1e34 entries)."""
@@ -324,13 +318,13 @@ class MLAttention(nn.Module):
             uk.append(a.requires_grad_(False))
             uv.append(b.requires_grad_(False))
         got = [lin.enable_cpu_kernels(rowwise, max_rows) for lin in uk + uv]
-        object.__setattr__(self, "_absorbed", (_version(w), uk, uv))
+        object.__setattr__(self, "_absorbed", (weight_version(w), uk, uv))
         object.__setattr__(self, "_kernel_rows", 1 << 62 if max_rows is None else max_rows)
         return got
 
     def _per_head(self) -> tuple[list[Linear], list[Linear]] | None:
         ab = self.__dict__.get("_absorbed")
-        if ab is None or torch.is_grad_enabled() or ab[0] != _version(self.kv_b_proj.weight):
+        if ab is None or torch.is_grad_enabled() or ab[0] != weight_version(self.kv_b_proj.weight):
             return None
         return ab[1], ab[2]
 
@@ -417,14 +411,14 @@ class Router(nn.Module):
         lin.weight.data.copy_(self.weight.float())
         lin.requires_grad_(False)
         got = lin.enable_cpu_kernels(rowwise, max_rows)
-        object.__setattr__(self, "_fp32", (_version(self.weight), lin))
+        object.__setattr__(self, "_fp32", (weight_version(self.weight), lin))
         return [got]
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x (N, D) -> weights (N, k) fp32, expert ids (N, k)."""
         cfg = self.cfg
         own = self.__dict__.get("_fp32")
-        if own is not None and not torch.is_grad_enabled() and own[0] == _version(self.weight):
+        if own is not None and not torch.is_grad_enabled() and own[0] == weight_version(self.weight):
             logits = own[1](x.float())
         else:
             logits = torch.nn.functional.linear(x.float(), self.weight.float())

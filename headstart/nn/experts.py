@@ -28,11 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from headstart.nn.linear import Linear
-
-
-def _version(w: torch.Tensor) -> tuple[int, int]:
-    return w.data_ptr(), -1 if w.is_inference() else w._version
+from headstart.nn.linear import Linear, weight_version
 
 
 class StackedWeight(nn.Module):
@@ -72,18 +68,19 @@ class RoutedExperts(nn.Module):
         gu, down = self.gate_up_proj.weight.detach(), self.down_proj.weight.detach()
         lins: list[tuple[Linear, Linear]] = []
         for e in range(self.num_experts):
-            a, b = Linear(gu.shape[2], gu.shape[1], bias=False), Linear(down.shape[2], down.shape[1], bias=False)
+            with torch.device("meta"):  # built without weights of their own: each takes its slice (a view)
+                a, b = Linear(gu.shape[2], gu.shape[1], bias=False), Linear(down.shape[2], down.shape[1], bias=False)
             a.weight, b.weight = nn.Parameter(gu[e], requires_grad=False), nn.Parameter(down[e], requires_grad=False)
             lins.append((a, b))
         got = [lin.enable_cpu_kernels(rowwise, max_rows) for pair in lins for lin in pair]
-        object.__setattr__(self, "_per_expert", (_version(self.gate_up_proj.weight),
-                                                 _version(self.down_proj.weight), lins))
+        object.__setattr__(self, "_per_expert", (weight_version(self.gate_up_proj.weight),
+                                                 weight_version(self.down_proj.weight), lins))
         return got
 
     def _kernels(self) -> list[tuple[Linear, Linear]] | None:
         own = self.__dict__.get("_per_expert")
-        if own is None or torch.is_grad_enabled() or own[:2] != (_version(self.gate_up_proj.weight),
-                                                                  _version(self.down_proj.weight)):
+        if own is None or torch.is_grad_enabled() or own[:2] != (weight_version(self.gate_up_proj.weight),
+                                                                  weight_version(self.down_proj.weight)):
             return None
         return own[2]
 

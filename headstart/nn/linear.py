@@ -27,6 +27,13 @@ from headstart.kernels import MAX_ROWS, kernel_dtype_ok, rowwise
 _FP16_MAX = 65504.0
 
 
+def weight_version(w: torch.Tensor) -> tuple[int, int]:
+    """What identifies a weight's current values: its storage and in-place version (a load or an optimizer
+    step changes it; inference tensors keep no version counter and are never trained: their storage is their
+    identity). Derived copies (a packed kernel layout, per-head or per-expert Linears) are rebuilt when it moves."""
+    return w.data_ptr(), -1 if w.is_inference() else w._version
+
+
 class Linear(nn.Linear):
     def __init__(self, in_features: int, out_features: int, bias: bool = True) -> None:
         super().__init__(in_features, out_features, bias=bias)
@@ -65,8 +72,7 @@ class Linear(nn.Linear):
         counter tells: writes through `.data`, fused optimizers and in-place changes of inference
         tensors do not bump it, which is why `enable_cpu_kernels` always packs anew."""
         w = self.weight
-        # An inference tensor keeps no version counter (and is loaded once, not trained): its storage is its identity.
-        of = (w.data_ptr(), -1 if w.is_inference() else w._version)
+        of = weight_version(w)
         if force or self._packed is None or self._packed_of != of:
             self._packed, self._packed_of = rowwise().pack_linear(w.detach()), of
         return self._packed
