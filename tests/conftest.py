@@ -107,6 +107,17 @@ def _isolated_cache(request, tmp_path, monkeypatch):
         monkeypatch.setenv("HEADSTART_CACHE", str(tmp_path / "cache"))
 
 
+def fails_with_one_line(capsys, argv: list[str], match: str) -> str:
+    """`headstart argv` exits 2 with one `headstart: error:` line (its last) that holds `match`, no traceback."""
+    from headstart.cli import main
+
+    assert main(argv) == 2, argv
+    err = capsys.readouterr().err
+    last = err.strip().splitlines()[-1]  # progress bars may come before it
+    assert last.startswith("headstart: error:") and match in last and "Traceback" not in err, err
+    return last
+
+
 def write_jsonl(path: Path, rows: list) -> Path:
     with open(path, "w", encoding="utf-8") as f:
         for r in rows:

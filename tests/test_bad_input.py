@@ -4,16 +4,11 @@ each case is one clear `headstart: error:` line and exit code 2."""
 import json
 
 import pytest
+from conftest import fails_with_one_line
 
 from headstart.cli import main
 
-
-def _fails(capsys, argv, match):
-    assert main(argv) == 2, argv
-    err = capsys.readouterr().err
-    last = err.strip().splitlines()[-1]  # progress bars may come before it
-    assert last.startswith("headstart: error:") and match in last and "Traceback" not in err, err
-    return last
+_fails = fails_with_one_line
 
 
 @pytest.fixture

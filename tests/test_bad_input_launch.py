@@ -6,19 +6,14 @@ import json
 import shutil
 from pathlib import Path
 
-from conftest import random_conversations, write_jsonl
+from conftest import fails_with_one_line, random_conversations, write_jsonl
 
 from headstart.cli import main
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def _fails(capsys, argv, match):
-    assert main(argv) == 2, argv
-    err = capsys.readouterr().err
-    last = err.strip().splitlines()[-1]  # progress bars may come before it
-    assert last.startswith("headstart: error:") and match in last and "Traceback" not in err, err
-    return last
+_fails = fails_with_one_line
 
 
 def _recipe(tmp_path, model_dir, name, head, steps=2):
