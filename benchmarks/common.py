@@ -2,10 +2,16 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
+import subprocess
+import sys
+import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 from headstart.assets import resolve_data
 from headstart.data.sources import read_conversations
@@ -44,3 +50,33 @@ def print_arms(results: dict[str, dict[str, object]]) -> None:
         rate = "/".join(f"{v:.2f}" for v in r["accept_rate_per_pos"] or [])
         top1 = (r["top1_per_step"] or [float("nan")])[0]
         print(f"{name:26}{r['steps']:>7}{r['tokens_seen'] or 0:>12,}{r['tau']:>8.3f}  {rate:26}{top1:>15.3f}")
+
+
+BENCHMARKS = Path(__file__).resolve().parent
+
+
+@contextlib.contextmanager
+def baseline_tree(rev: str) -> Iterator[Path]:
+    """A git revision checked out into a temporary worktree (removed afterwards)."""
+    root = BENCHMARKS.parent
+    with tempfile.TemporaryDirectory(prefix="headstart-baseline-") as tmp:
+        tree = Path(tmp) / "tree"
+        subprocess.run(["git", "worktree", "add", "--detach", "-q", str(tree), rev], cwd=root, check=True)
+        try:
+            yield tree
+        finally:
+            subprocess.run(["git", "worktree", "remove", "--force", str(tree)], cwd=root, check=False)
+
+
+def measure_in_tree(tree: Path, call: str, timeout: float, **env: str) -> Any:
+    """`call` (an expression over this folder's modules, e.g. "moe.measure(512)") evaluated in a new process on
+    the headstart package of `tree`; its JSON result."""
+    module = call.split(".")[0]
+    code = (f"import sys, json; sys.path.insert(0, {str(tree)!r}); sys.path.insert(1, {str(BENCHMARKS)!r}); "
+            f"import {module}; print('RESULT' + json.dumps({call}))")
+    p = subprocess.run([sys.executable, "-c", code], cwd=tree, env={**os.environ, "PYTHONPATH": str(tree), **env},
+                       capture_output=True, text=True, timeout=timeout)
+    line = next((x for x in p.stdout.splitlines() if x.startswith("RESULT")), None)
+    if p.returncode or line is None:
+        raise SystemExit(f"{tree}: the measurement failed\n{p.stderr[-3000:]}")
+    return json.loads(line[len("RESULT"):])

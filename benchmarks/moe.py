@@ -21,11 +21,6 @@ downloaded. Name the CPU beside the figures.
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import subprocess
-import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -121,30 +116,16 @@ def _prefill() -> float:
     return _best(lambda: eng.generate(prompts, one), repeat=2)
 
 
-def _run(tree: Path, tokens: int) -> dict[str, float]:
-    code = (f"import sys, json; sys.path.insert(0, {str(tree)!r}); sys.path.insert(1, {str(ROOT / 'benchmarks')!r}); "
-            f"from moe import measure; print('RESULT' + json.dumps(measure({tokens})))")
-    env = {**os.environ, "PYTHONPATH": str(tree)}
-    p = subprocess.run([sys.executable, "-c", code], cwd=tree, env=env, capture_output=True, text=True, timeout=3600)
-    line = next((x for x in p.stdout.splitlines() if x.startswith("RESULT")), None)
-    if p.returncode or line is None:
-        raise SystemExit(f"{tree}: the measurement failed\n{p.stderr[-3000:]}")
-    return json.loads(line[len("RESULT"):])
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--baseline", default="f1b15ab", help="git revision of the baseline tree")
     ap.add_argument("--tokens", type=int, default=512, help="rows through the MoE layer")
     args = ap.parse_args()
-    with tempfile.TemporaryDirectory(prefix="headstart-moe-") as tmp:
-        base = Path(tmp) / "baseline"
-        subprocess.run(["git", "worktree", "add", "--detach", "-q", str(base), args.baseline], cwd=ROOT, check=True)
-        try:
-            before = _run(base, args.tokens)
-        finally:
-            subprocess.run(["git", "worktree", "remove", "--force", str(base)], cwd=ROOT, check=False)
-    after = _run(ROOT, args.tokens)
+    from common import baseline_tree, measure_in_tree
+
+    with baseline_tree(args.baseline) as base:
+        before = measure_in_tree(base, f"moe.measure({args.tokens})", 3600)
+    after = measure_in_tree(ROOT, f"moe.measure({args.tokens})", 3600)
     import torch
 
     print(f"DeepSeek-V2-Lite-shape MoE layer ({args.tokens} tokens) and 2-layer prefill, {torch.get_num_threads()} "

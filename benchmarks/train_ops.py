@@ -16,9 +16,6 @@ headstart.train.syncs, and with torch's sync detector on CUDA.
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -95,23 +92,13 @@ def measure(model_dirs: dict[str, str], tokens: int, chunk: int = 256) -> dict[s
     return out
 
 
-def _run(tree: Path, models: dict[str, Path], tokens: int, chunk: int = 256) -> dict[str, dict[str, int]]:
-    code = (f"import sys, json; sys.path.insert(0, {str(tree)!r}); sys.path.insert(1, {str(ROOT / 'benchmarks')!r}); "
-            f"from train_ops import measure; "
-            f"print('RESULT' + json.dumps(measure({ {k: str(v) for k, v in models.items()} !r}, {tokens}, {chunk})))")
-    env = {**os.environ, "PYTHONPATH": str(tree), "OMP_NUM_THREADS": "1"}
-    p = subprocess.run([sys.executable, "-c", code], cwd=tree, env=env, capture_output=True, text=True, timeout=1800)
-    line = next((x for x in p.stdout.splitlines() if x.startswith("RESULT")), None)
-    if p.returncode or line is None:
-        raise SystemExit(f"{tree}: the measurement failed\n{p.stderr[-3000:]}")
-    return json.loads(line[len("RESULT"):])
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--baseline", default="91e691a", help="git revision of the baseline tree")
     ap.add_argument("--tokens", type=int, default=256, help="rows per micro-batch (split into 1 or 8 sequences)")
     args = ap.parse_args()
+    from common import baseline_tree, measure_in_tree
+
     sys.path.insert(0, str(ROOT))
     from headstart.train.losses import loss_chunk_rows
 
@@ -119,16 +106,15 @@ def main() -> None:
     # 32,000-row draft vocabulary and TTT 3 (the eagle3 recipes' vocabulary); the baseline's was 256 everywhere.
     gpu_chunk = loss_chunk_rows(None, 32000, 3, "cuda", args.tokens)
     with tempfile.TemporaryDirectory(prefix="headstart-train-ops-") as tmp:
-        tmp = Path(tmp)
-        models = _models(tmp / "models")
-        base = tmp / "baseline"
-        subprocess.run(["git", "worktree", "add", "--detach", "-q", str(base), args.baseline], cwd=ROOT, check=True)
-        try:
-            before = _run(base, models, args.tokens)
-        finally:
-            subprocess.run(["git", "worktree", "remove", "--force", str(base)], cwd=ROOT, check=False)
-        after = _run(ROOT, models, args.tokens)
-        after_gpu = _run(ROOT, models, args.tokens, gpu_chunk)
+        models = {k: str(v) for k, v in _models(Path(tmp) / "models").items()}
+
+        def run(tree: Path, chunk: int) -> dict[str, dict[str, int]]:
+            return measure_in_tree(tree, f"train_ops.measure({models!r}, {args.tokens}, {chunk})", 1800,
+                                   OMP_NUM_THREADS="1")
+
+        with baseline_tree(args.baseline) as base:
+            before = run(base, 256)
+        after, after_gpu = run(ROOT, 256), run(ROOT, gpu_chunk)
     print(f"aten ops per micro-batch (forward + backward of HeadModule.losses, {args.tokens} rows), "
           f"baseline {args.baseline} vs this tree at the same loss chunk (256 rows) and at a GPU's default "
           f"({gpu_chunk} rows)")
