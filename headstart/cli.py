@@ -199,10 +199,19 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from headstart.launch import Terminated, install_signal_handlers
+    from headstart.launch import end_rank, install_signal_handlers, launched_ranks
 
     if argv is None:  # the command line itself (not a library call): SIGTERM and Ctrl-C always end it
         install_signal_handlers()
+    code = _main(argv)
+    if argv is None and launched_ranks() > 1:
+        end_rank(code)  # a rank of a finished multi-process run must not abort in the interpreter's teardown
+    return code
+
+
+def _main(argv: list[str] | None) -> int:
+    from headstart.launch import Terminated
+
     args = build_parser().parse_args(argv)
     if getattr(args, "tp", None) is not None:
         args.overrides.append(f"engine.tensor_parallel={args.tp}")

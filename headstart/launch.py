@@ -16,7 +16,7 @@ import signal
 import sys
 import threading
 import time
-from typing import Any
+from typing import Any, NoReturn
 
 from headstart.console import status
 from headstart.errors import ConfigError, HeadstartError
@@ -142,6 +142,29 @@ def rendezvous(timeout_s: float | None = None) -> None:
     raise HeadstartError(f"rendezvous: {came} of WORLD_SIZE={world} ranks came to {where} within {timeout:g}s; "
                          f"rank(s) {_ranks(missing)} never came. Start all {world} ranks (torchrun "
                          f"--nproc-per-node {world} -m headstart.cli ...), or raise HEADSTART_RENDEZVOUS_TIMEOUT_S")
+
+
+def launched_ranks() -> int:
+    """How many ranks the launch of this process started (WORLD_SIZE, which torchrun, a hand-set
+    launch and Lightning's spawner all set; 1 when unset or not a number)."""
+    text = os.environ.get("WORLD_SIZE", "1").strip()
+    return int(text) if text.isdigit() else 1
+
+
+def end_rank(code: int) -> NoReturn:
+    """End this rank of a multi-process run with `code`: the exit handlers run (atexit: loggers, wandb)
+    and the standard streams are flushed, but the interpreter's teardown is skipped. A process-group
+    thread (gloo's, freeing the last collective's tensors) that takes the GIL once the teardown has
+    begun is ended inside a C++ destructor, which aborts the process (SIGABRT, "terminate called without
+    an active exception") after the work is done, and torchrun then reports the whole run failed;
+    destroy_process_group does not stop those threads while anything still holds the group."""
+    import atexit
+
+    atexit._run_exitfuncs()
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
+    os._exit(code)
 
 
 def _ranks(ranks: list[int]) -> str:

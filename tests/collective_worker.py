@@ -110,9 +110,12 @@ def main() -> None:
         torch.save({"state": state, "step": trainer.global_step, "skipped": module.skipped_steps}, args.out)
     import torch.distributed as dist
 
-    dist.barrier()  # a rank that exits with the group's threads alive aborts ("terminate called ...")
+    dist.barrier()
     dist.destroy_process_group()
 
 
 if __name__ == "__main__":
+    from headstart.launch import end_rank
+
     main()
+    end_rank(0)  # as the command line does: gloo's threads may still free tensors (tests/exit_worker.py)

@@ -69,5 +69,8 @@ def main() -> None:
 
 
 if __name__ == "__main__":
+    from headstart.launch import end_rank
+
     sys.path.insert(0, os.path.dirname(__file__))
     main()
+    end_rank(0)  # as the command line does: gloo's threads may still free tensors (tests/exit_worker.py)
