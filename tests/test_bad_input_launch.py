@@ -186,7 +186,8 @@ def test_the_command_line_ends_a_rank_without_the_teardown(tmp_path):
     script = ("import atexit, sys\nfrom headstart import cli\n"
               "class Teardown:\n    def __del__(self):\n        print('teardown ran', flush=True)\n"
               "kept = Teardown()\natexit.register(lambda: print('exit handlers ran', flush=True))\n"
-              f"sys.argv = ['headstart', 'eval', {str(tmp_path / 'missing.yaml')!r}, '--head', 'h', '--prompts', 'p']\nsys.exit(cli.main())\n")
+              f"sys.argv = ['headstart', 'eval', {str(tmp_path / 'missing.yaml')!r}, '--head', 'h', '--prompts', 'p']\n"
+              "sys.exit(cli.main())\n")
     for world, teardown in (("2", False), ("1", True)):
         env = {**os.environ, "PYTHONPATH": str(ROOT), "WORLD_SIZE": world, "RANK": "1"}
         p = subprocess.run([sys.executable, "-c", script], env=env, text=True, capture_output=True, timeout=120,
