@@ -113,7 +113,7 @@ def test_an_empty_weight_map_is_named(chat_model_dir, tmp_path, capsys):
 
 ROOT = __import__("pathlib").Path(__file__).resolve().parents[1]
 QUICKSTART = str(ROOT / "recipes" / "quickstart.yaml")
-SEVENTY = str(ROOT / "recipes" / "llama-3.3-70b-mtp-8xh100.yaml")
+SEVENTY = str(ROOT / "recipes" / "llama-3.3-70b-eagle3-8xh100.yaml")
 SEVENTY_CONFIG = ROOT / "recipes" / "targets" / "llama-3.3-70b.json"
 
 
@@ -152,10 +152,10 @@ def test_plan_reads_the_shape_file_a_recipe_names(capsys, monkeypatch):
     """The 8xH100 recipes name their target's config.json (recipes/targets/) as target.config, so
     `plan` runs where /models/... is absent; --target-config still wins."""
     monkeypatch.chdir(ROOT)  # recipes name repository-relative paths, as the README runs them
-    for recipe in ("llama-3.2-1b-eagle3", "llama-3.1-8b-eagle3", "llama-3.3-70b-mtp", "deepseek-v2-lite-mtp"):
+    for recipe in ("llama-3.2-1b-eagle3", "llama-3.1-8b-eagle3", "llama-3.3-70b-eagle3", "deepseek-v2-lite-mtp"):
         assert main(["plan", f"recipes/{recipe}-8xh100.yaml"]) == 0, capsys.readouterr().err
         assert "fits: every phase" in capsys.readouterr().out
-    _fails(capsys, ["plan", "recipes/llama-3.3-70b-mtp-8xh100.yaml", "--set", "target.config=nowhere.json"],
+    _fails(capsys, ["plan", "recipes/llama-3.3-70b-eagle3-8xh100.yaml", "--set", "target.config=nowhere.json"],
            "target.config")
 
 
