@@ -420,7 +420,8 @@ def _not_deepseek(target: LlamaForCausalLM) -> str | None:
         return None
     return (f"DeepSeek MTP loaders (vLLM DeepSeekMTP, SGLang NextN) build the MTP block as a DeepSeek (MLA + MoE) "
             f"layer from the target's config; this target is {kind!r}, whose layer no such loader reads. Use "
-            "--format native (or --format vllm for a Qwen3-family target)")
+            "--format native (or, for a Qwen3-family target, --format vllm: speculators' own `mtp` layout, which the "
+            "speculators library loads and vLLM does not)")
 
 
 class DeepSeekMTP(Layout):

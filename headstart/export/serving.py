@@ -15,6 +15,14 @@ ENGINE_LAYOUTS = {
     "SGLang": ("sglang", "deepseek-mtp", "hf"),
 }
 
+# A layout we write that the engine itself does not load for a family, though the format's library does.
+NOT_LOADED = {
+    ("vLLM", "vllm", "mtp"): "vLLM (0.34.0) reads speculators configs of types eagle3 and dflash only "
+                             "(transformers_utils/configs/speculators/algos.py), and its native MTP drafters "
+                             "are Qwen3-Next / Qwen3.5 / MiMo / DeepSeek-family layers; --format vllm writes "
+                             "speculators' own `mtp` layout, which the speculators library loads",
+}
+
 
 @dataclass
 class Serving:
@@ -33,7 +41,8 @@ def serving(head: DraftHead) -> list[Serving]:
     out = []
     for engine, formats in ENGINE_LAYOUTS.items():
         holders = [f for f in formats if head.config.head_type in LAYOUTS[f].families]
-        refusals = {f: LAYOUTS[f].refuse(head) for f in holders}
+        refusals = {f: NOT_LOADED.get((engine, f, head.config.head_type)) or LAYOUTS[f].refuse(head)
+                    for f in holders}
         ok = next((f for f in holders if refusals[f] is None), None)
         if ok:
             out.append(Serving(engine, ok, f"the {ok} layout"))
@@ -50,4 +59,4 @@ def summary(head: DraftHead) -> list[str]:
     return [s.line() for s in serving(head)]
 
 
-__all__ = ["ENGINE_LAYOUTS", "Serving", "serving", "summary"]
+__all__ = ["ENGINE_LAYOUTS", "NOT_LOADED", "Serving", "serving", "summary"]
