@@ -201,11 +201,25 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     from headstart.launch import end_rank, install_signal_handlers, launched_ranks
 
-    if argv is None:  # the command line itself (not a library call): SIGTERM and Ctrl-C always end it
-        install_signal_handlers()
-    code = _main(argv)
-    if argv is None and launched_ranks() > 1:
-        end_rank(code)  # a rank of a finished multi-process run must not abort in the interpreter's teardown
+    if argv is not None:  # a library call: nothing about the process is ours to decide
+        return _main(argv)
+    install_signal_handlers()  # the command line itself: SIGTERM and Ctrl-C always end it
+    try:
+        code = _main(None)
+    except SystemExit as e:  # argparse; Lightning's sys.exit(1) after SIGTERM / Ctrl-C during fit
+        if launched_ranks() <= 1:
+            raise
+        code = e.code if isinstance(e.code, int) else 0 if e.code is None else 1
+        if not isinstance(e.code, int | None):
+            print(e.code, file=sys.stderr)
+    except BaseException:  # an unexpected error: its traceback, then this rank ends as the others do
+        if launched_ranks() <= 1:
+            raise
+        sys.excepthook(*sys.exc_info())
+        code = 1
+    # Checked after the verb: Lightning's own spawner sets WORLD_SIZE in this process during fit.
+    if launched_ranks() > 1:
+        end_rank(code)  # one rank of several must not abort in the interpreter's teardown (launch.end_rank)
     return code
 
 

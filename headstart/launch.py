@@ -148,7 +148,7 @@ def launched_ranks() -> int:
     """How many ranks the launch of this process started (WORLD_SIZE, which torchrun, a hand-set
     launch and Lightning's spawner all set; 1 when unset or not a number)."""
     text = os.environ.get("WORLD_SIZE", "1").strip()
-    return int(text) if text.isdigit() else 1
+    return int(text) if text.isascii() and text.isdigit() else 1
 
 
 def end_rank(code: int) -> NoReturn:
@@ -160,6 +160,9 @@ def end_rank(code: int) -> NoReturn:
     destroy_process_group does not stop those threads while anything still holds the group."""
     import atexit
 
+    with contextlib.suppress(SystemExit):
+        sys.exit(code)  # a library's sys.exit hook (wandb's) records the code its exit handler reports
+    threading._shutdown()  # the teardown's first step: non-daemon threads finish, executors' queued work runs
     atexit._run_exitfuncs()
     for stream in (sys.stdout, sys.stderr):
         with contextlib.suppress(Exception):

@@ -15,6 +15,8 @@ import time
 import torch
 import torch.distributed as dist
 
+from headstart.launch import end_rank
+
 
 class _Teardown:
     def __del__(self):
@@ -39,8 +41,6 @@ def main() -> None:
     while time.monotonic() < end:  # the run's last Python steps, holding the GIL while rank 1 joins
         pass
     if how == "end_rank":
-        from headstart.launch import end_rank
-
         end_rank(0)
 
 

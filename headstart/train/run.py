@@ -486,8 +486,8 @@ def _train(recipe: Recipe, resume: bool, progress: bool) -> dict[str, Any]:
         import torch.distributed as dist
 
         if dist.is_available() and dist.is_initialized():
-            # Every rank leaves together and closes the group: a rank that exits with the group's threads
-            # alive can abort ("terminate called without an active exception") and fail a finished job.
+            # Every rank leaves together and closes the group (the command line then ends each rank without
+            # the interpreter's teardown, where the group's threads could still abort it: launch.end_rank).
             dist.barrier()
             dist.destroy_process_group()
         return metrics
