@@ -55,8 +55,10 @@ assets: setup
 QS := runs/quickstart
 QR := recipes/quickstart.yaml
 SHIPPED := assets/heads/smollm2-135m-mtp
+SERVABLE := assets/heads/smollm2-135m-eagle31
 # The whole job on the embedded defaults: precompute -> train -> eval (vs AR, beside the shipped
-# head) -> export. Every stage resumes or reuses what an earlier run finished.
+# heads: the fastest, mtp, and the servable EAGLE-3.1 one) -> export. Every stage resumes or reuses
+# what an earlier run finished.
 quickstart: setup
 	$(BIN)/headstart assets
 	@if [ -f $(QS)/precompute/run.json ]; then \
@@ -65,6 +67,7 @@ quickstart: setup
 	elif [ -f $(QS)/checkpoints/last.ckpt ]; then $(BIN)/headstart train $(QR) --resume; \
 	else $(BIN)/headstart train $(QR); fi
 	$(BIN)/headstart eval $(QR) --head $(QS)/head-best --head $(SHIPPED) \
+		$(if $(wildcard $(SERVABLE)/config.json),--head $(SERVABLE)) \
 		--heldout 16 --k 1,3 --max-tokens 48 --batch-size 1 --out $(QS)/eval
 	$(BIN)/headstart export $(QS)/head-best --format native --out $(QS)/export/native --force
 	@$(BIN)/python -m headstart.quickstart_summary $(QS)

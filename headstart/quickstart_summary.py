@@ -17,18 +17,38 @@ def main(run: str) -> int:
           f"validation tau {train.get('tau') or float('nan'):.3f})")
     print(f"  curves          {root / 'metrics.csv'}")
     print(f"  eval report     {root / 'eval' / 'report.md'} (+ report.json, PNG plots)")
-    print(f"  export          {root / 'export' / 'native'} (an mtp head on a Llama-family target has no serving "
-          "layout: DeepSeek MTP loaders build DeepSeek blocks, speculators' mtp takes Qwen3 targets)")
+    print(f"  export          {root / 'export' / 'native'} (our engine's layout; where each head serves: below)")
     ar = {t: r["tokens_per_s"] for t, r in report["ar"].items()}
     print(f"\n  {report['prompts']} held-out ShareGPT prompts, {report['settings'].get('dtype')}, "
           f"AR {', '.join(f'{v:.1f} tok/s (T={t})' for t, v in ar.items())}")
     for r in report["runs"]:
-        name = Path(r["head"]).parent.name + "/" + Path(r["head"]).name if r.get("head") else r.get("label", "-")
+        name = _name(r["head"]) if r.get("head") else r.get("label", "-")
         tau = f"{r['tau']:.3f}" if r.get("tau") is not None else "-"
         spread = f" ({r['speedup_p25']:.2f}..{r['speedup_p75']:.2f})" if "speedup_p25" in r else ""
         print(f"  {name:<36} {r['method']:<8} k={r['k']}  tau {tau}  speedup {r['speedup']:.2f}x{spread}  "
               f"lossless {r.get('lossless_check', '-')}")
+    heads = list(dict.fromkeys(r["head"] for r in report["runs"] if r.get("head")))
+    if heads:
+        print("\n  where each head serves (`headstart export HEAD --format F`):")
+        for head, lines in zip(heads, serving_lines(heads, report["settings"].get("target", "smollm2-135m")),
+                               strict=True):
+            print(f"  {_name(head):<36} " + "; ".join(lines))
     return 0
+
+
+def _name(head: str) -> str:
+    return Path(head).parent.name + "/" + Path(head).name
+
+
+def serving_lines(heads: list[str], target: str) -> list[list[str]]:
+    """headstart.export.serving's answer for each head checkpoint, on the target loaded once."""
+    from headstart.assets import resolve_model
+    from headstart.export.serving import summary
+    from headstart.heads import load_head
+    from headstart.models.llama import load_llama
+
+    model = load_llama(resolve_model(target), "fp32")
+    return [summary(load_head(h, model)) for h in heads]
 
 
 if __name__ == "__main__":

@@ -114,3 +114,34 @@ def test_json_verbs_print_one_document_on_a_cold_cache(tmp_path):
     assert "converting" in err and "element by element" in err  # the cache really was cold
     report, _ = run("assets", "--json")
     assert [m["converted_now"] for m in report["models"]] == [False]
+
+
+def test_quickstart_summary_says_where_each_evaluated_head_serves(chat_model_dir, tmp_path, capsys):
+    """`make quickstart`'s last lines: each head of the eval report with the engines that load it, as
+    `headstart plan` says (an mtp head on a Llama-family target: ours only; an EAGLE-3.1 head: all)."""
+    import json
+
+    from headstart.heads import HeadConfig, build_head, save_head
+    from headstart.models.llama import load_llama
+    from headstart.quickstart_summary import main as summary
+
+    target = load_llama(chat_model_dir, "fp32")
+    heads = {"mtp": HeadConfig(head_type="mtp"),
+             "eagle31": HeadConfig(head_type="eagle3", aux_layer_ids=[1, 2], norm_before_fc=False, fc_norm=True,
+                                   norm_before_residual=False, norm_output=True)}
+    runs = []
+    for name, cfg in heads.items():
+        save_head(build_head(cfg, target), tmp_path / name / "head-best")
+        runs.append({"head": str(tmp_path / name / "head-best"), "method": "chain", "k": 3, "tau": 1.5,
+                     "speedup": 1.2})
+    (tmp_path / "eval").mkdir()
+    (tmp_path / "eval" / "report.json").write_text(json.dumps(
+        {"runs": runs, "ar": {"0.0": {"tokens_per_s": 40.0}}, "prompts": 4,
+         "settings": {"target": str(chat_model_dir), "dtype": "fp32"}}))
+    (tmp_path / "metrics.json").write_text(json.dumps({"step": 2, "tokens": 100, "tau": 1.4}))
+    assert summary(str(tmp_path)) == 0
+    out = capsys.readouterr().out
+    lines = {name: next(x for x in out.splitlines() if x.strip().startswith(f"{name}/head-best") and "vLLM" in x)
+             for name in heads}
+    assert "vLLM: no" in lines["mtp"] and "SGLang: no" in lines["mtp"] and "headstart: yes" in lines["mtp"]
+    assert "vLLM: yes (--format vllm)" in lines["eagle31"] and "SGLang: yes (--format sglang)" in lines["eagle31"]
