@@ -33,6 +33,7 @@ from headstart.inference.proposers import SpecConfig, SpecMetrics  # noqa: E402
 from headstart.inference.runner import build_metadata  # noqa: E402
 from headstart.models.llama import DTYPES, load_llama  # noqa: E402
 from headstart.nn.linear import Linear, enable_cpu_kernels  # noqa: E402
+from headstart.nn.norm import RMSNorm  # noqa: E402
 
 SHIPPED = Path(__file__).resolve().parents[1] / "assets" / "heads" / "smollm2-135m-mtp"
 
@@ -46,7 +47,7 @@ def previous_kernels(target) -> Engine:
 
 def reset_kernels(target) -> None:
     for m in target.modules():
-        if isinstance(m, Linear):
+        if isinstance(m, (Linear, RMSNorm)):
             m.disable_cpu_kernels()
 
 

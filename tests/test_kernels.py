@@ -5,6 +5,7 @@ AR output token for token, alone or batched, in bf16 and fp32."""
 import os
 import platform
 import random
+import re
 from pathlib import Path
 
 import pytest
@@ -20,6 +21,7 @@ from headstart.kernels import mask_key_sets, rowwise
 from headstart.models.llama import load_llama
 from headstart.nn.attention import AttentionMetadata
 from headstart.nn.linear import Linear, cpu_kernels_restored
+from headstart.nn.norm import RMSNorm
 
 DTYPES = [torch.bfloat16, torch.float32]
 
@@ -262,6 +264,73 @@ def test_linear_module_uses_the_kernel_only_for_inference(kernels):
         assert lin(x.detach()).dtype == torch.bfloat16  # autocast keeps torch's path
 
 
+def _torch_rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    h = x.float()
+    return w * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("d", [576, 1728, 64, 37])
+def test_rms_norm_rows_values_and_row_invariance(kernels, dtype, d):
+    """torch's formula up to the square sum's order (rare last-bit moves), and a row's bits its own
+    whatever shares the call: alone, in any order, in a call big enough to split over threads."""
+    g = torch.Generator().manual_seed(d)
+    w = (1 + 0.1 * torch.randn(d, generator=g)).to(dtype)
+    x = (torch.randn(600, d, generator=g) * torch.rand(600, 1, generator=g) * 8).to(dtype)
+    y = kernels.rms_norm_rows(x, w, 1e-5)
+    assert y.dtype == dtype and y.shape == x.shape
+    ref = _torch_rms_norm(x, w, 1e-5)
+    if dtype == torch.bfloat16:  # at most one bf16 step (2^-7 relative) apart, and nearly always equal
+        assert ((y.float() - ref.float()).abs() <= ref.float().abs() * 2 ** -7 + 1e-30).all()
+        assert (y != ref).float().mean() < 0.01
+    else:
+        torch.testing.assert_close(y, ref, rtol=2e-6, atol=1e-7)
+    for i in (0, 1, 17, 599):
+        assert torch.equal(kernels.rms_norm_rows(x[i:i + 1], w, 1e-5), y[i:i + 1])
+    perm = torch.randperm(600, generator=g)
+    assert torch.equal(kernels.rms_norm_rows(x[perm], w, 1e-5), y[perm])
+    threads = torch.get_num_threads()
+    try:
+        for t in (1, 3):
+            torch.set_num_threads(t)
+            assert torch.equal(kernels.rms_norm_rows(x, w, 1e-5), y)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(kernels.rms_norm_rows(x.view(20, 30, d), w, 1e-5), y.view(20, 30, d))  # any leading shape
+    assert torch.equal(kernels.rms_norm_rows(x.t().contiguous().t(), w, 1e-5), y)  # strided input
+
+
+def test_rms_norm_rows_refuses_bad_input(kernels):
+    w = torch.ones(8)
+    for x, wt, what in [(torch.ones(2, 8, dtype=torch.bfloat16), w, "share a dtype"),
+                        (torch.ones(2, 7), w, "weight (D)"), (torch.ones(2, 8), torch.ones(2, 4), "weight (D)"),
+                        (torch.ones(2, 8, dtype=torch.float16), w.half(), "bf16 or fp32")]:
+        with pytest.raises(RuntimeError, match=re.escape(what)):
+            kernels.rms_norm_rows(x, wt, 1e-6)
+
+
+def test_rms_norm_module_uses_the_kernel_only_for_inference(kernels):
+    norm = RMSNorm(48, eps=1e-5)
+    with torch.no_grad():
+        norm.weight.uniform_(0.5, 1.5)
+    x = torch.randn(5, 48, requires_grad=True)
+    assert norm.enable_cpu_kernels() == "rows"
+    norm(x).sum().backward()  # records gradients: torch's ops
+    assert x.grad is not None and norm.weight.grad is not None
+    with torch.inference_mode():
+        assert torch.equal(norm(x.detach()), kernels.rms_norm_rows(x.detach(), norm.weight, 1e-5))
+        xb = x.detach().bfloat16()  # another dtype than the weight's: torch's formula (fp32 out)
+        assert norm(xb).dtype == torch.float32
+    with torch.autocast("cpu", dtype=torch.bfloat16), torch.no_grad():
+        assert torch.equal(norm(x.detach()), _torch_rms_norm(x.detach(), norm.weight, 1e-5))
+    with cpu_kernels_restored(norm):
+        norm.disable_cpu_kernels()
+        with torch.inference_mode():
+            assert torch.equal(norm(x.detach()), _torch_rms_norm(x.detach(), norm.weight, 1e-5))
+    assert norm._kernel  # restored
+    assert norm.enable_cpu_kernels(rowwise_kernels=False) == "" and not norm._kernel
+
+
 def test_the_packed_weight_follows_the_weight(kernels):
     """The kernel reads a packed copy of the weight: an optimizer step in place, a loaded state dict or
     a new Parameter between two inference calls must reach it (a stale copy gives the old outputs)."""
@@ -322,6 +391,7 @@ def test_validation_leaves_the_training_target_on_torch_kernels(kernels, tiny_di
     out = engine_acceptance(target, head, _prompts(2, seed=3), k=2, max_tokens=6)
     assert out["steps"] > 0
     assert all(not m._rows and m._gemv is None for m in target.modules() if isinstance(m, Linear))
+    assert not any(m._kernel for m in target.modules() if isinstance(m, RMSNorm))
 
 
 def test_a_non_invariant_engine_keeps_the_row_kernels_for_few_rows_only(kernels, tiny_dir):

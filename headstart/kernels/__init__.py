@@ -1,4 +1,4 @@
-"""Row-invariant CPU kernels (rowwise.h; linear.cpp, attention.cpp, module.cpp), compiled for this
+"""Row-invariant CPU kernels (rowwise.h; linear.cpp, attention.cpp, norm.cpp, module.cpp), compiled for this
 CPU on first use.
 
 `rowwise()` returns the compiled module, or None where it cannot be built (no C++ compiler, a
@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 _HEADER = Path(__file__).with_name("rowwise.h")
-_SOURCES = tuple(Path(__file__).with_name(n) for n in ("linear.cpp", "attention.cpp", "module.cpp"))
+_SOURCES = tuple(Path(__file__).with_name(n) for n in ("linear.cpp", "attention.cpp", "norm.cpp", "module.cpp"))
 _lock = threading.Lock()
 _module: Any = None
 _tried = False

@@ -12,6 +12,7 @@
 //       extra[r, :extra_len[r]] (tree ancestors), in that order.
 //
 //   pack_linear(w) -> the weight in the kernel's layout; linear_packed(x, packed, N, K, bias) -> (M, N)
+//   rms_norm_rows(x (..., D), weight (D), eps) -> RMSNorm of every row, in x's dtype (bf16 / fp32)
 //
 // Accumulation is fp32. A linear's output accumulates in its own vector lane in input order; the
 // weights are streamed from memory once for all rows, which is what makes a k + 1 row verify cost
@@ -88,7 +89,7 @@ static inline uint16_t to_bf16(float f) {  // round to nearest even, as torch's 
 }
 
 // The kernels, one source each: linear.cpp (pack_linear, linear_packed, linear_rows, linear_isa),
-// attention.cpp (paged_attention_rows); module.cpp binds them.
+// attention.cpp (paged_attention_rows), norm.cpp (rms_norm_rows); module.cpp binds them.
 torch::Tensor pack_linear(torch::Tensor w);
 torch::Tensor linear_packed(torch::Tensor x, torch::Tensor packed, int64_t N, int64_t K_in,
                             c10::optional<torch::Tensor> bias);
@@ -97,3 +98,4 @@ std::string linear_isa();
 torch::Tensor paged_attention_rows(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
                                    torch::Tensor page_table, torch::Tensor row_seq, torch::Tensor row_len,
                                    torch::Tensor extra, torch::Tensor extra_len, double scale);
+torch::Tensor rms_norm_rows(torch::Tensor x, torch::Tensor weight, double eps);

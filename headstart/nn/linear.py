@@ -23,6 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from headstart.kernels import MAX_ROWS, kernel_dtype_ok, rowwise
+from headstart.nn.norm import RMSNorm
 
 _FP16_MAX = 65504.0
 
@@ -97,11 +98,14 @@ class Linear(nn.Linear):
 
 def enable_cpu_kernels(module: nn.Module, rowwise_kernels: bool = True, max_rows: int | None = MAX_ROWS) -> list[str]:
     """enable_cpu_kernels on every Linear of a module, and on the derived ones of modules that keep
-    their own (`own_cpu_kernels`: e.g. MLA's per-head absorbed projections); returns what each got."""
+    their own (`own_cpu_kernels`: e.g. MLA's per-head absorbed projections); returns what each got.
+    Its RMSNorms take the row-wise norm kernel with the row-invariant linears (headstart.nn.norm)."""
     got: list[str] = []
     for m in module.modules():
         if isinstance(m, Linear):
             got.append(m.enable_cpu_kernels(rowwise_kernels, max_rows))
+        elif isinstance(m, RMSNorm):
+            m.enable_cpu_kernels(rowwise_kernels)
         elif hasattr(m, "own_cpu_kernels"):
             got.extend(m.own_cpu_kernels(rowwise_kernels, max_rows))
     return got
@@ -110,11 +114,14 @@ def enable_cpu_kernels(module: nn.Module, rowwise_kernels: bool = True, max_rows
 @contextlib.contextmanager
 def cpu_kernels_restored(module: nn.Module) -> Iterator[None]:
     """Run a block (e.g. an Engine over a model that training keeps using) and put every Linear's
-    kernel choice back as it was afterwards."""
+    and RMSNorm's kernel choice back as it was afterwards."""
     saved = [(m, m._rows, m._gemv, m._gemv_kind, m._packed, m._packed_of) for m in module.modules()
              if isinstance(m, Linear)]
+    norms = [(m, m._kernel) for m in module.modules() if isinstance(m, RMSNorm)]
     try:
         yield
     finally:
         for m, rows, gemv, kind, packed, packed_of in saved:
             m._rows, m._gemv, m._gemv_kind, m._packed, m._packed_of = rows, gemv, kind, packed, packed_of
+        for m, kernel in norms:
+            m._kernel = kernel

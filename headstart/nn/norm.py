@@ -1,9 +1,18 @@
-"""RMSNorm, computed in fp32 and cast back (the same numerics as HF's LlamaRMSNorm)."""
+"""RMSNorm, computed in fp32 and cast back (the same numerics as HF's LlamaRMSNorm).
+
+`enable_cpu_kernels()` (the engine calls it with the linears') sends CPU inference through the
+row-wise kernel (headstart.kernels, norm.cpp): one pass per row instead of seven small torch ops
+(cast, square, mean, add, rsqrt, product, cast) and their temporaries, for every row count, so a
+row's bits never depend on what shares its call. Training never takes it: a forward that records
+gradients, runs under autocast or mixes dtypes keeps the torch formula below.
+"""
 
 from __future__ import annotations
 
 import torch
 from torch import nn
+
+from headstart.kernels import kernel_dtype_ok, rowwise
 
 
 class RMSNorm(nn.Module):
@@ -11,8 +20,23 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim))
+        self._kernel = False
+
+    def enable_cpu_kernels(self, rowwise_kernels: bool = True) -> str:
+        """The row-wise kernel for CPU inference where it is built; returns "rows" or "" (torch's ops)."""
+        w = self.weight
+        self._kernel = bool(rowwise_kernels and w.device.type == "cpu" and kernel_dtype_ok(w.dtype)
+                            and rowwise() is not None)
+        return "rows" if self._kernel else ""
+
+    def disable_cpu_kernels(self) -> None:
+        self._kernel = False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # (..., D) -> (..., D)
+        if self._kernel and x.is_cpu and x.dtype == self.weight.dtype and self.weight.is_cpu and not (
+                torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad)) and (
+                not torch.is_autocast_enabled("cpu")):
+            return rowwise().rms_norm_rows(x, self.weight, self.eps)
         dtype = x.dtype
         h = x.float()
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
