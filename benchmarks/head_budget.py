@@ -6,11 +6,16 @@ The shards are precomputed once with the eagle3 head's aux layers (they hold the
 too, so mtp arms read the same rows). `--cost FAMILY=X` prices a step of that family in mtp steps
 (benchmarks/train.md measures it: `benchmarks/train.py --variants vd8192_ttt1,eagle3_vd8192_ttt1`).
 Steps, not wall-clock limits, set each arm's budget, so a loaded machine slows the arms without
-changing what they learn. Every arm uses the shipped recipe (recipes/smollm2-135m-mtp.yaml) apart from
-its family and learning rate: the same data, draft vocabulary size, TTT and schedule shape.
+changing what they learn. Every arm is its family's shipped recipe apart from its learning rate, TTT and
+steps: mtp and eagle3 arms recipes/smollm2-135m-mtp.yaml (eagle3 swaps the family only), eagle31 arms
+recipes/smollm2-135m-eagle31.yaml (EAGLE-3.1 norms, a random layer, TTT 2); the same data, draft
+vocabulary size and schedule shape. An arm's TTT defaults to its recipe's.
 
     .venv/bin/python benchmarks/head_budget.py --source runs/smollm2-135m-mtp/regenerated.jsonl \\
         --mtp-steps 394 --cost eagle3=1.055 --ttt-cost 2=2.3 --arms mtp:2e-3,eagle3:2e-3,mtp:1e-3,mtp:4e-3,eagle3:2e-3:2
+    .venv/bin/python benchmarks/head_budget.py --source runs/smollm2-135m-mtp/regenerated.jsonl \\
+        --shards runs/smollm2-135m-eagle31/precompute --cost eagle31=1.95 \\
+        --arms mtp:4e-3,mtp:8e-3,eagle31:4e-3,eagle31:8e-3
 
 Everything lands under runs/head-budget/ and resumes: rerunning skips what is done.
 """
@@ -31,7 +36,8 @@ from headstart.fileio import atomic_write_text
 ROOT = Path(__file__).resolve().parents[1]
 RECIPE = ROOT / "recipes" / "smollm2-135m-mtp.yaml"
 OUT = ROOT / "runs" / "head-budget"
-FAMILIES = ("mtp", "eagle3")
+RECIPES = {"mtp": RECIPE, "eagle3": RECIPE, "eagle31": ROOT / "recipes" / "smollm2-135m-eagle31.yaml"}
+FAMILIES = tuple(RECIPES)
 
 
 def _recipe(base: dict, name: str, family: str, source: str) -> dict:
@@ -40,8 +46,8 @@ def _recipe(base: dict, name: str, family: str, source: str) -> dict:
     r["name"] = f"head-budget-{name}"
     r["output_dir"] = str(OUT / name)
     r["data"]["source"] = source
-    r["head"]["type"] = family
     if family == "eagle3":
+        r["head"]["type"] = "eagle3"
         r["head"]["aux_layer_ids"] = None  # layers 2, L//2, L-3
     r["logging"]["wandb"] = False
     return r
@@ -69,11 +75,13 @@ def main() -> None:
     ap.add_argument("--source", required=True, help="the conversations to train on (the shipped recipe's data)")
     ap.add_argument("--mtp-steps", type=int, default=394, help="steps of an mtp arm (others: mtp-steps / cost)")
     ap.add_argument("--cost", action="append", default=[], metavar="FAMILY=X",
-                    help="a step of FAMILY in mtp steps (benchmarks/train.md), repeatable")
+                    help="a step of FAMILY's recipe (its TTT) in mtp steps (benchmarks/train.md), repeatable")
     ap.add_argument("--arms", default="mtp:2e-3,eagle3:2e-3",
                     help="family:lr[:ttt] (ttt: the arm's train.ttt_steps; default the recipe's)")
     ap.add_argument("--ttt-cost", action="append", default=[], metavar="TTT=X",
-                    help="a step with train.ttt_steps TTT in steps of the recipe's TTT (repeatable)")
+                    help="a step with train.ttt_steps TTT in TTT-1 steps of its family (repeatable)")
+    ap.add_argument("--shards", help="shards precomputed already with the eagle3 aux layers (2, 15, 27) and the last "
+                                     "state from --source, e.g. runs/smollm2-135m-eagle31/precompute")
     ap.add_argument("--prompts", type=int, default=16, help="held-out prompts for the engine's acceptance")
     ap.add_argument("--max-tokens", type=int, default=64, help="new tokens per held-out prompt")
     args = ap.parse_args()
@@ -83,29 +91,31 @@ def main() -> None:
         if fam not in FAMILIES or not x:
             raise SystemExit(f"--cost {c!r}: expected FAMILY=X with FAMILY one of {', '.join(FAMILIES)}")
         cost[fam] = float(x)
-    base = yaml.safe_load(RECIPE.read_text())
-    base_ttt = base["train"]["ttt_steps"]
-    ttt_cost = {base_ttt: 1.0}
+    bases = {fam: yaml.safe_load(path.read_text()) for fam, path in RECIPES.items()}
+    ttt_cost = {1: 1.0}
     for c in args.ttt_cost:
         t, _, x = c.partition("=")
         ttt_cost[int(t)] = float(x)
     arms = []
     for spec in args.arms.split(","):
         fam, lr, *rest = spec.split(":")
-        ttt = int(rest[0]) if rest else base_ttt
         if fam not in FAMILIES or not lr:
             raise SystemExit(f"arm {spec!r}: expected family:lr[:ttt] with family one of {', '.join(FAMILIES)}")
+        own = bases[fam]["train"]["ttt_steps"]
+        ttt = int(rest[0]) if rest else own
         if fam not in cost:
-            raise SystemExit(f"arm {spec!r}: no --cost {fam}=X given (what one {fam} step costs in mtp steps)")
-        if ttt not in ttt_cost:
-            raise SystemExit(f"arm {spec!r}: no --ttt-cost {ttt}=X given (a TTT-{ttt} step in TTT-{base_ttt} steps)")
-        arms.append((fam, float(lr), ttt, round(args.mtp_steps / cost[fam] / ttt_cost[ttt])))
+            raise SystemExit(f"arm {spec!r}: no --cost {fam}=X given (what one step of its recipe costs in mtp steps)")
+        for t in {ttt, own} - set(ttt_cost) if ttt != own else ():
+            raise SystemExit(f"arm {spec!r}: no --ttt-cost {t}=X given (a TTT-{t} step in TTT-1 steps)")
+        price = cost[fam] * (ttt_cost[ttt] / ttt_cost[own] if ttt != own else 1.0)
+        arms.append((fam, float(lr), ttt, round(args.mtp_steps / price)))
     source = str(Path(args.source).resolve())
     OUT.mkdir(parents=True, exist_ok=True)
-    shards_dir = shards(base, source)
+    shards_dir = Path(args.shards).resolve() if args.shards else shards(bases["eagle3"], source)
     results = {}
     for fam, lr, ttt, steps in arms:
-        name = f"{fam}-lr{lr:g}-{steps}" + (f"-ttt{ttt}" if ttt != base_ttt else "")
+        base = bases[fam]
+        name = f"{fam}-lr{lr:g}-{steps}" + (f"-ttt{ttt}" if ttt != base["train"]["ttt_steps"] else "")
         r = _recipe(base, name, fam, source)
         r["train"].update(max_steps=steps, lr=lr, ttt_steps=ttt, warmup_steps=min(30, steps // 10), val_every_steps=0,
                           val_prompts=args.prompts, val_max_tokens=args.max_tokens,
@@ -117,7 +127,7 @@ def main() -> None:
             _headstart("train", str(path), *(["--resume"] if (arm / "checkpoints" / "last.ckpt").exists() else []))
         results[name] = arm_result(arm, family=fam, lr=lr, ttt=ttt, steps=steps)
     print(f"\nHeads at equal CPU time: a step costs {cost} mtp steps (TTT: {ttt_cost}); {args.prompts} held-out "
-          f"prompts x {args.max_tokens} tokens, greedy k = {base['head']['k']}")
+          f"prompts x {args.max_tokens} tokens, greedy k = {bases['mtp']['head']['k']}")
     print_arms(results)
     atomic_write_text(OUT / "results.json", json.dumps({"args": vars(args), "cost": cost, "ttt_cost": ttt_cost,
                                                         **results}, indent=2))
