@@ -53,6 +53,16 @@ def _recipe(base: dict, name: str, family: str, source: str) -> dict:
     return r
 
 
+def _positive(text: str, what: str) -> float:
+    try:
+        x = float(text)
+    except ValueError:
+        x = float("nan")
+    if not x > 0:
+        raise SystemExit(f"{what}: expected a positive number, got {text!r}")
+    return x
+
+
 def _headstart(*args: str) -> None:
     cmd = [sys.executable, "-m", "headstart.cli", *args]
     print("+ headstart", " ".join(args), flush=True)
@@ -88,27 +98,41 @@ def main() -> None:
     cost = {"mtp": 1.0}
     for c in args.cost:
         fam, _, x = c.partition("=")
-        if fam not in FAMILIES or not x:
-            raise SystemExit(f"--cost {c!r}: expected FAMILY=X with FAMILY one of {', '.join(FAMILIES)}")
-        cost[fam] = float(x)
+        if fam not in FAMILIES or fam == "mtp":
+            raise SystemExit(f"--cost {c!r}: expected FAMILY=X with FAMILY one of {', '.join(FAMILIES[1:])} "
+                             "(an mtp step is the unit)")
+        cost[fam] = _positive(x, f"--cost {c!r}")
     bases = {fam: yaml.safe_load(path.read_text()) for fam, path in RECIPES.items()}
     ttt_cost = {1: 1.0}
     for c in args.ttt_cost:
         t, _, x = c.partition("=")
-        ttt_cost[int(t)] = float(x)
+        if not t.isdigit() or int(t) < 1:
+            raise SystemExit(f"--ttt-cost {c!r}: expected TTT=X with TTT a number of TTT steps (>= 1)")
+        ttt_cost[int(t)] = _positive(x, f"--ttt-cost {c!r}")
     arms = []
     for spec in args.arms.split(","):
-        fam, lr, *rest = spec.split(":")
-        if fam not in FAMILIES or not lr:
-            raise SystemExit(f"arm {spec!r}: expected family:lr[:ttt] with family one of {', '.join(FAMILIES)}")
+        fam, lr, *rest = spec.split(":") + [""]
+        rest = [r for r in rest if r]
+        if fam not in FAMILIES or len(rest) > 1 or (rest and not rest[0].isdigit()) or (rest and int(rest[0]) < 1):
+            raise SystemExit(f"arm {spec!r}: expected family:lr[:ttt] with family one of {', '.join(FAMILIES)} "
+                             "and ttt a number of TTT steps (>= 1)")
+        rate = _positive(lr, f"arm {spec!r}: the learning rate")
         own = bases[fam]["train"]["ttt_steps"]
         ttt = int(rest[0]) if rest else own
         if fam not in cost:
             raise SystemExit(f"arm {spec!r}: no --cost {fam}=X given (what one step of its recipe costs in mtp steps)")
-        for t in {ttt, own} - set(ttt_cost) if ttt != own else ():
-            raise SystemExit(f"arm {spec!r}: no --ttt-cost {t}=X given (a TTT-{t} step in TTT-1 steps)")
+        missing = sorted({ttt, own} - set(ttt_cost)) if ttt != own else []
+        if missing:
+            raise SystemExit(f"arm {spec!r}: TTT {ttt} instead of its recipe's TTT {own}: the ratio of the two is "
+                             f"needed; give " + " ".join(f"--ttt-cost {t}=X" for t in missing) +
+                             " (a step with that TTT in TTT-1 steps)")
         price = cost[fam] * (ttt_cost[ttt] / ttt_cost[own] if ttt != own else 1.0)
-        arms.append((fam, float(lr), ttt, round(args.mtp_steps / price)))
+        steps = round(args.mtp_steps / price)
+        if steps < 1:
+            raise SystemExit(f"arm {spec!r}: {args.mtp_steps} mtp steps buy no step of it (cost {price:g})")
+        arms.append((fam, rate, ttt, steps))
+    if args.shards and not (Path(args.shards) / "manifest.json").is_file():
+        raise SystemExit(f"--shards {args.shards}: no finished precompute there (no manifest.json)")
     source = str(Path(args.source).resolve())
     OUT.mkdir(parents=True, exist_ok=True)
     shards_dir = Path(args.shards).resolve() if args.shards else shards(bases["eagle3"], source)

@@ -272,7 +272,7 @@ def _torch_rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tenso
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("d", [576, 1728, 64, 37])
 def test_rms_norm_rows_values_and_row_invariance(kernels, dtype, d):
-    """torch's formula up to the square sum's order (rare last-bit moves), and a row's bits its own
+    """torch's formula up to the square sum's order (it moves the last bit of a few rows), and a row's bits its own
     whatever shares the call: alone, in any order, in a call big enough to split over threads."""
     g = torch.Generator().manual_seed(d)
     w = (1 + 0.1 * torch.randn(d, generator=g)).to(dtype)
@@ -309,26 +309,82 @@ def test_rms_norm_rows_refuses_bad_input(kernels):
             kernels.rms_norm_rows(x, wt, 1e-6)
 
 
-def test_rms_norm_module_uses_the_kernel_only_for_inference(kernels):
-    norm = RMSNorm(48, eps=1e-5)
+@pytest.fixture
+def norm_calls(kernels, monkeypatch):
+    """The norm kernel as RMSNorm sees it, counting its calls (it still computes)."""
+    import headstart.nn.norm as norm_module
+
+    calls = []
+
+    class Spy:
+        def rms_norm_rows(self, *args):
+            calls.append(args[0].shape)
+            return kernels.rms_norm_rows(*args)
+
+    monkeypatch.setattr(norm_module, "rowwise", lambda: Spy())
+    return calls
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rms_norm_module_uses_the_kernel_only_for_inference(kernels, norm_calls, dtype):
+    norm = RMSNorm(48, eps=1e-5).to(dtype)
     with torch.no_grad():
         norm.weight.uniform_(0.5, 1.5)
-    x = torch.randn(5, 48, requires_grad=True)
     assert norm.enable_cpu_kernels() == "rows"
-    norm(x).sum().backward()  # records gradients: torch's ops
-    assert x.grad is not None and norm.weight.grad is not None
+    x = torch.randn(5, 48).to(dtype)
     with torch.inference_mode():
-        assert torch.equal(norm(x.detach()), kernels.rms_norm_rows(x.detach(), norm.weight, 1e-5))
-        xb = x.detach().bfloat16()  # another dtype than the weight's: torch's formula (fp32 out)
-        assert norm(xb).dtype == torch.float32
+        assert torch.equal(norm(x), kernels.rms_norm_rows(x, norm.weight, 1e-5)) and len(norm_calls) == 1
+    with torch.no_grad():  # no gradients recorded: the kernel too
+        norm(x)
+    assert len(norm_calls) == 2
+    norm_calls.clear()
+    xg = x.clone().requires_grad_()
+    norm(xg).sum().backward()  # training: gradients for both
+    assert xg.grad is not None and norm.weight.grad is not None
+    norm.weight.grad = None
+    norm(x).sum().backward()  # a norm over frozen inputs (fc_norm on target states): the weight learns
+    assert norm.weight.grad is not None
+    norm.weight.requires_grad_(False)
+    xg.grad = None
+    norm(xg).sum().backward()  # a frozen norm over the head's output (the target's final norm)
+    assert xg.grad is not None
+    norm.weight.requires_grad_(True)
     with torch.autocast("cpu", dtype=torch.bfloat16), torch.no_grad():
-        assert torch.equal(norm(x.detach()), _torch_rms_norm(x.detach(), norm.weight, 1e-5))
+        assert torch.equal(norm(x), _torch_rms_norm(x, norm.weight, 1e-5))
+    other = torch.float32 if dtype == torch.bfloat16 else torch.bfloat16
+    with torch.inference_mode():  # another dtype than the weight's: torch's formula (promoted)
+        assert norm(x.to(other)).dtype == torch.float32
+    assert norm_calls == []  # none of those took the kernel
     with cpu_kernels_restored(norm):
         norm.disable_cpu_kernels()
         with torch.inference_mode():
-            assert torch.equal(norm(x.detach()), _torch_rms_norm(x.detach(), norm.weight, 1e-5))
-    assert norm._kernel  # restored
+            assert torch.equal(norm(x), _torch_rms_norm(x, norm.weight, 1e-5))
+    assert norm._kernel and norm_calls == []  # restored, and the block ran torch's ops
+    half = RMSNorm(48)
+    assert half.enable_cpu_kernels() == "rows"
+    half.half()  # the weight's dtype changes after the kernel was chosen
+    with torch.inference_mode():  # a dtype the kernel does not compute: torch's formula, not an error
+        assert half(torch.randn(3, 48).half()).dtype == torch.float16
+    assert norm_calls == []
     assert norm.enable_cpu_kernels(rowwise_kernels=False) == "" and not norm._kernel
+
+
+def test_an_engine_runs_every_norm_of_its_models_through_the_kernel(kernels, tiny_dir, norm_calls):
+    """The target's norms and a chain head's (eagle3 with the EAGLE-3.1 norms) take the kernel in an
+    engine, and greedy speculation still equals greedy AR."""
+    target = load_llama(tiny_dir, "bf16")
+    from headstart.heads import HeadConfig, build_head
+
+    head = build_head(HeadConfig(head_type="eagle3", aux_layer_ids=[0, 1, 2], fc_norm=True,
+                                 norm_before_residual=True, norm_output=True), target)
+    spec = Engine(target, spec=SpecConfig(method="chain", k=2, head=head))
+    norms = [m for model in (spec.model, spec.proposer.head) for m in model.modules() if isinstance(m, RMSNorm)]
+    assert len(norms) > 8 and all(m._kernel for m in norms)
+    prompts = _prompts(2, seed=5)
+    params = SamplingParams(max_tokens=8, ignore_eos=True)
+    got = [o.token_ids for o in spec.generate(prompts, params)]
+    assert len(norm_calls) > 0
+    assert got == [o.token_ids for o in Engine(target).generate(prompts, params)]
 
 
 def test_the_packed_weight_follows_the_weight(kernels):

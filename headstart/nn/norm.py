@@ -2,9 +2,12 @@
 
 `enable_cpu_kernels()` (the engine calls it with the linears') sends CPU inference through the
 row-wise kernel (headstart.kernels, norm.cpp): one pass per row instead of seven small torch ops
-(cast, square, mean, add, rsqrt, product, cast) and their temporaries, for every row count, so a
-row's bits never depend on what shares its call. Training never takes it: a forward that records
-gradients, runs under autocast or mixes dtypes keeps the torch formula below.
+(cast, square, mean, add, rsqrt, product, cast) and their temporaries, for every row count. Both
+give a row the same bits whatever shares its call; they differ in the square sum's order, so the
+kernel moves the last bit of a few rows (0.1 % of SmolLM2's bf16 norm rows, ~20 % in fp32), and
+greedy continuations can then differ from torch's / HF's, as the row-invariant linears' already do.
+Training never takes it: a forward that records gradients, runs under autocast, mixes dtypes or
+uses one the kernel does not compute keeps the torch formula below.
 """
 
 from __future__ import annotations
@@ -33,9 +36,9 @@ class RMSNorm(nn.Module):
         self._kernel = False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # (..., D) -> (..., D)
-        if self._kernel and x.is_cpu and x.dtype == self.weight.dtype and self.weight.is_cpu and not (
-                torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad)) and (
-                not torch.is_autocast_enabled("cpu")):
+        if self._kernel and x.is_cpu and x.dtype == self.weight.dtype and kernel_dtype_ok(x.dtype) and (
+                self.weight.is_cpu) and not (torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad)
+                                             ) and not torch.is_autocast_enabled("cpu"):
             return rowwise().rms_norm_rows(x, self.weight, self.eps)
         dtype = x.dtype
         h = x.float()
