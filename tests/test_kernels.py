@@ -450,17 +450,30 @@ def test_validation_leaves_the_training_target_on_torch_kernels(kernels, tiny_di
     assert not any(m._kernel for m in target.modules() if isinstance(m, RMSNorm))
 
 
-def test_a_non_invariant_engine_keeps_the_row_kernels_for_few_rows_only(kernels, tiny_dir):
+def test_a_non_invariant_engine_keeps_the_row_kernels_for_few_rows_only(kernels, tiny_dir, monkeypatch):
     """Without batch invariance the row kernels serve only calls of up to FAST_ROWS rows (where they
-    beat torch's GEMM); an invariant engine sends every row through them."""
+    beat torch's GEMM; bf16 linears: FAST_LINEAR_ROWS of the linear kernel's ISA, 64 on AMX; HEADSTART_FAST_ROWS
+    overrides); an invariant engine sends every row through them."""
     from headstart.inference import Engine
-    from headstart.kernels import FAST_ROWS
+    from headstart.kernels import FAST_LINEAR_ROWS, FAST_ROWS
 
+    monkeypatch.delenv("HEADSTART_FAST_ROWS", raising=False)
     loose = Engine(load_llama(tiny_dir, "fp32"), batch_invariant=False)
     assert {m._rows for m in loose.model.modules() if isinstance(m, Linear)} == {FAST_ROWS}
     assert loose.backend.max_rows == FAST_ROWS
     strict = Engine(load_llama(tiny_dir, "fp32"))
     assert {m._rows for m in strict.model.modules() if isinstance(m, Linear)} == {1 << 62}
+    bf16 = Engine(load_llama(tiny_dir, "bf16"), batch_invariant=False)
+    rows = FAST_LINEAR_ROWS.get(kernels.linear_isa(), FAST_ROWS)
+    assert {m._rows for m in bf16.model.modules() if isinstance(m, Linear)} == {rows}
+    assert bf16.backend.max_rows == FAST_ROWS  # attention keeps its own limit
+    monkeypatch.setenv("HEADSTART_FAST_ROWS", "12")
+    tuned = Engine(load_llama(tiny_dir, "bf16"), batch_invariant=False)
+    assert {m._rows for m in tuned.model.modules() if isinstance(m, Linear)} == {12}
+    for bad in ("0", "x", "-3"):
+        monkeypatch.setenv("HEADSTART_FAST_ROWS", bad)
+        with pytest.raises(ValueError, match="HEADSTART_FAST_ROWS"):
+            Engine(load_llama(tiny_dir, "bf16"), batch_invariant=False)
 
 
 @pytest.fixture(scope="module")

@@ -36,7 +36,7 @@ from headstart.inference.sampler import SamplingParams, sample, token_logprobs
 from headstart.inference.scheduler import Scheduler, Sequence, Status
 from headstart.inference.spec_step import SpeculativeSteps
 from headstart.inference.tree import TreeProposer
-from headstart.kernels import FAST_ROWS
+from headstart.kernels import FAST_ROWS, fast_linear_rows
 from headstart.models import CausalLM, load_target
 from headstart.nn.linear import enable_cpu_kernels
 
@@ -110,12 +110,14 @@ class Engine(SpeculativeSteps):
         # CPU: the row-invariant kernels (headstart.kernels) for every matmul and attention row when
         # batch_invariant (a token's logits never depend on what shares its step or where its prompt
         # was chunked: greedy speculation equals greedy AR), else only where they are the faster
-        # kernels: matmuls of up to FAST_ROWS rows and sequences with up to FAST_ROWS queries in the
-        # step (one-row decode, a k <= 3 verify), torch's for everything bigger.
+        # kernels: matmuls of up to fast_linear_rows rows (4; 64 for bf16 on AMX) and sequences with up
+        # to FAST_ROWS queries in the step (one-row decode, a k <= 3 verify), torch's for everything bigger.
         self._max_rows = None if batch_invariant else FAST_ROWS
+        self._linear_rows = self._max_rows
         self.kernels = "torch"
         if cpu_kernels and self.device.type == "cpu":
-            got = self.model.enable_cpu_kernels(True, self._max_rows)
+            self._linear_rows = None if batch_invariant else fast_linear_rows(self.model.dtype)
+            got = self.model.enable_cpu_kernels(True, self._linear_rows)
             self.kernels = "rowwise" if "rows" in got else "gemv" if "gemv" in got else "torch"
         cfg = self.model.config
         self.max_model_len = min(cfg.max_position_embeddings, cfg.sliding_window or cfg.max_position_embeddings)
@@ -142,7 +144,7 @@ class Engine(SpeculativeSteps):
         self.runner = ModelRunner(self.model, self.cache, self.allocator, self.backend, self.device)
         self.proposer = None
         if draft is not None and cpu_kernels and self.device.type == "cpu":
-            enable_cpu_kernels(draft, True, self._max_rows)
+            enable_cpu_kernels(draft, True, self._linear_rows)
         if spec is not None:
             if spec.method == "medusa":
                 self.proposer = MedusaProposer(spec, draft)

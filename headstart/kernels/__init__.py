@@ -188,8 +188,32 @@ MAX_ROWS = 64
 # calls this small take the row kernels: they stream a weight once per 4 rows, so at 8+ rows torch's
 # blocked bf16 GEMM is faster (2-core Zen4, bf16, 2 threads: 576x1536 at 8 rows 112 vs 72 us, at 64
 # rows 715 vs 149 us; the 49152x576 lm_head at 16 rows 10.7 vs 2.5 ms), while at 1-4 rows ours wins
-# (1 row: 19 vs 74 us).
+# (1 row: 19 vs 74 us). It is also the query count up to which a sequence's attention takes the row kernel.
 FAST_ROWS = 4
+# Linears only, bf16 weights, by the instructions the linear kernel uses (linear_isa): AMX computes 16 rows
+# per tile instruction, so ours stays ahead of torch's far longer. Every SmolLM2 linear in model order,
+# 2-core Xeon with AMX, bf16 (benchmarks/kernels.py): torch / ours 2.43x at 1 row, 2.03x at 16, 1.53x at 32,
+# 1.21x at 64, 1.01x at 96, 0.88x at 128. (Its AVX-512 bf16 path, HEADSTART_AMX=0, on the same Xeon: 1.28x at
+# 8 rows, 0.82x at 16; a Zen4 lost at 8 rows already, so AVX-512 keeps FAST_ROWS.) `headstart regenerate`,
+# 132 conversations at batch 64 on that Xeon: 41 s against 43 s at 4 rows.
+FAST_LINEAR_ROWS = {"amx-bf16": 64}
+
+
+def fast_linear_rows(dtype: Any) -> int:
+    """Rows up to which a linear of this weight dtype takes the row kernel in an engine without batch
+    invariance: FAST_LINEAR_ROWS for the ISA bf16 linears use here, else FAST_ROWS. HEADSTART_FAST_ROWS=N
+    overrides it (tuning on another CPU; the A/B of benchmarks)."""
+    import torch
+
+    env = os.environ.get("HEADSTART_FAST_ROWS", "").strip()
+    if env:
+        if not env.isdigit() or int(env) < 1:
+            raise ValueError(f"HEADSTART_FAST_ROWS={env[:20]!r}: expected a row count >= 1")
+        return int(env)
+    mod = rowwise()
+    if dtype != torch.bfloat16 or mod is None:
+        return FAST_ROWS
+    return FAST_LINEAR_ROWS.get(mod.linear_isa(), FAST_ROWS)
 
 
 def kernel_dtype_ok(dtype: Any) -> bool:
