@@ -111,14 +111,13 @@ def main() -> None:
         ttt_cost[int(t)] = _positive(x, f"--ttt-cost {c!r}")
     arms = []
     for spec in args.arms.split(","):
-        fam, lr, *rest = spec.split(":") + [""]
-        rest = [r for r in rest if r]
-        if fam not in FAMILIES or len(rest) > 1 or (rest and not rest[0].isdigit()) or (rest and int(rest[0]) < 1):
+        fam, lr, ttt_text = (spec.split(":") + [""])[:3] if spec.count(":") in (1, 2) else ("", "", "")
+        if fam not in FAMILIES or not (ttt_text == "" or (ttt_text.isdigit() and int(ttt_text) >= 1)):
             raise SystemExit(f"arm {spec!r}: expected family:lr[:ttt] with family one of {', '.join(FAMILIES)} "
                              "and ttt a number of TTT steps (>= 1)")
         rate = _positive(lr, f"arm {spec!r}: the learning rate")
         own = bases[fam]["train"]["ttt_steps"]
-        ttt = int(rest[0]) if rest else own
+        ttt = int(ttt_text) if ttt_text else own
         if fam not in cost:
             raise SystemExit(f"arm {spec!r}: no --cost {fam}=X given (what one step of its recipe costs in mtp steps)")
         missing = sorted({ttt, own} - set(ttt_cost)) if ttt != own else []

@@ -1,10 +1,12 @@
-"""Shared fixtures: a tiny trained byte-level BPE tokenizer with swappable chat templates, and
-cache isolation (tests not marked `real` never touch the user's HEADSTART_CACHE)."""
+"""Shared fixtures: a tiny trained byte-level BPE tokenizer with swappable chat templates, the
+row-invariant CPU kernels and a tiny target for their tests, and cache isolation (tests not marked
+`real` never touch the user's HEADSTART_CACHE)."""
 
 from __future__ import annotations
 
 import json
 import os
+import platform
 from pathlib import Path
 
 import pytest
@@ -140,3 +142,28 @@ def random_conversations(n: int, seed: int = 0, max_rounds: int = 3, user_words:
                 turns.append({"from": role, "value": " ".join(rng.choice(words) for _ in range(rng.randint(*span)))})
         rows.append({"id": f"c{i}", "conversations": turns})
     return rows
+
+
+@pytest.fixture(scope="module")
+def kernels():
+    """The compiled row-invariant kernels (they must build on x86-64), or a skip."""
+    from headstart.kernels import rowwise
+
+    if os.environ.get("HEADSTART_KERNELS") == "0":
+        pytest.skip("HEADSTART_KERNELS=0: the kernels are switched off")
+    mod = rowwise()
+    if platform.machine().lower() in ("x86_64", "amd64"):
+        assert mod is not None, "the row-invariant kernels must build on x86-64 (a C++ compiler and ninja)"
+    if mod is None:
+        pytest.skip("no row-invariant kernels on this platform")
+    return mod
+
+
+@pytest.fixture(scope="module")
+def kernel_target_dir(tmp_path_factory):
+    """A tiny random Llama target for the kernels' engine tests."""
+    from tiny_models import make_hf_model
+
+    d = tmp_path_factory.mktemp("kernels-target")
+    make_hf_model("llama", d, seed=11)
+    return d

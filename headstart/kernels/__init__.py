@@ -216,6 +216,15 @@ def fast_linear_rows(dtype: Any) -> int:
     return FAST_LINEAR_ROWS.get(mod.linear_isa(), FAST_ROWS)
 
 
+def inference_call(x: Any, weight: Any) -> bool:
+    """A CPU call the inference kernels may serve: both tensors on the CPU, no gradient recorded for
+    either, no autocast (training and autocast keep torch's ops and their numerics)."""
+    import torch
+
+    return (x.is_cpu and weight.is_cpu and not torch.is_autocast_enabled("cpu")
+            and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)))
+
+
 def kernel_dtype_ok(dtype: Any) -> bool:
     import torch
 

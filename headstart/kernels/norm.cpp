@@ -30,6 +30,15 @@ static void rms_row(const T* x, const T* w, T* y, int64_t D, float eps) {
   for (i = 0; i < D; ++i) put(y + i, scalar(w[i]) * narrow(scalar(x[i]) * r, T{}));
 }
 
+// Rows split over threads in big blocks only: a decode step's few rows stay on the calling thread (a
+// parallel region costs more than a 576-wide row).
+template <typename T>
+static void rms_rows(const T* x, const T* w, T* y, int64_t M, int64_t D, float eps) {
+  at::parallel_for(0, M, 256, [&](int64_t m0, int64_t m1) {
+    for (int64_t m = m0; m < m1; ++m) rms_row(x + m * D, w, y + m * D, D, eps);
+  });
+}
+
 torch::Tensor rms_norm_rows(torch::Tensor x, torch::Tensor weight, double eps) {
   TORCH_CHECK(x.device().is_cpu() && weight.device().is_cpu(), "rms_norm_rows: CPU tensors only");
   TORCH_CHECK(x.scalar_type() == weight.scalar_type(), "rms_norm_rows: x and weight must share a dtype");
@@ -41,19 +50,12 @@ torch::Tensor rms_norm_rows(torch::Tensor x, torch::Tensor weight, double eps) {
   auto y = torch::empty_like(xc);
   const int64_t M = D ? xc.numel() / D : 0;
   const float e = static_cast<float>(eps);
-  // One row per task, rows split over threads in big blocks only: a decode step's few rows stay on
-  // the calling thread (a parallel region costs more than a 576-wide row).
-  at::parallel_for(0, M, 256, [&](int64_t m0, int64_t m1) {
-    for (int64_t m = m0; m < m1; ++m) {
-      if (xc.scalar_type() == at::kFloat) {
-        rms_row(xc.data_ptr<float>() + m * D, wc.data_ptr<float>(), y.data_ptr<float>() + m * D, D, e);
-      } else {
-        auto* xp = reinterpret_cast<const uint16_t*>(xc.data_ptr<at::BFloat16>());
-        auto* wp = reinterpret_cast<const uint16_t*>(wc.data_ptr<at::BFloat16>());
-        auto* yp = reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>());
-        rms_row(xp + m * D, wp, yp + m * D, D, e);
-      }
-    }
-  });
+  if (xc.scalar_type() == at::kFloat) {
+    rms_rows(xc.data_ptr<float>(), wc.data_ptr<float>(), y.data_ptr<float>(), M, D, e);
+  } else {
+    rms_rows(reinterpret_cast<const uint16_t*>(xc.data_ptr<at::BFloat16>()),
+             reinterpret_cast<const uint16_t*>(wc.data_ptr<at::BFloat16>()),
+             reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>()), M, D, e);
+  }
   return y;
 }

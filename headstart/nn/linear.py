@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from headstart.kernels import MAX_ROWS, kernel_dtype_ok, rowwise
+from headstart.kernels import MAX_ROWS, inference_call, kernel_dtype_ok, rowwise
 from headstart.nn.norm import RMSNorm
 
 _FP16_MAX = 65504.0
@@ -79,9 +79,7 @@ class Linear(nn.Linear):
         return self._packed
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if (not self._rows and self._gemv is None) or x.dim() != 2 or not x.is_cpu or not self.weight.is_cpu or (
-                torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad)) or (
-                torch.is_autocast_enabled("cpu")):
+        if (not self._rows and self._gemv is None) or x.dim() != 2 or not inference_call(x, self.weight):
             return F.linear(x, self.weight, self.bias)
         if self._rows:
             if x.shape[0] <= self._rows and x.dtype == self.weight.dtype:

@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from headstart.kernels import kernel_dtype_ok, rowwise
+from headstart.kernels import inference_call, kernel_dtype_ok, rowwise
 
 
 class RMSNorm(nn.Module):
@@ -36,9 +36,8 @@ class RMSNorm(nn.Module):
         self._kernel = False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # (..., D) -> (..., D)
-        if self._kernel and x.is_cpu and x.dtype == self.weight.dtype and kernel_dtype_ok(x.dtype) and (
-                self.weight.is_cpu) and not (torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad)
-                                             ) and not torch.is_autocast_enabled("cpu"):
+        w = self.weight
+        if self._kernel and x.dtype == w.dtype and kernel_dtype_ok(x.dtype) and inference_call(x, w):
             return rowwise().rms_norm_rows(x, self.weight, self.eps)
         dtype = x.dtype
         h = x.float()
