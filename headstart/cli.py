@@ -175,6 +175,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--allow-other-target", action="store_true",
                    help="evaluate heads trained for a same-shaped target with other weights (warns)")
     p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--engine", default="headstart",
+                   help="headstart, vllm, or headstart,vllm: which engines run the prompts (vllm runs in its own "
+                        "interpreter: make vllm-env, or $HEADSTART_VLLM_PYTHON)")
+    p.add_argument("--vllm-threads", choices=["all", "default"], default="all",
+                   help="vLLM's CPU threads: all cores, as our engine, or vLLM's own binding (one core reserved)")
     p.set_defaults(func=commands.cmd_eval)
 
     p = verbs.add_parser("export", help="write a head in a serving engine's layout (checked by reading it back)")

@@ -320,12 +320,16 @@ def cmd_eval(args: argparse.Namespace) -> int:
                     "--temperature"), methods=_csv(args.spec, str, "--spec"), batch_size=args.batch_size,
                     max_tokens=args.max_tokens, seed=recipe.seed, allow_other_target=args.allow_other_target,
                     baseline=not args.no_baseline, repeats=args.repeats, draft_threshold=args.draft_threshold,
-                    tree_tokens=args.tree_tokens, tree_topk=args.tree_topk, backend=recipe.engine.backend)
+                    tree_tokens=args.tree_tokens, tree_topk=args.tree_topk, backend=recipe.engine.backend,
+                    engines=[e.strip() for e in _csv(args.engine, str, "--engine")], vllm_threads=args.vllm_threads)
     check_plan(plan)
     for h in plan.heads:
         if not (Path(h) / "config.json").is_file():
             raise HeadstartError(f"--head {h}: not a head checkpoint directory")
     out = check_report_dir(args.out or Path(recipe.output_dir) / "eval")  # before anything loads
+    plan.workdir = str(out)
+    if "vllm" in plan.engines:
+        _check_vllm_heads(plan.heads)
     if args.prompts:
         rows = read_prompt_file(args.prompts)
     model_dir = resolve_model(recipe.target.model)
@@ -374,12 +378,31 @@ def cmd_eval(args: argparse.Namespace) -> int:
     labels = head_labels(plan.heads)
     for r in report["runs"]:
         tau = f"{r['tau']:.3f}" if r["tau"] is not None else "- (no speculative step)"
-        print(f"eval: {labels.get(r['head'], r['label'])} {r['method']} k={r['k']} T={r['temperature']}: tau {tau}, "
+        print(f"eval: {r.get('engine', 'headstart')}: {labels.get(r['head'], r['label'])} {r['method']} k={r['k']} "
+              f"T={r['temperature']}: tau {tau}, "
               f"{r['tokens_per_s']:.1f} tok/s vs AR {r['ar_tokens_per_s']:.1f} = {r['speedup']:.2f}x "
               f"(middle half {r['speedup_p25']:.2f}..{r['speedup_p75']:.2f})"
-              + (f", lossless_check {r['lossless_check']}" if "lossless_check" in r else ""))
+              + (f", lossless_check {r['lossless_check']}" if "lossless_check" in r else "")
+              + (f" (in {report['vllm']['dtype']}: {r['lossless_check_run_dtype']})"
+                 if r.get("lossless_check_run_dtype", r.get("lossless_check")) != r.get("lossless_check") else "")
+              + (f"; vLLM tau - ours {r['tau_minus_headstart']:+.3f} (noise +-{r['tau_noise']:.3f}"
+                 f"{': MORE THAN THE NOISE' if r['tau_differs'] else ''})" if r.get("tau_noise") is not None else ""))
     print("eval: wrote " + ", ".join(str(f) for f in files))
     return 0
+
+
+def _check_vllm_heads(heads: list[str]) -> None:
+    """Before any model loads: vLLM is runnable, and each head's family is one vLLM serves."""
+    from headstart.engines.vllm_runner import vllm_missing, vllm_refusal
+    from headstart.heads import read_head_config
+
+    why = vllm_missing()
+    if why:
+        raise HeadstartError(f"eval --engine vllm: {why}")
+    for h in heads:
+        why = vllm_refusal(read_head_config(h).head_type)
+        if why:
+            print(f"eval: vLLM will skip --head {h}: {why}", file=sys.stderr)
 
 
 def cmd_export(args: argparse.Namespace) -> int:

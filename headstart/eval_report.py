@@ -31,6 +31,10 @@ def _label(run: dict[str, Any]) -> str:
     return run.get("label") or Path(run["head"]).name
 
 
+def _plot_label(run: dict[str, Any]) -> str:
+    return _label(run) + (" (vLLM)" if run.get("engine") == "vllm" else "")
+
+
 def is_report_dir(path: str | Path) -> bool:
     """True for a directory an earlier `headstart eval` wrote (its report.json carries our marker;
     reports written before the marker existed are known by their top-level keys)."""
@@ -38,9 +42,21 @@ def is_report_dir(path: str | Path) -> bool:
     try:
         obj = json.loads(f.read_text(encoding="utf-8"))
     except (OSError, ValueError):
-        return False
+        return _only_vllm_work(Path(path))
     return isinstance(obj, dict) and (obj.get("format") == FORMAT or
                                       {"runs", "heads", "engine", "ar", "settings"} <= set(obj))
+
+
+def _only_vllm_work(path: Path) -> bool:
+    """A report directory whose run stopped after vLLM's exports and jobs were written (`vllm/`), before
+    the report: ours, so a rerun may use it."""
+    try:
+        names = {p.name for p in path.iterdir()}
+    except OSError:
+        return False
+    work = path / "vllm"
+    return names == {"vllm"} and work.is_dir() and all(
+        p.name == "exports" or p.name.startswith("run-") for p in work.iterdir())
 
 
 def check_report_dir(out: str | Path) -> Path:
@@ -79,8 +95,8 @@ def markdown(report: dict[str, Any]) -> str:
     lines += ["", "Speedup: the median of per-batch-group ratios to plain decoding run alternately on the same "
               "prompts (the middle half beside it; ⚠ when it is wider than 25 % of the median); `ngram (no "
               "training)` is prompt lookup, the baseline.", "",
-              "| head | method | k | T | tau | alpha | accept rate per position | tok/s | AR tok/s | speedup "
-              "(p25..p75) | lossless |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+              "| engine | head | method | k | T | tau | alpha | accept rate per position | tok/s | AR tok/s | speedup "
+              "(p25..p75) | lossless |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in report["runs"]:
         rate = " ".join(f"{x:.2f}" for x in r["accept_rate_per_pos"])
         alpha = f"{r['alpha']:.3f}" if r["alpha"] is not None else "-"
@@ -88,9 +104,13 @@ def markdown(report: dict[str, Any]) -> str:
         spread = f" ({r['speedup_p25']:.2f}..{r['speedup_p75']:.2f})" if "speedup_p25" in r else ""
         flag = " ⚠" if r.get("speedup_spread", 0) > WIDE_SPREAD else ""
         method = r["method"] + (f" ({r['draft_threshold']})" if r.get("draft_threshold") else "")
-        lines.append(f"| {_label(r)} | {method} | {r['k']} | {r['temperature']} | {tau} | "
+        lossless = r.get("lossless_check", "-")
+        if r.get("lossless_check_run_dtype", lossless) != lossless:
+            lossless += f" (fp32); {r['lossless_check_run_dtype']} ({report.get('vllm', {}).get('dtype', '?')})"
+        lines.append(f"| {r.get('engine', 'headstart')} | {_label(r)} | {method} | {r['k']} | {r['temperature']} | {tau} | "
                      f"{alpha} | {rate} | {r['tokens_per_s']:.1f} | {r.get('ar_tokens_per_s', 0):.1f} | "
-                     f"{r['speedup']:.2f}x{spread}{flag} | {r.get('lossless_check', '-')} |")
+                     f"{r['speedup']:.2f}x{spread}{flag} | {lossless} |")
+    lines += _engines_section(report)
     cats = [r for r in report["runs"] if r["tau_by_category"]]
     if cats:
         lines += ["", "## tau by prompt category", "", "| head | method | k | T | " +
@@ -101,6 +121,38 @@ def markdown(report: dict[str, Any]) -> str:
                          " | ".join(f"{r['tau_by_category'].get(c, float('nan')):.3f}"
                                     for c in sorted(cats[0]["tau_by_category"])) + " |")
     return "\n".join(lines) + "\n"
+
+
+def _engines_section(report: dict[str, Any]) -> list[str]:
+    """vLLM beside ours: its version and settings, the heads it skipped, and each tau gap against the
+    prompt set's noise, said plainly when it is larger."""
+    v = report.get("vllm")
+    if not v:
+        return []
+    lines = ["", "## vLLM beside headstart", "",
+             f"vLLM {v.get('version', '?')} in {v.get('dtype', '?')}, threads: {v.get('threads', '?')}; greedy "
+             "lossless is checked in fp32 (vLLM's bf16 kernels are not batch-invariant: a verify pass of k+1 rows "
+             "rounds near-ties unlike a 1-row decode, so bf16 texts part without any fault of the head)."]
+    ar = v.get("ar") or {}
+    for t, r in ar.items():
+        ours = (report.get("ar") or {}).get(t, {}).get("tokens_per_s")
+        if r.get("tokens_per_s") and ours:
+            lines.append(f"Plain decoding at T={t}: headstart {ours:.1f} tok/s, vLLM {r['tokens_per_s']:.1f} tok/s "
+                         f"(ours / vLLM = {ours / r['tokens_per_s']:.2f}).")
+    for s in v.get("skipped") or []:
+        lines.append(f"- vLLM skipped {s['label']}: {s['reason']}")
+    gaps = [r for r in report["runs"] if r.get("tau_noise") is not None]
+    if gaps:
+        lines += ["", "| head | k | T | tau headstart | tau vLLM | vLLM - ours | noise (2 SE) | verdict |",
+                  "|---|---|---|---|---|---|---|---|"]
+        for r in gaps:
+            verdict = "**differ by more than the noise**" if r["tau_differs"] else "same within the noise"
+            lines.append(f"| {_label(r)} | {r['k']} | {r['temperature']} | {r['tau'] - r['tau_minus_headstart']:.3f} | "
+                         f"{r['tau']:.3f} | {r['tau_minus_headstart']:+.3f} | ±{r['tau_noise']:.3f} | {verdict} |")
+        if any(r["tau_differs"] for r in gaps):
+            lines += ["", "**The two engines accept this head differently, beyond the prompt set's noise**: check "
+                      "the hidden state each feeds the head (aux layer ids, pre/post norm), d2t/t2d and position ids."]
+    return lines
 
 
 def plots(report: dict[str, Any], out: Path) -> list[Path]:
@@ -115,16 +167,17 @@ def plots(report: dict[str, Any], out: Path) -> list[Path]:
         return written
     fig, ax = plt.subplots(figsize=(6, 4))
     for r in runs:
-        if r["k"] == max(x["k"] for x in runs if x["head"] == r["head"] and x["method"] == r["method"]):
+        mates = [x["k"] for x in runs if (x["head"], x["method"], x.get("engine")) == (r["head"], r["method"], r.get("engine"))]
+        if r["k"] == max(mates):
             ax.plot(range(1, len(r["accept_rate_per_pos"]) + 1), r["accept_rate_per_pos"], marker="o",
-                    label=f"{_label(r)} {r['method']} k={r['k']} T={r['temperature']}")
+                    label=f"{_plot_label(r)} {r['method']} k={r['k']} T={r['temperature']}")
     ax.set(xlabel="draft position", ylabel="P(accepted up to here)", title="acceptance per position", ylim=(0, 1))
     ax.legend(fontsize=7)
     written.append(_save(fig, out / "accept_per_position.png"))
     fig, (a1, a2) = plt.subplots(1, 2, figsize=(10, 4))
     groups: dict[tuple, list] = {}
     for r in runs:
-        groups.setdefault((_label(r), r["method"], r["temperature"]), []).append(r)
+        groups.setdefault((_plot_label(r), r["method"], r["temperature"]), []).append(r)
     for (name, method, temp), rs in groups.items():
         rs = sorted(rs, key=lambda r: r["k"])
         a1.plot([r["k"] for r in rs], [r["tau"] or float("nan") for r in rs], marker="o",
@@ -142,7 +195,7 @@ def plots(report: dict[str, Any], out: Path) -> list[Path]:
         width = 0.8 / len(cats)
         for i, r in enumerate(cats):
             ax.bar([j + i * width for j in range(len(names))], [r["tau_by_category"].get(c, 0) for c in names],
-                   width, label=f"{_label(r)} {r['method']} k={r['k']} T={r['temperature']}")
+                   width, label=f"{_plot_label(r)} {r['method']} k={r['k']} T={r['temperature']}")
         ax.set_xticks([j + 0.4 - width / 2 for j in range(len(names))], names, rotation=30, fontsize=8)
         ax.set(ylabel="tau", title="tau by prompt category")
         ax.legend(fontsize=6)

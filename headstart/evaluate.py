@@ -45,6 +45,9 @@ class EvalPlan:
     repeats: int = 1  # alternations of AR and speculative runs per batch group (timing only)
     draft_threshold: float = 0.4  # the "adaptive" method: a chain that stops when the head is unsure
     backend: str = "auto"  # engine.backend: the attention backend (inference.backends.choose_backend)
+    engines: list[str] = field(default_factory=lambda: ["headstart"])  # headstart and/or vllm (engines/)
+    vllm_threads: str = "all"  # vLLM's CPU threads: all cores, as ours, or "default" (its own binding)
+    workdir: str | None = None  # where vLLM's exports, jobs and logs go (the report directory)
 
 
 def read_prompt_file(path: str | Path) -> list[dict[str, Any]]:
@@ -182,7 +185,7 @@ def _timed_setting(ar_engine: Any, engine: Any, prompts: list[list[int]], temp: 
                 outs += s_out
                 ar_outs += a_out
     steps = max(m.steps - n0, 1)  # the draft (propose + absorb) and verify time of a speculative step
-    return {"outputs": outs, "ar_outputs": ar_outs, "ratios": ratios, "tokens": sp_tok, "seconds": sp_sec,
+    return {"outputs": outs, "ar_outputs": ar_outs, "ratios": ratios, "batch": b, "tokens": sp_tok, "seconds": sp_sec,
             "ar_tokens_per_s": ar_tok / ar_sec, "draft_ms_per_step": 1e3 * (m.draft_seconds - d0) / steps,
             "verify_ms_per_step": 1e3 * (m.verify_seconds - v0) / steps}
 
@@ -212,15 +215,15 @@ def evaluate(target: Any, tokenizer: Any, prompts: list[list[int]], categories: 
             raise DataError(f"eval: prompt {i} has {len(p):,} tokens; the target's context is {context:,}")
     heads = {path: load_head(path, target, allow_other_target=plan.allow_other_target) for path in plan.heads}
     labels = head_labels(plan.heads)
-    settings = _settings(heads, labels, plan)
-    if not settings:
+    settings = _settings(heads, labels, plan) if "headstart" in plan.engines else []
+    if not settings and plan.engines == ["headstart"]:
         raise ConfigError(f"eval: nothing to run: every --k ({plan.ks}) exceeds the Medusa heads' count and "
                           "--no-baseline is set")
     runs, ar, kernels, attention = [], {}, None, None
     with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                   disable=not progress, console=Console(stderr=True)) as bar:  # stdout is the verb's report
         task = bar.add_task("eval", total=len(plan.temperatures) * len(settings) * plan.repeats * len(prompts))
-        for temp in plan.temperatures:
+        for temp in plan.temperatures if settings else []:  # --engine vllm alone: none of ours
             ar_engine = _engine(target, tokenizer, prompts, plan, None)
             kernels, attention = ar_engine.kernels, ar_engine.backend.name
             _warm(ar_engine)
@@ -249,7 +252,11 @@ def evaluate(target: Any, tokenizer: Any, prompts: list[list[int]], categories: 
                            "the machine's load changed; more prompts per group or --repeats 3 on a quiet machine "
                            "tell them apart")
             ar[temp]["tokens_per_s"] = sorted(rates)[len(rates) // 2] if rates else None
+    extra = {}
+    if "vllm" in plan.engines:
+        extra = _vllm(target, tokenizer, prompts, categories, plan, heads, labels, runs)
     return {
+        **extra,
         "format": FORMAT,
         "runs": runs,
         "heads": {path: {"head_type": h.config.head_type, "num_layers": h.config.num_layers,
@@ -266,6 +273,30 @@ def evaluate(target: Any, tokenizer: Any, prompts: list[list[int]], categories: 
         "settings": {**(info or {}), "torch": torch.__version__, "python": platform.python_version(),
                      "machine": platform.machine(), "cpu_bf16": _cpu_flag(), "threads": torch.get_num_threads()},
     }
+
+
+def _vllm(target: Any, tokenizer: Any, prompts: list[list[int]], categories: list[str | None], plan: EvalPlan,
+          heads: dict[str, Any], labels: dict[str, str], runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """vLLM's rows beside ours (engines/vllm_eval.py); adds them to `runs` -> the report's vLLM keys."""
+    import tempfile
+
+    from headstart.console import status
+    from headstart.engines.vllm_eval import compare_engines, vllm_eval
+    from headstart.engines.vllm_runner import Threads
+
+    dtype = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}[target.lm_head.weight.dtype]
+    stop = sorted(set(target.config.eos_token_ids) | ({tokenizer.eos_token_id} if tokenizer is not None and
+                                                       tokenizer.eos_token_id is not None else set()))
+    workdir = Path(plan.workdir) / "vllm" if plan.workdir else Path(tempfile.mkdtemp(prefix="headstart-vllm-"))
+    status(f"eval: vLLM runs the same {len(prompts)} prompts ({dtype}; exports, jobs and its log in {workdir})")
+    got = vllm_eval(target, prompts, categories, plan, heads, labels, dtype, workdir, stop,
+                    threads=Threads(plan.vllm_threads))
+    for s in got["skipped"]:
+        status(f"eval: vLLM: {s['label']}: skipped: {s['reason']}")
+    runs += got["runs"]
+    compare_engines(runs)
+    return {"vllm": {**got["vllm"], "skipped": got["skipped"],
+                     "ar": {t: {k: v for k, v in r.items() if k != "outputs"} for t, r in got["ar"].items()}}}
 
 
 def _sha(path: str) -> str | None:
@@ -324,7 +355,9 @@ def _summarise(st: _Setting, temp: float, timed: dict[str, Any], categories: lis
     ratios = sorted(timed["ratios"])
     mid = len(ratios) // 2
     median = ratios[mid] if len(ratios) % 2 else (ratios[mid - 1] + ratios[mid]) / 2
-    row = {"head": st.path, "label": st.label, "head_type": st.head.config.head_type if st.head else None,
+    b = max(1, timed.get("batch") or len(outs))  # the batch groups the speed pairs were timed on
+    row = {"engine": "headstart", "head": st.path, "label": st.label,
+           "head_type": st.head.config.head_type if st.head else None,
            "method": st.method, "k": k, "temperature": temp,
            "tau": s["tau"], "alpha": s["alpha"], "accept_rate_per_pos": s["accept_rate_per_pos"],
            "cond_accept_per_pos": s["cond_accept_per_pos"], "accept_histogram": s["accept_histogram"],
@@ -336,17 +369,33 @@ def _summarise(st: _Setting, temp: float, timed: dict[str, Any], categories: lis
            "speedup_spread": (_quantile(ratios, 0.75) - _quantile(ratios, 0.25)) / median,
            "timing_pairs": len(ratios), "draft_ms_per_step": timed.get("draft_ms_per_step"),
            "verify_ms_per_step": timed.get("verify_ms_per_step"),
-           "tau_by_category": {c: 1 + a / n for c, (a, n) in sorted(per_cat.items())}}
+           "tau_by_category": {c: 1 + a / n for c, (a, n) in sorted(per_cat.items())},
+           "tau_by_group": [_tau(outs[i:i + b]) for i in range(0, len(outs), b)]}
     if temp == 0:
         same = sum(o.token_ids == ref for o, ref in zip(outs, ar["outputs"]))
         row["lossless_check"] = "identical" if same == len(outs) else f"differs in {len(outs) - same} of {len(outs)}"
     return row
 
 
+def _tau(outs: list[Any]) -> float | None:
+    """tau over some outputs' accepted-length histograms (None: no speculative step)."""
+    hist = [0] * 64
+    for o in outs:
+        for a, c in enumerate((o.spec_metrics or {}).get("accept_histogram") or []):
+            hist[a] += c
+    n = sum(hist)
+    return 1 + sum(a * c for a, c in enumerate(hist)) / n if n else None
+
+
 def check_plan(plan: EvalPlan, context: int | None = None) -> None:
     """Refuse a plan that could never run; with the target's `context`, lengths past it too."""
     if not plan.heads:
         raise HeadstartError("eval: give at least one --head")
+    bad = [e for e in plan.engines if e not in ("headstart", "vllm")] or (not plan.engines and ["(none)"])
+    if bad:
+        raise ConfigError(f"eval: --engine takes headstart and/or vllm, got {str(bad[0])[:40]!r}")
+    if plan.vllm_threads not in ("all", "default"):
+        raise ConfigError(f"eval: --vllm-threads takes all or default, got {plan.vllm_threads[:40]!r}")
     if any(not 1 <= k <= MAX_K for k in plan.ks) or not plan.ks:
         raise ConfigError(f"eval: --k must list integers in 1..{MAX_K}, got {str(plan.ks)[:60]}")
     if any(not (math.isfinite(t) and t >= 0) for t in plan.temperatures) or not plan.temperatures:
