@@ -66,7 +66,7 @@ def test_the_head_and_optimizer_term_counts_the_real_head(tiny, family):
     ({"type": "dflash", "draft_vocab_size": 64}, "yes (--format vllm)", "has no lm_head or d2t of its own"),
     ({"type": "dflash"}, "yes (--format vllm)", "yes (--format sglang)"),
     ({"type": "mtp", "draft_vocab_size": 64}, "no place for that vocabulary", "no place for that vocabulary"),
-    ({"type": "mtp"}, "reads speculators configs of types eagle3 and dflash only", "DeepSeek MTP loaders"),
+    ({"type": "mtp"}, "vLLM reads no speculators `mtp` config", "DeepSeek MTP loaders"),
     ({"type": "medusa"}, "yes (--format medusa)", "holds a medusa head"),
     ({"type": "draft_lm"}, "yes (--format hf)", "yes (--format hf)"),
 ])

@@ -17,8 +17,9 @@ ENGINE_LAYOUTS = {
 
 # A layout we write that the engine itself does not load for a family, though the format's library does.
 NOT_LOADED = {
-    ("vLLM", "vllm", "mtp"): "vLLM (0.34.0) reads speculators configs of types eagle3 and dflash only "
-                             "(transformers_utils/configs/speculators/algos.py), and its native MTP drafters "
+    ("vLLM", "vllm", "mtp"): "vLLM reads no speculators `mtp` config (0.32.0, run here: types eagle3, peagle, "
+                             "dflash, dflash2, dspark; 0.34.0, read: eagle3, dflash; transformers_utils/configs/"
+                             "speculators/algos.py), and its native MTP drafters "
                              "are Qwen3-Next / Qwen3.5 / MiMo / DeepSeek-family layers; --format vllm writes "
                              "speculators' own `mtp` layout, which the speculators library loads",
 }

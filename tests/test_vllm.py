@@ -1,0 +1,236 @@
+"""vLLM is the judge of our exports (STYLE 20). Fast tests check the bookkeeping around it (vLLM's
+counters -> our metric names, the job checks, the noise verdict, the refusals); the tests marked
+`vllm` export every head family vLLM serves, run them in vLLM 0.32 (`.venv-vllm`, `make vllm-env`)
+on the real SmolLM2 in fp32 beside our engine, and require: vLLM resolves the method we name, its
+greedy speculative text equals its plain text, and it accepts what ours accepts, position by position.
+
+Power: the shipped EAGLE-3.1 head accepts ~0.4 at the first position, so a wrong aux layer, norm or
+d2t shows; its flag variants keep its weights (norm_output off changes positions 2+, norm_before_fc
+changes fc's input); the draft model is the target itself (acceptance ~1: any drafting or position
+slip shows); the untrained Medusa head repeats the target's next token, accepted on a prompt that
+asks for a repetition. The untrained DFlash head accepts ~nothing: for it only loading and the
+lossless text are checked (said in the closing note)."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+import pytest
+from conftest import fails_with_one_line
+
+from headstart.engines.vllm_eval import compare_engines
+from headstart.engines.vllm_runner import _check_job, acceptance, vllm_missing, vllm_refusal
+
+ROOT = Path(__file__).resolve().parents[1]
+SHIPPED = ROOT / "assets" / "heads" / "smollm2-135m-eagle31"
+K = 3
+N_TOKENS = 32
+
+
+# ------------------------------------------------------------------------------ bookkeeping (fast)
+
+
+def test_vllm_counters_become_our_metrics():
+    # 10 drafts of 3: 6 accepted the first token, 3 the first two, 1 all three -> 10 accepted tokens
+    got = acceptance({"drafts": 10, "draft_tokens": 30, "accepted": 10, "accepted_per_pos": [6, 3, 1]}, 3)
+    assert got["tau"] == pytest.approx(2.0) and got["alpha"] == pytest.approx(1 / 3)
+    assert got["accept_rate_per_pos"] == pytest.approx([0.6, 0.3, 0.1])
+    assert got["cond_accept_per_pos"] == pytest.approx([0.6, 0.5, 1 / 3])
+    assert got["accept_histogram"] == [4, 3, 2, 1]  # accepted length 0, 1, 2, 3
+    assert sum(a * c for a, c in enumerate(got["accept_histogram"])) == 10
+    empty = acceptance({"drafts": 0, "draft_tokens": 0, "accepted": 0, "accepted_per_pos": []}, 2)
+    assert empty["tau"] is None and empty["accept_histogram"] == [0, 0, 0]
+
+
+def test_a_vllm_job_is_checked_before_vllm_starts():
+    job = {"model": "m", "dtype": "float32", "max_model_len": 64, "engines": {"plain": None, "s": {}},
+           "prompts": [[1, 2]], "sampling": {}, "tasks": [{"engine": "plain", "prompts": [0]},
+                                                          {"engine": "s", "prompts": [0]}]}
+    _check_job(job, inprocess=True)
+    with pytest.raises(ValueError, match="cannot alternate"):
+        _check_job({**job, "tasks": job["tasks"] + [{"engine": "plain", "prompts": [0]}]}, inprocess=True)
+    _check_job({**job, "tasks": job["tasks"] + [{"engine": "plain", "prompts": [0]}]}, inprocess=False)
+    with pytest.raises(ValueError, match="'x'"):
+        _check_job({**job, "tasks": [{"engine": "x", "prompts": [0]}]}, inprocess=False)
+    with pytest.raises(ValueError, match="within the prompts"):
+        _check_job({**job, "tasks": [{"engine": "s", "prompts": [1]}]}, inprocess=False)
+
+
+def _row(engine, tau, groups):
+    return {"engine": engine, "head": "h", "method": "chain", "k": 3, "temperature": 0.0, "tau": tau,
+            "tau_by_group": groups}
+
+
+def test_a_tau_gap_is_flagged_only_beyond_the_prompt_sets_noise():
+    ours = _row("headstart", 1.5, [1.4, 1.5, 1.6, 1.5])
+    close = _row("vllm", 1.52, [1.42, 1.52, 1.62, 1.52])
+    compare_engines([ours, close])
+    assert close["tau_minus_headstart"] == pytest.approx(0.02) and not close["tau_differs"]
+    far = _row("vllm", 1.9, [1.8, 1.9, 2.0, 1.9])
+    compare_engines([ours, far])
+    assert far["tau_differs"] and far["tau_noise"] < 0.4
+
+
+def test_heads_vllm_does_not_serve_get_the_reason_plan_prints():
+    from headstart.export.serving import NOT_LOADED
+
+    assert vllm_refusal("mtp") == NOT_LOADED[("vLLM", "vllm", "mtp")]
+    assert "eagle1" in vllm_refusal("eagle1")
+    assert all(vllm_refusal(f) is None for f in ("eagle3", "dflash", "medusa", "draft_lm"))
+
+
+def test_a_missing_vllm_is_named(monkeypatch, tmp_path):
+    monkeypatch.setenv("HEADSTART_VLLM_PYTHON", str(tmp_path / "nowhere" / "python"))
+    assert "no such file" in vllm_missing()
+    monkeypatch.setenv("HEADSTART_VLLM_PYTHON", sys.executable)  # our interpreter has no vLLM
+    assert "`import vllm` fails" in vllm_missing()
+
+
+@pytest.mark.real
+def test_eval_refuses_a_bad_engine_and_a_missing_vllm_in_one_line(capsys, monkeypatch, tmp_path):
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text(json.dumps({"prompt": "hi"}) + "\n")
+    base = ["eval", "recipes/smollm2-135m-eagle31.yaml", "--head", str(SHIPPED), "--prompts", str(prompts),
+            "--out", str(tmp_path / "ev")]
+    fails_with_one_line(capsys, base + ["--engine", "sglang"], "--engine takes headstart and/or vllm")
+    monkeypatch.setenv("HEADSTART_VLLM_PYTHON", str(tmp_path / "nowhere"))
+    fails_with_one_line(capsys, base + ["--engine", "headstart,vllm"], "no such file")
+    assert not (tmp_path / "ev").exists()
+
+
+# ------------------------------------------------------------------ every family, run in vLLM
+
+
+def _vllm_ready() -> bool:
+    return os.environ.get("HEADSTART_VLLM_PYTHON") is not None or (ROOT / ".venv-vllm" / "bin" / "python").exists()
+
+
+needs_vllm = pytest.mark.skipif(not _vllm_ready(), reason="no .venv-vllm (make vllm-env) or HEADSTART_VLLM_PYTHON")
+
+# name -> (what ours runs, what vLLM resolves, least first-position acceptance that gives the test power)
+FAMILIES = {
+    "eagle31": ("chain", "eagle3", 0.2),
+    "eagle3-no-norm-output": ("chain", "eagle3", 0.2),
+    "eagle3-norm-before-fc": ("chain", "eagle3", 0.05),
+    "eagle3-full-vocab": ("chain", "eagle3", 0.2),
+    "medusa": ("medusa", "medusa", 0.05),
+    "dflash": ("block", "dflash", None),
+    "draft-model": ("draft", "draft_model", 0.8),
+}
+
+
+def _variant(shipped, target, out: Path, **changes):
+    """The shipped head's weights under other EAGLE-3 flags (a weight a flag adds starts at its init)."""
+    import dataclasses
+
+    from headstart.heads import build_head, save_head
+
+    cfg = dataclasses.replace(shipped.config, **changes)
+    head = build_head(cfg, target, init_from_target=True)
+    own = head.state_dict()
+    head.load_state_dict({k: v for k, v in shipped.state_dict().items() if k in own and own[k].shape == v.shape},
+                         strict=False)
+    return save_head(head, out)
+
+
+@pytest.fixture(scope="module")
+def both_engines(tmp_path_factory):
+    from headstart.assets import resolve_model
+    from headstart.engines.vllm_runner import export_for_vllm, run_job
+    from headstart.heads import HeadConfig, build_head, load_head, save_head
+    from headstart.inference import Engine, SamplingParams
+    from headstart.inference.proposers import SpecConfig
+    from headstart.models.llama import load_llama
+
+    tmp = tmp_path_factory.mktemp("vllm")
+    model_dir = resolve_model("smollm2-135m")
+    target = load_llama(model_dir, "fp32")
+    rows = [json.loads(x) for x in (ROOT / "benchmarks" / "prompts" / "code_docs.jsonl").read_text().splitlines()[:3]]
+    texts = [r["prompt"] if "prompt" in r else r["messages"][-1]["content"] for r in rows]
+    texts.append("Repeat the word hello forty times, separated by spaces.")
+    plain = Engine(target, dtype="fp32")
+    prompts = [plain.encode([{"role": "user", "content": t}]) for t in texts]
+    shipped = load_head(SHIPPED, target)
+    heads = {"eagle31": SHIPPED,
+             "eagle3-no-norm-output": _variant(shipped, target, tmp / "no-norm-output", norm_output=False),
+             "eagle3-norm-before-fc": _variant(shipped, target, tmp / "norm-before-fc", fc_norm=False,
+                                               norm_before_fc=True, norm_before_residual=True),
+             "eagle3-full-vocab": _variant(shipped, target, tmp / "full-vocab", draft_vocab_size=None),
+             "medusa": save_head(build_head(HeadConfig(head_type="medusa"), target), tmp / "medusa"),
+             "dflash": save_head(build_head(HeadConfig(head_type="dflash"), target), tmp / "dflash")}
+    params = SamplingParams(max_tokens=N_TOKENS, temperature=0.0)
+    ours = {"plain": [o.token_ids for o in plain.generate(prompts, params)]}
+    specs = {"plain": None}
+    for name, (method, _, _) in FAMILIES.items():
+        if name == "draft-model":  # the target drafting for itself: vLLM's draft_model from its own directory
+            spec = SpecConfig(method="draft", k=K, draft=str(model_dir))
+            specs[name] = {"method": "draft_model", "model": str(model_dir), "num_speculative_tokens": K}
+        else:
+            head = load_head(heads[name], target)
+            spec = SpecConfig(method=method, k=K, head=head)
+            specs[name] = {**export_for_vllm(heads[name], model_dir, tmp / "exports" / name),
+                           "num_speculative_tokens": K}
+        engine = Engine(target, dtype="fp32", spec=spec)
+        outs = engine.generate(prompts, params)
+        ours[name] = {"outputs": [o.token_ids for o in outs], "summary": engine.spec_metrics.summary()}
+    stop = sorted(plain.stop_ids)
+    job = {"model": str(model_dir), "dtype": "float32", "max_model_len": max(map(len, prompts)) + N_TOKENS + 16,
+           "engines": specs, "prompts": prompts, "tasks": [{"engine": n, "prompts": list(range(len(prompts)))}
+                                                           for n in specs],
+           "sampling": {"max_tokens": N_TOKENS, "temperature": 0.0, "seed": 0, "stop_token_ids": stop}}
+    result = run_job(job, tmp / "run", inprocess=True)
+    theirs = {t["engine"]: t for t in result["tasks"]}
+    return ours, theirs, result
+
+
+@pytest.mark.real
+@pytest.mark.vllm
+@needs_vllm
+@pytest.mark.parametrize("name", list(FAMILIES))
+def test_vllm_serves_each_family_losslessly_and_accepts_what_ours_accepts(both_engines, name):
+    ours, theirs, result = both_engines
+    _, method, power = FAMILIES[name]
+    assert result["engines"][name]["method"] == method
+    assert theirs[name]["outputs"] == theirs["plain"]["outputs"], "vLLM's greedy speculation is not lossless"
+    assert ours[name]["outputs"] == ours["plain"], "our greedy speculation is not lossless"
+    mine = ours[name]["summary"]
+    got = acceptance(theirs[name]["spec"], K)
+    assert got["steps"] > 0 and mine["steps"] > 0
+    if power is not None:
+        assert mine["accept_rate_per_pos"][0] >= power, f"too little acceptance for this test to have power: {mine}"
+    same_text = sum(a == b for a, b in zip(theirs["plain"]["outputs"], ours["plain"]))
+    # both engines decode the same tokens (fp32; a rare near-tie may flip one answer), so acceptance per
+    # position must agree to within a few steps' worth
+    tol = 0.08 + 0.1 * (len(ours["plain"]) - same_text)
+    diffs = [abs(a - b) for a, b in zip(got["accept_rate_per_pos"], mine["accept_rate_per_pos"])]
+    assert max(diffs) <= tol, (f"{name}: vLLM accepts {got['accept_rate_per_pos']} per position, ours "
+                               f"{mine['accept_rate_per_pos']} ({same_text} of {len(ours['plain'])} plain texts equal)")
+
+
+@pytest.mark.real
+@pytest.mark.vllm
+@needs_vllm
+def test_eval_puts_vllm_rows_beside_ours(tmp_path, capsys):
+    from headstart.cli import main
+
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": p, "category": "code"}) + "\n" for p in
+                               ["Write a Python function that reverses a string.", "What does `git rebase` do?"]))
+    out = tmp_path / "ev"
+    assert main(["eval", "recipes/smollm2-135m-eagle31.yaml", "--head", str(SHIPPED), "--head",
+                 str(ROOT / "assets" / "heads" / "smollm2-135m-mtp"), "--prompts", str(prompts), "--k", "2",
+                 "--max-tokens", "12", "--batch-size", "1", "--engine", "headstart,vllm", "--no-baseline",
+                 "--no-progress", "--out", str(out)]) == 0
+    report = json.loads((out / "report.json").read_text())
+    rows = {(r["engine"], r["head_type"]): r for r in report["runs"]}
+    assert set(rows) == {("headstart", "eagle3"), ("headstart", "mtp"), ("vllm", "eagle3")}
+    v = rows[("vllm", "eagle3")]
+    assert v["vllm_method"] == "eagle3" and v["lossless_check"] == "identical" and v["steps"] > 0
+    assert v["tau_noise"] is not None and "tau_minus_headstart" in v
+    assert [s["reason"] for s in report["vllm"]["skipped"]] == [vllm_refusal("mtp")]
+    md = (out / "report.md").read_text()
+    assert "## vLLM beside headstart" in md and "| vllm | smollm2-135m-eagle31 |" in md
+    assert "vLLM tau - ours" in capsys.readouterr().out
