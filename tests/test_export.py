@@ -16,6 +16,7 @@ from headstart.models.llama import load_llama
 
 CASES = [  # (target family, head type, draft vocab, format)
     ("llama", "eagle3", None, "sglang"), ("llama", "eagle3", 64, "sglang"), ("llama", "eagle3", 64, "vllm"),
+    ("llama", "eagle3", None, "vllm"),
     ("qwen3", "eagle3", 64, "vllm"), ("llama", "eagle1", None, "sglang"), ("qwen3", "mtp", None, "vllm"),
     ("llama", "mtp", None, "deepseek-mtp"), ("llama", "deepseek_mtp", None, "deepseek-mtp"),
     ("qwen2", "deepseek_mtp", None, "deepseek-mtp"), ("llama", "medusa", None, "medusa"),
@@ -118,6 +119,16 @@ def test_export_then_import_reproduces_the_logits_exactly(tmp_path, targets, fam
 
 def _names(path):
     return set(load_file(str(path / "model.safetensors")))
+
+
+def test_a_full_vocabulary_eagle3_export_for_vllm_carries_no_vocabulary_maps(tmp_path, targets):
+    """vLLM 0.32 builds no draft_id_to_target_id for draft_vocab_size == vocab_size and refuses a
+    checkpoint with a d2t (found by tests/test_vllm.py)."""
+    target = targets["llama"]
+    export_head(_head(target, "eagle3", None, aux=(0, 1, 2)), target, "vllm", tmp_path / "exp")
+    assert not {"d2t", "t2d"} & _names(tmp_path / "exp")
+    config = json.loads((tmp_path / "exp" / "config.json").read_text())
+    assert config["draft_vocab_size"] == target.config.vocab_size
 
 
 def test_serving_names_and_config_fields(tmp_path, targets):

@@ -7,9 +7,9 @@ greedy speculative text equals its plain text, and it accepts what ours accepts,
 Power: the shipped EAGLE-3.1 head accepts ~0.4 at the first position, so a wrong aux layer, norm or
 d2t shows; its flag variants keep its weights (norm_output off changes positions 2+, norm_before_fc
 changes fc's input); the draft model is the target itself (acceptance ~1: any drafting or position
-slip shows); the untrained Medusa head repeats the target's next token, accepted on a prompt that
-asks for a repetition. The untrained DFlash head accepts ~nothing: for it only loading and the
-lossless text are checked (said in the closing note)."""
+slip shows). The untrained Medusa and DFlash heads accept nothing in either engine: for them loading,
+the method vLLM resolves, the draft steps it runs and the lossless text are checked, not acceptance
+(a trained head of each is still to be run)."""
 
 from __future__ import annotations
 
@@ -116,7 +116,7 @@ FAMILIES = {
     "eagle3-no-norm-output": ("chain", "eagle3", 0.2),
     "eagle3-norm-before-fc": ("chain", "eagle3", 0.05),
     "eagle3-full-vocab": ("chain", "eagle3", 0.2),
-    "medusa": ("medusa", "medusa", 0.05),
+    "medusa": ("medusa", "medusa", None),
     "dflash": ("block", "dflash", None),
     "draft-model": ("draft", "draft_model", 0.8),
 }
@@ -131,8 +131,9 @@ def _variant(shipped, target, out: Path, **changes):
     cfg = dataclasses.replace(shipped.config, **changes)
     head = build_head(cfg, target, init_from_target=True)
     own = head.state_dict()
-    head.load_state_dict({k: v for k, v in shipped.state_dict().items() if k in own and own[k].shape == v.shape},
-                         strict=False)
+    maps = ("d2t", "t2d", "lm_head.weight") if "draft_vocab_size" in changes else ()  # full vocab: the target's
+    head.load_state_dict({k: v for k, v in shipped.state_dict().items()
+                          if k in own and own[k].shape == v.shape and k not in maps}, strict=False)
     return save_head(head, out)
 
 

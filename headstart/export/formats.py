@@ -285,8 +285,10 @@ class VLLM(Layout):
         if cfg.head_type == "eagle3":
             if "lm_head.weight" not in state:
                 state["lm_head.weight"] = target.lm_head.weight.detach().cpu().clone()
+            if not cfg.draft_vocab_size:  # vLLM builds no draft_id_to_target_id for a full vocabulary and
+                del state["d2t"], state["t2d"]  # refuses a checkpoint that carries one
             config = {"speculators_model_type": "eagle3", "architectures": ["Eagle3Speculator"], **common,
-                      "draft_vocab_size": int(state["d2t"].numel()),
+                      "draft_vocab_size": cfg.draft_vocab_size or target.config.vocab_size,
                       **{flag: getattr(cfg, flag) for flag in EAGLE31_FLAGS},
                       "target_hidden_size": target.config.hidden_size,
                       "eagle_aux_hidden_state_layer_ids": list(cfg.aux_layer_ids)}
@@ -395,7 +397,12 @@ class VLLM(Layout):
             flags = {flag: config_bool(config, flag) for flag in EAGLE31_FLAGS}  # absent: off, as speculators reads it
             cfg = _head_config(config, "eagle3", target, aux_layer_ids=list(ids) if ids else default_aux_layers(n),
                                num_layers=config_int(layer, "num_hidden_layers", 1), **flags, **_dims(layer))
-            cfg.draft_vocab_size = config_int(config, "draft_vocab_size")
+            vd = config_int(config, "draft_vocab_size")
+            cfg.draft_vocab_size = vd if vd != target.config.vocab_size else None
+            if cfg.draft_vocab_size is None:  # the full vocabulary: no maps, the target's lm_head
+                state.setdefault("d2t", torch.zeros(vd, dtype=torch.int64))
+                state.setdefault("t2d", torch.ones(vd, dtype=torch.bool))
+                state.pop("lm_head.weight", None)
             if "t2d" not in state and "d2t" in state:  # vLLM ignores t2d; rebuild it from d2t
                 t2d = torch.zeros(target.config.vocab_size, dtype=torch.bool)
                 t2d[torch.arange(state["d2t"].numel()) + state["d2t"]] = True
