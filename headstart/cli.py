@@ -104,6 +104,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_recipe_args(p)
     p.add_argument("--resume", action="store_true",
                    help="continue an interrupted run, or add rows to a finished one after raising regenerate.limit")
+    p.add_argument("--engine", choices=["headstart", "vllm"], default=None,
+                   help="decode with our engine or with vLLM (sets regenerate.engine; vllm: make vllm-env)")
     p.set_defaults(func=commands.cmd_regenerate)
 
     p = verbs.add_parser("train", help="fit the recipe's head (shards or online), validating with the engine")

@@ -213,7 +213,13 @@ def cmd_regenerate(args: argparse.Namespace) -> int:
     from headstart.config import load_recipe
     from headstart.precompute.regenerate import run_regenerate
 
-    recipe = load_recipe(args.recipe, args.overrides)
+    recipe = load_recipe(args.recipe, args.overrides + ([f"regenerate.engine={args.engine}"] if args.engine else []))
+    if recipe.regenerate.engine == "vllm":
+        from headstart.engines.vllm_runner import vllm_missing
+
+        why = vllm_missing()
+        if why:
+            raise HeadstartError(f"regenerate --engine vllm: {why}")
     run_regenerate(recipe, resume=args.resume)
     return 0
 

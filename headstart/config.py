@@ -183,8 +183,12 @@ class RegenerateConfig:
     top_p: float = 1.0
     max_tokens: int = 512  # per assistant turn
     batch_size: int = 16  # conversations decoded together
+    # headstart: our engine; vllm: vLLM in its own interpreter (make vllm-env / $HEADSTART_VLLM_PYTHON),
+    # as SpecForge and speculators users regenerate (benchmarks/regenerate.md measures both here)
+    engine: str = "headstart"
 
     def __post_init__(self) -> None:
+        _require(self.engine in ("headstart", "vllm"), "regenerate.engine", "must be headstart or vllm")
         _require(self.temperature >= 0, "regenerate.temperature", "must be >= 0")
         _require(0 < self.top_p <= 1, "regenerate.top_p", "must be in (0, 1]")
         _require(self.max_tokens >= 1, "regenerate.max_tokens", "must be >= 1")

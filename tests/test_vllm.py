@@ -140,7 +140,8 @@ def _variant(shipped, target, out: Path, **changes):
 @pytest.fixture(scope="module")
 def both_engines(tmp_path_factory):
     from headstart.assets import resolve_model
-    from headstart.engines.vllm_runner import export_for_vllm, run_job
+    from headstart.engines.vllm_eval import export_for_vllm
+    from headstart.engines.vllm_runner import run_job
     from headstart.heads import HeadConfig, build_head, load_head, save_head
     from headstart.inference import Engine, SamplingParams
     from headstart.inference.proposers import SpecConfig
@@ -235,3 +236,38 @@ def test_eval_puts_vllm_rows_beside_ours(tmp_path, capsys):
     md = (out / "report.md").read_text()
     assert "## vLLM beside headstart" in md and "| vllm | smollm2-135m-eagle31 |" in md
     assert "vLLM tau - ours" in capsys.readouterr().out
+
+
+@pytest.mark.real
+@pytest.mark.vllm
+@needs_vllm
+def test_regenerate_with_vllm_writes_what_ours_writes_resumes_and_refuses_mixing(tmp_path):
+    from conftest import write_jsonl
+
+    from headstart.config import load_recipe
+    from headstart.errors import DataError
+    from headstart.precompute.regenerate import run_regenerate
+
+    src = write_jsonl(tmp_path / "src.jsonl", [{"id": f"c{i}", "conversations": [
+        {"from": "human", "value": q}, {"from": "gpt", "value": "old"}]} for i, q in enumerate(
+        ["Name three fruits.", "What is 2 + 2?", "Say hello in French.", "What colour is the sky?"])])
+
+    def recipe(name, engine, limit):
+        p = tmp_path / f"{name}.yaml"
+        p.write_text(f"output_dir: {tmp_path / name}\ntarget:\n  model: smollm2-135m\n  dtype: fp32\n"
+                     f"data:\n  source: {src}\nregenerate:\n  max_tokens: 12\n  batch_size: 2\n  limit: {limit}\n"
+                     f"  engine: {engine}\n")
+        return load_recipe(p)
+
+    theirs = run_regenerate(recipe("v", "vllm", 2), progress=False)
+    ours = run_regenerate(recipe("h", "headstart", 4), progress=False)
+    rows = [json.loads(x) for x in theirs.read_text().splitlines()]
+    assert [r["id"] for r in rows] == ["c0", "c1"] and all(r["regenerated"]["engine"] == "vllm" for r in rows)
+    answers = {json.loads(x)["id"]: json.loads(x)["conversations"] for x in ours.read_text().splitlines()}
+    assert [r["conversations"] for r in rows] == [answers["c0"], answers["c1"]]  # greedy fp32: the same text
+    grown = run_regenerate(recipe("v", "vllm", 4), resume=True, progress=False)  # the next rows added, none twice
+    rows = [json.loads(x) for x in grown.read_text().splitlines()]
+    assert [r["id"] for r in rows] == ["c0", "c1", "c2", "c3"]
+    assert [r["conversations"] for r in rows] == [answers[i] for i in ("c0", "c1", "c2", "c3")]
+    with pytest.raises(DataError, match="engine"):  # one run's rows come from one engine
+        run_regenerate(recipe("v", "headstart", 6), resume=True, progress=False)

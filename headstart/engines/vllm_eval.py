@@ -17,7 +17,27 @@ import math
 from pathlib import Path
 from typing import Any
 
-from headstart.engines.vllm_runner import DTYPES, Threads, acceptance, export_for_vllm, max_k, run_job, vllm_refusal
+from headstart.engines.vllm_runner import DTYPES, METHODS, Threads, VLLMError, acceptance, max_k, run_job, vllm_refusal
+
+
+def export_for_vllm(head_dir: str | Path, model_dir: str | Path, out: Path, *,
+                    allow_other_target: bool = False) -> dict[str, Any]:
+    """Export the head at `head_dir` in the layout vLLM reads for its family, as `headstart export`
+    does (a fresh target of only the parts a head reads, not an engine's kernel-swapped one, so the
+    read-back check compares like with like) -> vLLM's speculative_config (k left out)."""
+    from headstart.export import export_head
+    from headstart.heads import load_head, read_head_config
+    from headstart.models import load_target
+
+    family = read_head_config(head_dir).head_type
+    why = vllm_refusal(family)
+    if why:
+        raise VLLMError(f"vLLM does not serve this head: {why}")
+    method, fmt = METHODS[family]
+    target = load_target(Path(model_dir), dtype="fp32", layers=[])
+    head = load_head(head_dir, target, allow_other_target=allow_other_target)
+    export_head(head, target.to(head.dtype), fmt, out, overwrite=True)
+    return {"method": method, "model": str(out)}
 
 
 def _groups(n: int, batch: int) -> list[list[int]]:

@@ -83,26 +83,6 @@ def vllm_refusal(head_type: str) -> str | None:
             "models from our exports)")
 
 
-def export_for_vllm(head_dir: str | Path, model_dir: str | Path, out: Path, *,
-                    allow_other_target: bool = False) -> dict[str, Any]:
-    """Export the head at `head_dir` in the layout vLLM reads for its family, as `headstart export`
-    does (a fresh target of only the parts a head reads, not an engine's kernel-swapped one, so the
-    read-back check compares like with like) -> vLLM's speculative_config (k left out)."""
-    from headstart.export import export_head
-    from headstart.heads import load_head, read_head_config
-    from headstart.models import load_target
-
-    family = read_head_config(head_dir).head_type
-    why = vllm_refusal(family)
-    if why:
-        raise VLLMError(f"vLLM does not serve this head: {why}")
-    method, fmt = METHODS[family]
-    target = load_target(Path(model_dir), dtype="fp32", layers=[])
-    head = load_head(head_dir, target, allow_other_target=allow_other_target)
-    export_head(head, target.to(head.dtype), fmt, out, overwrite=True)
-    return {"method": method, "model": str(out)}
-
-
 def max_k(head: Any) -> int | None:
     """The most draft tokens vLLM can take from this head (None: any)."""
     cfg = head.config
@@ -139,16 +119,7 @@ def run_job(job: dict[str, Any], workdir: Path, *, threads: Threads | None = Non
     job_file, result_file, log_file = workdir / "job.json", workdir / "result.json", workdir / "vllm.log"
     result_file.unlink(missing_ok=True)
     job_file.write_text(json.dumps(job))
-    env = dict(os.environ)
-    env.pop("PYTHONPATH", None)  # our interpreter's paths must not leak into vLLM's
-    env.setdefault("VLLM_CPU_KVCACHE_SPACE", str(job.get("kv_cache_gb", 1)))
-    env.update((threads or Threads()).env())
-    env["HEADSTART_VLLM_INPROCESS"] = "1" if inprocess else "0"
-    if inprocess:
-        env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-    iomp = Path(str(vllm_python())).parent.parent / "lib" / "libiomp5.so"
-    if iomp.exists() and "libiomp5" not in env.get("LD_PRELOAD", ""):  # vLLM's CPU docs ask for Intel OpenMP
-        env["LD_PRELOAD"] = ":".join(filter(None, [str(iomp), env.get("LD_PRELOAD")]))
+    env = worker_env(job, threads, inprocess)
     if timeout_s is None:
         tokens = sum(len(t["prompts"]) for t in job["tasks"]) * job["sampling"]["max_tokens"]
         timeout_s = START_TIMEOUT_S * len(job["engines"]) + tokens / TOKENS_PER_S_FLOOR
@@ -163,6 +134,23 @@ def run_job(job: dict[str, Any], workdir: Path, *, threads: Threads | None = Non
     if proc.returncode != 0 or not result_file.exists():
         raise VLLMError(f"vLLM failed (exit {proc.returncode}); its log: {log_file}\n" + _tail(log_file))
     return json.loads(result_file.read_text())
+
+
+def worker_env(job: dict[str, Any], threads: Threads | None, inprocess: bool) -> dict[str, str]:
+    """The environment vLLM's interpreter runs in: its KV cache size, thread binding, in-process
+    engine core, and Intel OpenMP preloaded as vLLM's CPU docs ask (it warns of a "significant
+    performance loss" for speculative decoding without it)."""
+    env = dict(os.environ)
+    env.pop("PYTHONPATH", None)  # our interpreter's paths must not leak into vLLM's
+    env.setdefault("VLLM_CPU_KVCACHE_SPACE", str(job.get("kv_cache_gb", 1)))
+    env.update((threads or Threads()).env())
+    env["HEADSTART_VLLM_INPROCESS"] = "1" if inprocess else "0"
+    if inprocess:
+        env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    iomp = Path(str(vllm_python())).parent.parent / "lib" / "libiomp5.so"
+    if iomp.exists() and "libiomp5" not in env.get("LD_PRELOAD", ""):
+        env["LD_PRELOAD"] = ":".join(filter(None, [str(iomp), env.get("LD_PRELOAD")]))
+    return env
 
 
 def _check_job(job: dict[str, Any], inprocess: bool) -> None:
@@ -209,5 +197,5 @@ def acceptance(spec: dict[str, Any], k: int) -> dict[str, Any]:
             "accept_rate_per_pos": rates, "cond_accept_per_pos": cond, "accept_histogram": hist}
 
 
-__all__ = ["METHODS", "PYTHON_ENV", "Threads", "VLLMError", "acceptance", "export_for_vllm", "max_k", "run_job",
-           "vllm_missing", "vllm_python", "vllm_refusal"]
+__all__ = ["METHODS", "PYTHON_ENV", "Threads", "VLLMError", "acceptance", "max_k", "run_job", "vllm_missing",
+           "vllm_python", "vllm_refusal", "worker_env"]

@@ -1,7 +1,8 @@
 """Runs inside vLLM's own interpreter (`.venv-vllm` or `$HEADSTART_VLLM_PYTHON`), never in headstart's:
 vLLM pins its own transformers, so the two meet only through files. Standard library + vllm only.
 
-    python vllm_worker.py JOB.json RESULT.json
+    python vllm_worker.py JOB.json RESULT.json     # a batch of timed tasks (eval, tests, benchmarks)
+    python vllm_worker.py --serve JOB.json         # requests on stdin, one JSON line each (regenerate)
 
 JOB.json (written by headstart.engines.vllm_runner):
     model, dtype, max_model_len, kv_cache_gb, threads (null: vLLM's default binding)
@@ -63,6 +64,8 @@ def start(job: dict, spec: dict | None):  # noqa: ANN201
         kwargs["distributed_executor_backend"] = "uni"
     if spec:
         kwargs["speculative_config"] = spec
+    if job.get("max_num_seqs"):
+        kwargs["max_num_seqs"] = job["max_num_seqs"]
     return LLM(**kwargs)
 
 
@@ -118,9 +121,36 @@ def run(job: dict) -> dict:
     return {"vllm_version": vllm.__version__, "engines": engines, "tasks": results}
 
 
+def serve(job: dict) -> int:
+    """One engine (job["engines"]["main"]); per stdin line {"prompts": [[ids]], "params": [{max_tokens,
+    temperature, top_p, seed}], "stop_token_ids": [...]} one stdout line {"outputs": [{"token_ids",
+    "finish_reason"}]}. vLLM logs to stdout too: the protocol keeps the original stdout for itself and
+    everything else (fd 1 included, for C-level prints) goes to stderr."""
+    proto = os.fdopen(os.dup(1), "w", buffering=1)
+    os.dup2(2, 1)
+    sys.stdout = sys.stderr
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    llm = start(job, job["engines"].get("main"))
+    proto.write(json.dumps({"ready": True, "method": method_of(llm)}) + "\n")
+    for line in sys.stdin:
+        req = json.loads(line)
+        params = [SamplingParams(max_tokens=p["max_tokens"], temperature=p["temperature"], top_p=p.get("top_p", 1.0),
+                                 seed=p.get("seed"), stop_token_ids=req.get("stop_token_ids") or [],
+                                 detokenize=False) for p in req["params"]]
+        outs = llm.generate([TokensPrompt(prompt_token_ids=ids) for ids in req["prompts"]], params, use_tqdm=False)
+        proto.write(json.dumps({"outputs": [{"token_ids": list(o.outputs[0].token_ids),
+                                             "finish_reason": o.outputs[0].finish_reason} for o in outs]}) + "\n")
+    return 0
+
+
 def main() -> int:
+    if len(sys.argv) == 3 and sys.argv[1] == "--serve":
+        with open(sys.argv[2]) as f:
+            return serve(json.load(f))
     if len(sys.argv) != 3:
-        print("usage: vllm_worker.py JOB.json RESULT.json", file=sys.stderr)
+        print("usage: vllm_worker.py JOB.json RESULT.json | vllm_worker.py --serve JOB.json", file=sys.stderr)
         return 2
     with open(sys.argv[1]) as f:
         job = json.load(f)

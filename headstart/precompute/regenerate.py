@@ -79,11 +79,7 @@ def _grows(run_file: Path, limit: int | None) -> bool:
 
 
 def run_regenerate(recipe: Recipe, resume: bool = False, progress: bool = True) -> Path:
-    from tqdm import tqdm
-
-    from headstart.assets import resolve_data
-    from headstart.data.sources import read_conversations
-    from headstart.inference import Engine, SamplingParams
+    from headstart.inference import Engine
 
     cfg = recipe.regenerate
     if recipe.engine.tensor_parallel > 1:
@@ -125,18 +121,44 @@ def run_regenerate(recipe: Recipe, resume: bool = False, progress: bool = True) 
 
     # Nothing here compares a token with its own speculative re-run, so torch's blocked kernels serve
     # the prompts (a long prefill costs 1.4-2x less than with the row-invariant ones).
-    engine = Engine(recipe.target.model, dtype=resolve_dtype(recipe.target.dtype), max_batch_size=cfg.batch_size,
-                    seed=recipe.seed, batch_invariant=False, backend=recipe.engine.backend)
+    if cfg.engine == "vllm":  # vLLM's own sampler: its outputs, not ours, so the engine is part of the provenance
+        from headstart.assets import resolve_model
+        from headstart.engines.vllm_session import VLLMGenerator
+
+        engine = VLLMGenerator(resolve_model(recipe.target.model), resolve_dtype(recipe.target.dtype),
+                               cfg.batch_size, recipe.seed, out.with_name(out.name + ".vllm"))
+    else:
+        engine = Engine(recipe.target.model, dtype=resolve_dtype(recipe.target.dtype), max_batch_size=cfg.batch_size,
+                        seed=recipe.seed, batch_invariant=False, backend=recipe.engine.backend)
+    try:
+        return _run(recipe, engine, out, partial, run_file, source, extend, resume, progress)
+    finally:
+        if cfg.engine == "vllm":
+            engine.close()
+
+
+def _run(recipe: Recipe, engine: Any, out: Path, partial: Path, run_file: Path, source: str, extend: bool,
+         resume: bool, progress: bool) -> Path:
+    from tqdm import tqdm
+
+    from headstart.assets import resolve_data
+    from headstart.data.sources import read_conversations
+    from headstart.inference import SamplingParams
+
+    cfg = recipe.regenerate
     limit = limit_of(recipe)
     provenance = {"model": recipe.target.model, "target_fingerprint": engine.model.fingerprint(),
                   "temperature": cfg.temperature, "top_p": cfg.top_p, "max_tokens": cfg.max_tokens,
                   "seed": recipe.seed, "source": source, "limit": limit, "max_turns": cfg.max_turns,
                   "max_prompt_tokens": cfg.max_prompt_tokens}
+    if cfg.engine != "headstart":  # recorded only when not ours: earlier runs' records stay resumable
+        provenance["engine"] = cfg.engine
     if partial.stat().st_size or run_file.exists():
         if not resume:
             raise DataError(f"{partial} holds an unfinished run; pass --resume to continue it")
         prev = read_json_object(run_file, "run record") if run_file.exists() else {}
-        diff = [k for k, v in provenance.items() if prev.get(k) != v and not (k == "limit" and _larger(v, prev.get(k)))]
+        diff = [k for k, v in {**provenance, "engine": provenance.get("engine")}.items()
+                if prev.get(k) != v and not (k == "limit" and _larger(v, prev.get(k)))]
         if diff:
             raise DataError(f"{partial} was made with a different {', '.join(diff)}; refusing to resume")
         if extend:  # a finished run extended to a larger limit: its rows are kept and skipped
