@@ -76,9 +76,12 @@ QS := runs/quickstart
 QR := recipes/quickstart.yaml
 SHIPPED := assets/heads/smollm2-135m-mtp
 SERVABLE := assets/heads/smollm2-135m-eagle31
-# The whole job on the embedded defaults: precompute -> train -> eval (vs AR, beside the shipped
-# heads: the fastest, mtp, and the servable EAGLE-3.1 one) -> export. Every stage resumes or reuses
-# what an earlier run finished.
+# vLLM serves the trained head beside our engine where .venv-vllm exists (make vllm-env)
+comma := ,
+QS_ENGINES := $(if $(wildcard $(VLLM_STAMP)),headstart$(comma)vllm,headstart)
+# The whole job on the embedded defaults: precompute -> train an EAGLE-3.1 head (the family vLLM and
+# SGLang serve) -> eval (vs AR, beside the shipped heads: the fastest, mtp, and the servable EAGLE-3.1
+# one; vLLM's rows beside ours) -> export. Every stage resumes or reuses what an earlier run finished.
 quickstart: setup
 	$(BIN)/headstart assets
 	@if [ -f $(QS)/precompute/run.json ]; then \
@@ -88,7 +91,8 @@ quickstart: setup
 	else $(BIN)/headstart train $(QR); fi
 	$(BIN)/headstart eval $(QR) --head $(QS)/head-best --head $(SHIPPED) \
 		$(if $(wildcard $(SERVABLE)/config.json),--head $(SERVABLE)) \
-		--heldout 16 --k 1,3 --max-tokens 48 --batch-size 1 --out $(QS)/eval
+		--heldout 16 --k 1,3 --max-tokens 48 --batch-size 1 --engine $(QS_ENGINES) --out $(QS)/eval
+	$(BIN)/headstart export $(QS)/head-best --format vllm --out $(QS)/export/vllm --force
 	$(BIN)/headstart export $(QS)/head-best --format native --out $(QS)/export/native --force
 	@$(BIN)/python -m headstart.quickstart_summary $(QS)
 

@@ -374,7 +374,8 @@ def cmd_eval(args: argparse.Namespace) -> int:
     if lead:
         print(f"eval: {len(prompts)} prompts ({source}); target {recipe.target.model} in {dtype}"
               + (f", tensor-parallel over {tp.size} ranks" if tp.enabled else ""), file=sys.stderr)
-    info = {"target": recipe.target.model, "dtype": dtype, "device": device, "prompt_source": source,
+    info = {"target": recipe.target.model, "model_dir": str(model_dir), "dtype": dtype, "device": device,
+            "prompt_source": source,
             "target_fingerprint": target.fingerprint(), "recipe": str(args.recipe), "headstart": __version__,
             "tensor_parallel": tp.size}
     report = evaluate(target, tokenizer, prompts, categories, plan, progress=lead and not args.no_progress, info=info)

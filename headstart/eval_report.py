@@ -107,7 +107,8 @@ def markdown(report: dict[str, Any]) -> str:
         lossless = r.get("lossless_check", "-")
         if r.get("lossless_check_run_dtype", lossless) != lossless:
             lossless += f" (fp32); {r['lossless_check_run_dtype']} ({report.get('vllm', {}).get('dtype', '?')})"
-        lines.append(f"| {r.get('engine', 'headstart')} | {_label(r)} | {method} | {r['k']} | {r['temperature']} | {tau} | "
+        lines.append(f"| {r.get('engine', 'headstart')} | {_label(r)} | {method} | {r['k']} | {r['temperature']} | "
+                     f"{tau} | "
                      f"{alpha} | {rate} | {r['tokens_per_s']:.1f} | {r.get('ar_tokens_per_s', 0):.1f} | "
                      f"{r['speedup']:.2f}x{spread}{flag} | {lossless} |")
     lines += _engines_section(report)
@@ -167,7 +168,8 @@ def plots(report: dict[str, Any], out: Path) -> list[Path]:
         return written
     fig, ax = plt.subplots(figsize=(6, 4))
     for r in runs:
-        mates = [x["k"] for x in runs if (x["head"], x["method"], x.get("engine")) == (r["head"], r["method"], r.get("engine"))]
+        key = (r["head"], r["method"], r.get("engine"))
+        mates = [x["k"] for x in runs if (x["head"], x["method"], x.get("engine")) == key]
         if r["k"] == max(mates):
             ax.plot(range(1, len(r["accept_rate_per_pos"]) + 1), r["accept_rate_per_pos"], marker="o",
                     label=f"{_plot_label(r)} {r['method']} k={r['k']} T={r['temperature']}")

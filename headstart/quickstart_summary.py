@@ -17,7 +17,8 @@ def main(run: str) -> int:
           f"validation tau {train.get('tau') or float('nan'):.3f})")
     print(f"  curves          {root / 'metrics.csv'}")
     print(f"  eval report     {root / 'eval' / 'report.md'} (+ report.json, PNG plots)")
-    print(f"  export          {root / 'export' / 'native'} (our engine's layout; where each head serves: below)")
+    print(f"  export          {root / 'export' / 'vllm'} (vLLM / speculators eagle3), {root / 'export' / 'native'} "
+          "(ours); where each head serves: below")
     ar = {t: r["tokens_per_s"] for t, r in report["ar"].items()}
     print(f"\n  {report['prompts']} held-out ShareGPT prompts, {report['settings'].get('dtype')}, "
           f"AR {', '.join(f'{v:.1f} tok/s (T={t})' for t, v in ar.items())}")
@@ -25,7 +26,8 @@ def main(run: str) -> int:
         name = _name(r["head"]) if r.get("head") else r.get("label", "-")
         tau = f"{r['tau']:.3f}" if r.get("tau") is not None else "-"
         spread = f" ({r['speedup_p25']:.2f}..{r['speedup_p75']:.2f})" if "speedup_p25" in r else ""
-        print(f"  {name:<36} {r['method']:<8} k={r['k']}  tau {tau}  speedup {r['speedup']:.2f}x{spread}  "
+        print(f"  {r.get('engine', 'headstart'):<9} {name:<36} {r['method']:<8} k={r['k']}  tau {tau}  "
+              f"speedup {r['speedup']:.2f}x{spread}  "
               f"lossless {r.get('lossless_check', '-')}")
     heads = list(dict.fromkeys(r["head"] for r in report["runs"] if r.get("head")))
     if heads:
@@ -33,6 +35,13 @@ def main(run: str) -> int:
         for head, lines in zip(heads, serving_lines(heads, report["settings"].get("target", "smollm2-135m")),
                                strict=True):
             print(f"  {_name(head):<36} " + "; ".join(lines))
+    v = report.get("vllm")
+    if v:
+        print(f"\n  vLLM {v.get('version')} ({v.get('dtype')}) ran the same prompts; serve the trained head with:\n"
+              f"    vllm serve {report['settings'].get('model_dir', 'SMOLLM2_DIR')} --speculative-config "
+              f"'{{\"method\": \"eagle3\", \"model\": \"{root / 'export' / 'vllm'}\", \"num_speculative_tokens\": 3}}'")
+        for s in v.get("skipped") or []:
+            print(f"  vLLM skipped {_name(s['head'])}: {s['reason'][:120]}")
     return 0
 
 

@@ -50,7 +50,8 @@ def counters(llm) -> dict:  # noqa: ANN001
 
 def delta(after: dict, before: dict) -> dict:
     pos = [a - (before["per_pos"][i] if i < len(before["per_pos"]) else 0) for i, a in enumerate(after["per_pos"])]
-    return {"drafts": after["drafts"] - before["drafts"], "draft_tokens": after["draft_tokens"] - before["draft_tokens"],
+    return {"drafts": after["drafts"] - before["drafts"],
+            "draft_tokens": after["draft_tokens"] - before["draft_tokens"],
             "accepted": after["accepted"] - before["accepted"], "accepted_per_pos": pos}
 
 
@@ -83,7 +84,8 @@ def generate(llm, job: dict, indices: list[int], temperature: float | None = Non
     from vllm.inputs import TokensPrompt
 
     s = job["sampling"]
-    params = [SamplingParams(temperature=s["temperature"] if temperature is None else temperature, max_tokens=s["max_tokens"], seed=s["seed"] + i,
+    params = [SamplingParams(temperature=s["temperature"] if temperature is None else temperature,
+                             max_tokens=s["max_tokens"], seed=s["seed"] + i,
                              stop_token_ids=s["stop_token_ids"], detokenize=False) for i in indices]
     prompts = [TokensPrompt(prompt_token_ids=job["prompts"][i]) for i in indices]
     t0 = time.perf_counter()
