@@ -335,6 +335,9 @@ def cmd_eval(args: argparse.Namespace) -> int:
     out = check_report_dir(args.out or Path(recipe.output_dir) / "eval")  # before anything loads
     plan.workdir = str(out)
     if "vllm" in plan.engines:
+        if recipe.engine.tensor_parallel > 1:
+            raise HeadstartError("eval --engine vllm: not with engine.tensor_parallel > 1 (every rank would start "
+                                 "vLLM); run vLLM's rows in a one-process eval")
         _check_vllm_heads(plan.heads)
     if args.prompts:
         rows = read_prompt_file(args.prompts)
@@ -392,8 +395,10 @@ def cmd_eval(args: argparse.Namespace) -> int:
               + (f", lossless_check {r['lossless_check']}" if "lossless_check" in r else "")
               + (f" (in {report['vllm']['dtype']}: {r['lossless_check_run_dtype']})"
                  if r.get("lossless_check_run_dtype", r.get("lossless_check")) != r.get("lossless_check") else "")
-              + (f"; vLLM tau - ours {r['tau_minus_headstart']:+.3f} (noise +-{r['tau_noise']:.3f}"
-                 f"{': MORE THAN THE NOISE' if r['tau_differs'] else ''})" if r.get("tau_noise") is not None else ""))
+              + (f"; vLLM tau - ours {r['tau_minus_headstart']:+.3f} ("
+                 + ("noise not assessable: fewer than 2 batch groups" if r["tau_noise"] is None else
+                    f"noise +-{r['tau_noise']:.3f}{': MORE THAN THE NOISE' if r['tau_differs'] else ''}") + ")"
+                 if "tau_minus_headstart" in r else ""))
     print("eval: wrote " + ", ".join(str(f) for f in files))
     return 0
 

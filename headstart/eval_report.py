@@ -27,6 +27,14 @@ def head_labels(paths: list[str]) -> dict[str, str]:
     return labels
 
 
+def quantile(sorted_values: list[float], q: float) -> float:
+    """Linear-interpolated quantile of an ascending list."""
+    pos = q * (len(sorted_values) - 1)
+    lo = int(pos)
+    hi = min(lo + 1, len(sorted_values) - 1)
+    return sorted_values[lo] + (sorted_values[hi] - sorted_values[lo]) * (pos - lo)
+
+
 def _label(run: dict[str, Any]) -> str:
     return run.get("label") or Path(run["head"]).name
 
@@ -55,8 +63,10 @@ def _only_vllm_work(path: Path) -> bool:
     except OSError:
         return False
     work = path / "vllm"
-    return names == {"vllm"} and work.is_dir() and all(
-        p.name == "exports" or p.name.startswith("run-") for p in work.iterdir())
+    if names != {"vllm"} or not work.is_dir():
+        return False
+    inside = [p.name for p in work.iterdir()]
+    return bool(inside) and all(n == "exports" or n.startswith("run-") for n in inside)
 
 
 def check_report_dir(out: str | Path) -> Path:
@@ -114,11 +124,12 @@ def markdown(report: dict[str, Any]) -> str:
     lines += _engines_section(report)
     cats = [r for r in report["runs"] if r["tau_by_category"]]
     if cats:
-        lines += ["", "## tau by prompt category", "", "| head | method | k | T | " +
-                  " | ".join(sorted(cats[0]["tau_by_category"])) + " |", "|---" * (4 + len(cats[0]["tau_by_category"]))
+        lines += ["", "## tau by prompt category", "", "| engine | head | method | k | T | " +
+                  " | ".join(sorted(cats[0]["tau_by_category"])) + " |", "|---" * (5 + len(cats[0]["tau_by_category"]))
                   + "|"]
         for r in cats:
-            lines.append(f"| {_label(r)} | {r['method']} | {r['k']} | {r['temperature']} | " +
+            lines.append(f"| {r.get('engine', 'headstart')} | {_label(r)} | {r['method']} | {r['k']} | "
+                         f"{r['temperature']} | " +
                          " | ".join(f"{r['tau_by_category'].get(c, float('nan')):.3f}"
                                     for c in sorted(cats[0]["tau_by_category"])) + " |")
     return "\n".join(lines) + "\n"
@@ -142,14 +153,16 @@ def _engines_section(report: dict[str, Any]) -> list[str]:
                          f"(ours / vLLM = {ours / r['tokens_per_s']:.2f}).")
     for s in v.get("skipped") or []:
         lines.append(f"- vLLM skipped {s['label']}: {s['reason']}")
-    gaps = [r for r in report["runs"] if r.get("tau_noise") is not None]
+    gaps = [r for r in report["runs"] if "tau_minus_headstart" in r]
     if gaps:
-        lines += ["", "| head | k | T | tau headstart | tau vLLM | vLLM - ours | noise (2 SE) | verdict |",
+        lines += ["", "| head | k | T | tau headstart | tau vLLM | vLLM - ours | noise (2 SE, paired) | verdict |",
                   "|---|---|---|---|---|---|---|---|"]
         for r in gaps:
-            verdict = "**differ by more than the noise**" if r["tau_differs"] else "same within the noise"
+            verdict = ("not assessable (fewer than 2 batch groups)" if r["tau_differs"] is None else
+                       "**differ by more than the noise**" if r["tau_differs"] else "same within the noise")
+            noise = f"±{r['tau_noise']:.3f}" if r["tau_noise"] is not None else "-"
             lines.append(f"| {_label(r)} | {r['k']} | {r['temperature']} | {r['tau'] - r['tau_minus_headstart']:.3f} | "
-                         f"{r['tau']:.3f} | {r['tau_minus_headstart']:+.3f} | ±{r['tau_noise']:.3f} | {verdict} |")
+                         f"{r['tau']:.3f} | {r['tau_minus_headstart']:+.3f} | {noise} | {verdict} |")
         if any(r["tau_differs"] for r in gaps):
             lines += ["", "**The two engines accept this head differently, beyond the prompt set's noise**: check "
                       "the hidden state each feeds the head (aux layer ids, pre/post norm), d2t/t2d and position ids."]

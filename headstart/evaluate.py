@@ -24,6 +24,7 @@ import torch
 
 from headstart.errors import ConfigError, DataError, HeadstartError
 from headstart.eval_report import FORMAT, WIDE_SPREAD, head_labels
+from headstart.eval_report import quantile as _quantile
 
 ROLES = ("system", "user", "assistant")
 MAX_K = 32  # draft length / tree depth: acceptance past a few tokens is ~0, and each step reserves k KV slots
@@ -188,14 +189,6 @@ def _timed_setting(ar_engine: Any, engine: Any, prompts: list[list[int]], temp: 
     return {"outputs": outs, "ar_outputs": ar_outs, "ratios": ratios, "batch": b, "tokens": sp_tok, "seconds": sp_sec,
             "ar_tokens_per_s": ar_tok / ar_sec, "draft_ms_per_step": 1e3 * (m.draft_seconds - d0) / steps,
             "verify_ms_per_step": 1e3 * (m.verify_seconds - v0) / steps}
-
-
-def _quantile(sorted_values: list[float], q: float) -> float:
-    """Linear-interpolated quantile of an ascending list."""
-    pos = q * (len(sorted_values) - 1)
-    lo = int(pos)
-    hi = min(lo + 1, len(sorted_values) - 1)
-    return sorted_values[lo] + (sorted_values[hi] - sorted_values[lo]) * (pos - lo)
 
 
 def evaluate(target: Any, tokenizer: Any, prompts: list[list[int]], categories: list[str | None], plan: EvalPlan,
@@ -391,6 +384,7 @@ def check_plan(plan: EvalPlan, context: int | None = None) -> None:
     """Refuse a plan that could never run; with the target's `context`, lengths past it too."""
     if not plan.heads:
         raise HeadstartError("eval: give at least one --head")
+    plan.engines = list(dict.fromkeys(plan.engines))
     bad = [e for e in plan.engines if e not in ("headstart", "vllm")] or (not plan.engines and ["(none)"])
     if bad:
         raise ConfigError(f"eval: --engine takes headstart and/or vllm, got {str(bad[0])[:40]!r}")

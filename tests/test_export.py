@@ -16,7 +16,7 @@ from headstart.models.llama import load_llama
 
 CASES = [  # (target family, head type, draft vocab, format)
     ("llama", "eagle3", None, "sglang"), ("llama", "eagle3", 64, "sglang"), ("llama", "eagle3", 64, "vllm"),
-    ("llama", "eagle3", None, "vllm"),
+    ("llama", "eagle3", None, "vllm"), ("llama", "eagle3", 320, "vllm"),
     ("qwen3", "eagle3", 64, "vllm"), ("llama", "eagle1", None, "sglang"), ("qwen3", "mtp", None, "vllm"),
     ("llama", "mtp", None, "deepseek-mtp"), ("llama", "deepseek_mtp", None, "deepseek-mtp"),
     ("qwen2", "deepseek_mtp", None, "deepseek-mtp"), ("llama", "medusa", None, "medusa"),

@@ -57,6 +57,21 @@ def test_a_vllm_job_is_checked_before_vllm_starts():
         _check_job({**job, "tasks": [{"engine": "x", "prompts": [0]}]}, inprocess=False)
     with pytest.raises(ValueError, match="within the prompts"):
         _check_job({**job, "tasks": [{"engine": "s", "prompts": [1]}]}, inprocess=False)
+    three = {**job, "engines": {"plain": None, "s": {}, "t": {}}, "tasks": [
+        {"engine": e, "prompts": [0]} for e in ("plain", "s", "t", "s", "plain")]}  # s lives across t
+    with pytest.raises(ValueError, match="3 engines alive at once"):
+        _check_job(three, inprocess=False, max_alive=2)
+
+
+def test_a_report_directory_holding_only_vllm_work_is_ours_an_empty_one_is_not(tmp_path):
+    from headstart.eval_report import is_report_dir
+
+    (tmp_path / "a" / "vllm").mkdir(parents=True)
+    assert not is_report_dir(tmp_path / "a")
+    (tmp_path / "a" / "vllm" / "run-fp32").mkdir()
+    assert is_report_dir(tmp_path / "a")
+    (tmp_path / "a" / "notes.txt").write_text("mine")
+    assert not is_report_dir(tmp_path / "a")
 
 
 def _row(engine, tau, groups):
@@ -66,12 +81,21 @@ def _row(engine, tau, groups):
 
 def test_a_tau_gap_is_flagged_only_beyond_the_prompt_sets_noise():
     ours = _row("headstart", 1.5, [1.4, 1.5, 1.6, 1.5])
-    close = _row("vllm", 1.52, [1.42, 1.52, 1.62, 1.52])
+    close = _row("vllm", 1.5025, [1.42, 1.5, 1.59, 1.5])  # one near-tie here and there: within the noise
     compare_engines([ours, close])
-    assert close["tau_minus_headstart"] == pytest.approx(0.02) and not close["tau_differs"]
-    far = _row("vllm", 1.9, [1.8, 1.9, 2.0, 1.9])
-    compare_engines([ours, far])
-    assert far["tau_differs"] and far["tau_noise"] < 0.4
+    assert close["tau_minus_headstart"] == pytest.approx(0.0025) and close["tau_differs"] is False
+    shifted = _row("vllm", 1.65, [1.55, 1.65, 1.75, 1.65])  # the same prompts, every one +0.15: paired, so flagged
+    compare_engines([ours, shifted])
+    assert shifted["tau_differs"] is True and shifted["tau_noise"] < 0.01
+    lower = _row("vllm", 1.2, [1.0, 1.3, 1.2, 1.3])  # below ours counts too
+    compare_engines([ours, lower])
+    assert lower["tau_minus_headstart"] == pytest.approx(-0.3) and lower["tau_differs"] is True
+    one = [_row("headstart", 1.5, [1.5]), _row("vllm", 3.0, [3.0])]  # one batch group: no noise estimate
+    compare_engines(one)
+    assert one[1]["tau_minus_headstart"] == pytest.approx(1.5) and one[1]["tau_differs"] is None
+    other = [_row("headstart", 1.5, [1.4, 1.6]), {**_row("vllm", 2.5, [2.4, 2.6]), "method": "medusa"}]
+    compare_engines(other)  # rows pair up by method too: a medusa row is not compared with a chain row
+    assert "tau_minus_headstart" not in other[1]
 
 
 def test_heads_vllm_does_not_serve_get_the_reason_plan_prints():

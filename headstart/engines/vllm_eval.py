@@ -57,7 +57,8 @@ def vllm_eval(target: Any, prompts: list[list[int]], categories: list[str | None
               heads: dict[str, Any], labels: dict[str, str], dtype: str, workdir: Path,
               stop_ids: list[int], threads: Threads | None = None) -> dict[str, Any]:
     """-> {"runs": rows, "ar": {T: {...}}, "skipped": [{head, reason}], "vllm": {...}}."""
-    from headstart.evaluate import _quantile
+    from headstart.eval_report import quantile as _quantile
+    from headstart.train.validate import spec_method  # the method our rows name, so both engines' rows pair up
 
     engines: dict[str, Any] = {"plain": None}
     settings = []  # (engine name, head path, k)
@@ -76,9 +77,9 @@ def vllm_eval(target: Any, prompts: list[list[int]], categories: list[str | None
             engines[name] = {**spec, "num_speculative_tokens": k}
             settings.append((name, path, k))
     groups = _groups(len(prompts), plan.batch_size)
-    tasks = []
-    for temp in plan.temperatures:
-        for name, _, _ in settings:
+    tasks = []  # each speculative engine's tasks together: with the plain one, two engines alive at most
+    for name, _, _ in settings:
+        for temp in plan.temperatures:
             for g in groups:
                 for rep in range(plan.repeats):
                     order = ("plain", name) if rep % 2 == 0 else (name, "plain")
@@ -86,13 +87,13 @@ def vllm_eval(target: Any, prompts: list[list[int]], categories: list[str | None
     if not settings:
         return {"runs": [], "ar": {}, "skipped": skipped, "vllm": {}}
     result = run_job(_job(target, prompts, plan, dtype, engines, tasks, stop_ids), workdir / f"run-{dtype}",
-                     threads=threads)
+                     threads=threads, max_alive=2)
     fp32 = None
     if dtype != "fp32" and 0.0 in plan.temperatures:  # the lossless check needs vLLM's fp32 kernels
         ftasks = [{"engine": "plain", "prompts": g} for g in groups]
         ftasks += [{"engine": name, "prompts": g} for name, _, _ in settings for g in groups]
         fp32 = run_job(_job(target, prompts, plan, "fp32", engines, ftasks, stop_ids), workdir / "run-fp32",
-                       inprocess=True)
+                       threads=threads, inprocess=True)
     done = [dict(t, **r) for t, r in zip(tasks, result["tasks"])]
     runs, ar = [], {}
     for temp in plan.temperatures:
@@ -121,7 +122,8 @@ def vllm_eval(target: Any, prompts: list[list[int]], categories: list[str | None
             mid = len(ratios) // 2
             median = ratios[mid] if len(ratios) % 2 else (ratios[mid - 1] + ratios[mid]) / 2
             row = {"engine": "vllm", "head": path, "label": labels[path],
-                   "head_type": heads[path].config.head_type, "method": "chain", "k": k, "temperature": temp,
+                   "head_type": heads[path].config.head_type, "method": spec_method(heads[path].config.head_type),
+                   "k": k, "temperature": temp,
                    **acc, "tokens": spec_tok, "seconds": spec_sec, "tokens_per_s": spec_tok / spec_sec,
                    "ar_tokens_per_s": ar_tok / ar_sec, "speedup": median, "speedup_min": ratios[0],
                    "speedup_max": ratios[-1], "speedup_p25": _quantile(ratios, 0.25),
@@ -182,26 +184,29 @@ def _by_category(tasks: list[dict[str, Any]], categories: list[str | None]) -> d
 
 
 def compare_engines(runs: list[dict[str, Any]]) -> None:
-    """Beside each vLLM row, its tau minus ours for the same head, k and T, and whether that gap is
-    larger than the prompt set's sampling noise: 2 x the standard error of the difference, each
-    engine's from the spread of its per-batch-group tau (groups are the same prompts in both)."""
-    ours = {(r["head"], r["k"], r["temperature"]): r for r in runs
-            if r.get("engine", "headstart") == "headstart" and r["method"] == "chain"}
+    """Beside each vLLM row, its tau minus ours for the same head, method, k and T, and whether that
+    gap is larger than the prompt set's sampling noise: 2 x the standard error of the per-batch-group
+    differences (paired: the groups are the same prompts in both engines). With fewer than two groups
+    the gap is reported and `tau_differs` is None (not assessable)."""
+    ours = {(r["head"], r["method"], r["k"], r["temperature"]): r for r in runs
+            if r.get("engine", "headstart") == "headstart"}
     for r in runs:
-        mate = ours.get((r["head"], r["k"], r["temperature"])) if r.get("engine") == "vllm" else None
+        if r.get("engine") != "vllm":
+            continue
+        mate = ours.get((r["head"], r["method"], r["k"], r["temperature"]))
         if mate is None or r["tau"] is None or mate["tau"] is None:
             continue
-        se = [_se(x.get("tau_by_group") or []) for x in (r, mate)]
-        noise = 2 * math.sqrt(sum(s * s for s in se)) if all(s is not None for s in se) else None
+        pairs = [(a, b) for a, b in zip(r.get("tau_by_group") or [], mate.get("tau_by_group") or [])
+                 if a is not None and b is not None]
+        se = _se([a - b for a, b in pairs])
         diff = r["tau"] - mate["tau"]
         r["tau_minus_headstart"] = diff
-        r["tau_noise"] = noise
-        r["tau_differs"] = bool(noise is not None and abs(diff) > noise)
+        r["tau_noise"] = 2 * se if se is not None else None
+        r["tau_differs"] = abs(diff) > 2 * se if se is not None else None
 
 
-def _se(values: list[float | None]) -> float | None:
-    v = [x for x in values if x is not None]
-    if len(v) < 2:
+def _se(values: list[float]) -> float | None:
+    if len(values) < 2:
         return None
-    m = sum(v) / len(v)
-    return math.sqrt(sum((x - m) ** 2 for x in v) / (len(v) - 1) / len(v))
+    m = sum(values) / len(values)
+    return math.sqrt(sum((x - m) ** 2 for x in values) / (len(values) - 1) / len(values))

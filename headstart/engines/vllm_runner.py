@@ -67,6 +67,9 @@ def vllm_missing() -> str | None:
     if run.returncode != 0:
         last = (run.stderr.strip().splitlines() or ["(no output)"])[-1]
         return f"{py}: `import vllm` fails: {last[:300]}"
+    version = (run.stdout.strip().splitlines() or [""])[-1]
+    if not version[:1].isdigit():
+        return f"{py}: not a Python with vLLM (`import vllm; print(vllm.__version__)` printed {version[:60]!r})"
     return None
 
 
@@ -102,19 +105,20 @@ class Threads:
     def env(self) -> dict[str, str]:
         if self.mode == "default":
             return {}
-        n = os.cpu_count() or 1
-        return {"VLLM_CPU_OMP_THREADS_BIND": f"0-{n - 1}" if n > 1 else "0", "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}
+        has = hasattr(os, "sched_getaffinity")
+        cores = sorted(os.sched_getaffinity(0)) if has else list(range(os.cpu_count() or 1))
+        return {"VLLM_CPU_OMP_THREADS_BIND": ",".join(map(str, cores)), "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}
 
 
 def run_job(job: dict[str, Any], workdir: Path, *, threads: Threads | None = None, inprocess: bool = False,
-            timeout_s: float | None = None) -> dict[str, Any]:
+            timeout_s: float | None = None, max_alive: int | None = 2) -> dict[str, Any]:
     """Run one job in vLLM's interpreter -> its result. `inprocess`: engine core and worker in the
     worker's own process (starts ~3x faster; then engines must not overlap in the task list).
     The log goes to workdir/vllm.log; a failure raises VLLMError with its tail."""
     why = vllm_missing()
     if why:
         raise VLLMError(why)
-    _check_job(job, inprocess)
+    _check_job(job, inprocess, max_alive)
     workdir.mkdir(parents=True, exist_ok=True)
     job_file, result_file, log_file = workdir / "job.json", workdir / "result.json", workdir / "vllm.log"
     result_file.unlink(missing_ok=True)
@@ -125,12 +129,18 @@ def run_job(job: dict[str, Any], workdir: Path, *, threads: Threads | None = Non
         timeout_s = START_TIMEOUT_S * len(job["engines"]) + tokens / TOKENS_PER_S_FLOOR
     cmd = [str(vllm_python()), "-P", str(WORKER), str(job_file), str(result_file)]
     with open(log_file, "w") as log:
+        # its own process group: a timeout ends vLLM's engine-core and worker processes with it
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, stdin=subprocess.DEVNULL,
+                                start_new_session=True)
         try:
-            proc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, timeout=timeout_s,
-                                  stdin=subprocess.DEVNULL)
+            proc.wait(timeout=timeout_s)
         except subprocess.TimeoutExpired:
+            end_group(proc)
             raise VLLMError(f"vLLM did not finish within {timeout_s:.0f} s; its log: {log_file}\n"
                             + _tail(log_file)) from None
+        except BaseException:  # Ctrl-C: vLLM's processes go too
+            end_group(proc)
+            raise
     if proc.returncode != 0 or not result_file.exists():
         raise VLLMError(f"vLLM failed (exit {proc.returncode}); its log: {log_file}\n" + _tail(log_file))
     return json.loads(result_file.read_text())
@@ -153,7 +163,33 @@ def worker_env(job: dict[str, Any], threads: Threads | None, inprocess: bool) ->
     return env
 
 
-def _check_job(job: dict[str, Any], inprocess: bool) -> None:
+def end_group(proc: subprocess.Popen) -> None:
+    """SIGTERM to the worker's process group, SIGKILL after a grace period; reaped either way."""
+    import signal
+
+    for sig, wait in ((signal.SIGTERM, 30), (signal.SIGKILL, 30)):
+        try:
+            os.killpg(proc.pid, sig)
+        except (ProcessLookupError, PermissionError):
+            pass
+        try:
+            proc.wait(timeout=wait)
+            return
+        except subprocess.TimeoutExpired:
+            continue
+
+
+def _alive(tasks: list[dict[str, Any]]) -> int:
+    """The most engines alive at once (each lives from its first task to its last)."""
+    first: dict[str, int] = {}
+    last: dict[str, int] = {}
+    for i, t in enumerate(tasks):
+        first.setdefault(t["engine"], i)
+        last[t["engine"]] = i
+    return max((sum(first[e] <= i <= last[e] for e in first) for i in range(len(tasks))), default=0)
+
+
+def _check_job(job: dict[str, Any], inprocess: bool, max_alive: int | None = None) -> None:
     missing = {"model", "dtype", "max_model_len", "engines", "prompts", "sampling", "tasks"} - set(job)
     if missing:
         raise ValueError(f"vLLM job without {sorted(missing)}")
@@ -162,6 +198,9 @@ def _check_job(job: dict[str, Any], inprocess: bool) -> None:
             raise ValueError(f"vLLM job: task names engine {t['engine']!r}, which the job does not define")
         if any(not 0 <= i < len(job["prompts"]) for i in t["prompts"]) or not t["prompts"]:
             raise ValueError("vLLM job: a task's prompt indices must be non-empty and within the prompts")
+    if max_alive is not None and _alive(job["tasks"]) > max_alive:
+        raise ValueError(f"vLLM job: {_alive(job['tasks'])} engines alive at once (at most {max_alive}: vLLM's "
+                         "metrics registry is global, and each engine holds its own KV cache)")
     if inprocess:  # one engine alive at a time: each engine's tasks must be contiguous
         seen: list[str] = []
         for t in job["tasks"]:
@@ -197,5 +236,6 @@ def acceptance(spec: dict[str, Any], k: int) -> dict[str, Any]:
             "accept_rate_per_pos": rates, "cond_accept_per_pos": cond, "accept_histogram": hist}
 
 
-__all__ = ["METHODS", "PYTHON_ENV", "Threads", "VLLMError", "acceptance", "max_k", "run_job", "vllm_missing",
+__all__ = ["METHODS", "PYTHON_ENV", "Threads", "VLLMError", "acceptance", "end_group", "max_k", "run_job",
+           "vllm_missing",
            "vllm_python", "vllm_refusal", "worker_env"]

@@ -25,6 +25,7 @@ from headstart.engines.vllm_runner import (
     Threads,
     VLLMError,
     _tail,
+    end_group,
     vllm_missing,
     vllm_python,
     worker_env,
@@ -45,7 +46,7 @@ class VLLMSession:
         self._log = open(self.log_path, "w")
         self.proc = subprocess.Popen([str(vllm_python()), "-P", str(WORKER), "--serve", str(workdir / "job.json")],
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._log, text=True,
-                                     env=worker_env(job, threads, inprocess=True), bufsize=1)
+                                     env=worker_env(job, threads, inprocess=True), bufsize=1, start_new_session=True)
         self._sel = selectors.DefaultSelector()
         self._sel.register(self.proc.stdout, selectors.EVENT_READ)
         self.method = self._read(START_TIMEOUT_S, "start").get("method")
@@ -61,17 +62,27 @@ class VLLMSession:
             if self._sel.select(timeout=min(left, 5.0)):
                 line = self.proc.stdout.readline()
                 if line:
-                    return json.loads(line)
+                    try:
+                        return json.loads(line)
+                    except ValueError:
+                        self.close()
+                        raise VLLMError(f"vLLM's worker answered {what} with {line[:80]!r}, not JSON; its log: "
+                                        f"{self.log_path}\n" + _tail(self.log_path)) from None
             if self.proc.poll() is not None:
+                self._log.close()
                 raise VLLMError(f"vLLM stopped (exit {self.proc.returncode}) during {what}; its log: "
                                 f"{self.log_path}\n" + _tail(self.log_path))
 
     def generate(self, prompts: list[list[int]], params: list[dict[str, Any]],
                  stop_token_ids: list[int]) -> list[dict[str, Any]]:
         tokens = sum(p["max_tokens"] for p in params)
-        self.proc.stdin.write(json.dumps({"prompts": prompts, "params": params, "stop_token_ids": stop_token_ids})
-                              + "\n")
-        self.proc.stdin.flush()
+        try:
+            self.proc.stdin.write(json.dumps({"prompts": prompts, "params": params,
+                                              "stop_token_ids": stop_token_ids}) + "\n")
+            self.proc.stdin.flush()
+        except (BrokenPipeError, OSError):
+            self.close()
+            raise VLLMError(f"vLLM's worker is gone; its log: {self.log_path}\n" + _tail(self.log_path)) from None
         return self._read(START_TIMEOUT_S + tokens / TOKENS_PER_S_FLOOR, "a batch")["outputs"]
 
     def close(self) -> None:
@@ -80,9 +91,9 @@ class VLLMSession:
                 self.proc.stdin.close()
                 self.proc.wait(timeout=60)
             except (OSError, subprocess.TimeoutExpired):
-                self.proc.kill()
-                self.proc.wait(timeout=30)
-        self._log.close()
+                end_group(self.proc)
+        if not self._log.closed:
+            self._log.close()
 
     def __enter__(self) -> VLLMSession:
         return self

@@ -398,11 +398,15 @@ class VLLM(Layout):
             cfg = _head_config(config, "eagle3", target, aux_layer_ids=list(ids) if ids else default_aux_layers(n),
                                num_layers=config_int(layer, "num_hidden_layers", 1), **flags, **_dims(layer))
             vd = config_int(config, "draft_vocab_size")
-            cfg.draft_vocab_size = vd if vd != target.config.vocab_size else None
-            if cfg.draft_vocab_size is None:  # the full vocabulary: no maps, the target's lm_head
-                state.setdefault("d2t", torch.zeros(vd, dtype=torch.int64))
-                state.setdefault("t2d", torch.ones(vd, dtype=torch.bool))
-                state.pop("lm_head.weight", None)
+            cfg.draft_vocab_size = vd
+            if vd == target.config.vocab_size and "d2t" not in state:  # a full vocabulary without maps (how we
+                state["d2t"] = torch.zeros(vd, dtype=torch.int64)        # write it for vLLM): identity maps
+                state["t2d"] = torch.ones(vd, dtype=torch.bool)
+                own = state.get("lm_head.weight")
+                theirs = target.lm_head.weight.detach().cpu()
+                if own is None or (own.shape == theirs.shape and torch.equal(own, theirs.to(own.dtype))):
+                    cfg.draft_vocab_size = None  # the target's lm_head predicts (else the checkpoint's own, kept)
+                    state.pop("lm_head.weight", None)
             if "t2d" not in state and "d2t" in state:  # vLLM ignores t2d; rebuild it from d2t
                 t2d = torch.zeros(target.config.vocab_size, dtype=torch.bool)
                 t2d[torch.arange(state["d2t"].numel()) + state["d2t"]] = True

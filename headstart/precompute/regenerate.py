@@ -125,16 +125,23 @@ def run_regenerate(recipe: Recipe, resume: bool = False, progress: bool = True) 
         from headstart.assets import resolve_model
         from headstart.engines.vllm_session import VLLMGenerator
 
+        import shutil
+        import tempfile
+
+        # vLLM's job and log live outside the output directory (train refuses files it did not write there);
+        # kept, and named by the error, when vLLM fails
+        work = Path(tempfile.mkdtemp(prefix="headstart-regenerate-vllm-"))
         engine = VLLMGenerator(resolve_model(recipe.target.model), resolve_dtype(recipe.target.dtype),
-                               cfg.batch_size, recipe.seed, out.with_name(out.name + ".vllm"))
-    else:
-        engine = Engine(recipe.target.model, dtype=resolve_dtype(recipe.target.dtype), max_batch_size=cfg.batch_size,
-                        seed=recipe.seed, batch_invariant=False, backend=recipe.engine.backend)
-    try:
-        return _run(recipe, engine, out, partial, run_file, source, extend, resume, progress)
-    finally:
-        if cfg.engine == "vllm":
+                               cfg.batch_size, recipe.seed, work)
+        try:
+            done = _run(recipe, engine, out, partial, run_file, source, extend, resume, progress)
+        finally:
             engine.close()
+        shutil.rmtree(work, ignore_errors=True)
+        return done
+    engine = Engine(recipe.target.model, dtype=resolve_dtype(recipe.target.dtype), max_batch_size=cfg.batch_size,
+                    seed=recipe.seed, batch_invariant=False, backend=recipe.engine.backend)
+    return _run(recipe, engine, out, partial, run_file, source, extend, resume, progress)
 
 
 def _run(recipe: Recipe, engine: Any, out: Path, partial: Path, run_file: Path, source: str, extend: bool,
