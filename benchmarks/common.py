@@ -80,3 +80,16 @@ def measure_in_tree(tree: Path, call: str, timeout: float, **env: str) -> Any:
     if p.returncode or line is None:
         raise SystemExit(f"{tree}: the measurement failed\n{p.stderr[-3000:]}")
     return json.loads(line[len("RESULT"):])
+
+
+def cpu_name() -> str:
+    """The CPU's model name (every benchmark figure is named with it)."""
+    import platform
+
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()

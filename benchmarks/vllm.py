@@ -15,23 +15,15 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import subprocess
 import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import cpu_name  # noqa: E402
+
 HEADS = ["assets/heads/smollm2-135m-eagle31", "assets/heads/smollm2-135m-mtp"]
-
-
-def cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 def run_eval(batch: int, args: argparse.Namespace, out: Path) -> dict:
