@@ -133,6 +133,9 @@ def build_parser() -> argparse.ArgumentParser:
                        ("norm-before-residual", "the first layer's residual is hidden_norm(f) (SGLang: off)"),
                        ("norm-output", "the next draft step is fed the post-norm state")):
         q.add_argument(f"--{flag}", action=argparse.BooleanOptionalAction, default=None, help=f"eagle3: {what}")
+    q.add_argument("--fc-bias", action=argparse.BooleanOptionalAction, default=None,
+                   help="eagle1: a bias on fc (default on, as the original EAGLE and SGLang; vLLM's drafter has none: "
+                        "--no-fc-bias)")
     q.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], default="fp32")
     q.add_argument("--out", required=True, help="checkpoint directory to write (a new or empty directory)")
     q.add_argument("--force", action="store_true", help="replace --out if it is an existing head checkpoint")

@@ -263,9 +263,11 @@ def cmd_head_init(args: argparse.Namespace) -> int:
             if args.type != "eagle3":
                 raise ValueError(f"--{'' if value else 'no-'}{name.replace('_', '-')} applies to eagle3 heads, "
                                  f"not {args.type}")
+        if args.fc_bias is not None and args.type != "eagle1":
+            raise ValueError(f"--{'' if args.fc_bias else 'no-'}fc-bias applies to eagle1 heads, not {args.type}")
         cfg = HeadConfig(head_type=args.type, num_layers=args.num_layers, medusa_num_heads=args.medusa_heads,
                          postnorm_features=True if args.postnorm_features else None, block_size=args.block_size,
-                         **norms)
+                         fc_bias=args.fc_bias, **norms)
     except ValueError as e:
         raise HeadstartError(f"head init: {e}") from None
     target = load_target(resolve_model(args.model), dtype=args.dtype)

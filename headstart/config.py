@@ -88,6 +88,9 @@ class HeadSection:
     # and SGLang feed every drafter but EAGLE-3 (the model's output), so a head exported to them must
     # be trained this way. None: the family default (mtp, deepseek_mtp: before the norm; eagle1: after).
     postnorm_features: bool | None = None
+    # eagle1: a bias on fc, as the original EAGLE (None: true). vLLM's EAGLE-1 drafter has none: false
+    # trains a head vLLM serves (--format vllm); SGLang's keeps it (--format sglang).
+    fc_bias: bool | None = None
     # deepseek_mtp on a DeepSeek target: the block is the target's own kind (MLA, and MoE where the
     # target routes experts at the MTP layer's index, as DeepSeek-V3's MTP layer does); true: a dense MLP.
     dense_block: bool = False
@@ -130,6 +133,8 @@ class HeadSection:
         _require(self.draft_vocab_size is None or self.draft_vocab_size > 0, "head.draft_vocab_size", "must be > 0")
         _require(self.postnorm_features is None or self.type in ("mtp", "eagle1", "deepseek_mtp"),
                  "head.postnorm_features", f"applies to mtp, eagle1 and deepseek_mtp heads, not {self.type}")
+        _require(self.fc_bias is None or self.type == "eagle1", "head.fc_bias",
+                 f"applies to eagle1 heads, not {self.type}")
         for flag in ("norm_before_fc", "fc_norm", "norm_before_residual", "norm_output"):
             _require(getattr(self, flag) is None or self.type == "eagle3", f"head.{flag}",
                      f"applies to eagle3 heads, not {self.type}")

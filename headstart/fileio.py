@@ -133,20 +133,38 @@ def _open_lock_file(path: Path) -> Any:
         raise OutputError(f"{path.parent}: cannot be written ({e.strerror or e})") from None
 
 
+def _same_file(f: Any, path: Path) -> bool:
+    """Whether the open file `f` is still the file named `path` (not unlinked or replaced since)."""
+    try:
+        here, there = os.fstat(f.fileno()), os.stat(path)
+    except FileNotFoundError:
+        return False
+    return (here.st_dev, here.st_ino) == (there.st_dev, there.st_ino)
+
+
 @contextlib.contextmanager
 def exclusive_lock(path: Path, what: str) -> Iterator[None]:
     """Hold `path` exclusively for `what`, or refuse at once naming the process that holds it.
     A refusal inside (a HeadstartError) removes the lock file, and its directory, if this call
     created them: a refused run leaves nothing behind in the user's directory."""
     made_dir, made_file = not path.parent.exists(), not path.exists()
-    f = _open_lock_file(path)
-    with f:
+    for _ in range(100):
+        f = _open_lock_file(path)
         try:
             fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             f.seek(0)
             holder = f.read(100).strip() or "another process"
+            f.close()
             raise OutputError(f"{what}: already running (pid {holder}, lock {path}); wait for it to finish") from None
+        if _same_file(f, path):
+            break
+        # the holder we waited on removed the file while we held it open: our lock is on a name nobody
+        # else can reach, and a newcomer could lock a new file of the same name; lock the new one instead
+        f.close()
+    else:
+        raise OutputError(f"{what}: the lock {path} kept being replaced while taking it")
+    with f:
         f.seek(0)
         f.truncate()
         f.write(str(os.getpid()))

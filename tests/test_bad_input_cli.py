@@ -76,6 +76,33 @@ def test_a_refusal_under_a_lock_leaves_no_lock_file(tmp_path):
     assert [p.name for p in mine.iterdir()] == [".lock-rank0"]
 
 
+def test_a_lock_file_removed_while_a_second_process_had_it_open_is_not_a_second_lock(tmp_path, monkeypatch):
+    """A refused run removes the lock file it made while holding it: a process that had opened the old
+    file then locks a name nobody else reaches, while a newcomer locks a new file of the same name.
+    The late one must take (or be refused by) the file the name holds now."""
+    import fcntl
+
+    from headstart import fileio
+    from headstart.errors import OutputError
+
+    lock = tmp_path / ".lock-rank0"
+    lock.write_text("1")
+    stale = open(lock, "a+")  # opened before the first holder removed the file
+    lock.unlink()
+    newcomer = open(lock, "a+")
+    newcomer.write("4242")
+    newcomer.flush()
+    fcntl.flock(newcomer, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    real, handed = fileio._open_lock_file, []
+    monkeypatch.setattr(fileio, "_open_lock_file",
+                        lambda p: handed.append(1) or (stale if len(handed) == 1 else real(p)))
+    with pytest.raises(OutputError, match="already running \\(pid 4242"), fileio.exclusive_lock(lock, "precompute"):
+        pass
+    assert stale.closed and len(handed) == 2
+    fcntl.flock(newcomer, fcntl.LOCK_UN)
+    newcomer.close()
+
+
 def test_regenerate_refusal_does_not_ask_for_the_flag_it_was_given(chat_model_dir, tmp_path, capsys):
     from conftest import random_conversations, write_jsonl
 

@@ -65,6 +65,12 @@ def test_value_checks_name_the_key(tmp_path):
         load_recipe(_write(tmp_path, "head:\n  type: eagle3\n  postnorm_features: true\n"))
     ok = load_recipe(_write(tmp_path, "head:\n  type: deepseek_mtp\n  postnorm_features: true\n"))
     assert ok.head.postnorm_features
+    with pytest.raises(ConfigError, match="'head.fc_bias' applies to eagle1 heads, not mtp"):
+        load_recipe(_write(tmp_path, "head:\n  type: mtp\n  fc_bias: false\n"))
+    from headstart.heads import head_config_from_recipe
+
+    e1 = load_recipe(_write(tmp_path, "head:\n  type: eagle1\n  fc_bias: false\n"))
+    assert head_config_from_recipe(e1.head).fc_bias is False  # vLLM's EAGLE-1 drafter has no fc bias
 
 
 def test_section_must_be_a_mapping(tmp_path):

@@ -17,12 +17,16 @@ from headstart.models.llama import load_llama
 CASES = [  # (target family, head type, draft vocab, format)
     ("llama", "eagle3", None, "sglang"), ("llama", "eagle3", 64, "sglang"), ("llama", "eagle3", 64, "vllm"),
     ("llama", "eagle3", None, "vllm"), ("llama", "eagle3", 320, "vllm"),
-    ("qwen3", "eagle3", 64, "vllm"), ("llama", "eagle1", None, "sglang"), ("qwen3", "mtp", None, "vllm"),
+    ("qwen3", "eagle3", 64, "vllm"), ("llama", "eagle1", None, "sglang"), ("llama", "eagle1", None, "vllm"),
+    ("llama", "eagle1-no-bias", None, "sglang"), ("qwen3", "mtp", None, "vllm"),
     ("llama", "mtp", None, "deepseek-mtp"), ("llama", "deepseek_mtp", None, "deepseek-mtp"),
     ("qwen2", "deepseek_mtp", None, "deepseek-mtp"), ("llama", "medusa", None, "medusa"),
     ("llama", "medusa", 64, "medusa"), ("llama", "draft_lm", None, "hf"), ("llama", "mtp", None, "native"),
     ("llama", "dflash", None, "vllm"), ("llama", "dflash", 64, "vllm"), ("qwen3", "dflash", 64, "vllm"),
     ("llama", "dflash", 64, "native"), ("llama", "dflash", None, "sglang"), ("qwen3", "dflash", None, "sglang"),
+    # a target with q/k/v/o and MLP biases (mlp_bias: true): the heads' layers copy them
+    ("llama-bias", "eagle3", 64, "vllm"), ("llama-bias", "eagle1", None, "sglang"),
+    ("llama-bias", "draft_lm", None, "hf"), ("llama-bias", "eagle1", None, "vllm"),
 ]
 
 
@@ -52,7 +56,7 @@ def deepseek_layout_on_llama_blocks(monkeypatch):
 @pytest.fixture(scope="module")
 def targets(tmp_path_factory):
     out = {}
-    for fam in ("llama", "qwen3", "qwen2"):
+    for fam in ("llama", "qwen3", "qwen2", "llama-bias"):
         d = tmp_path_factory.mktemp(fam)
         make_hf_model(fam, d, seed=4)
         out[fam] = load_llama(d, "fp32")
@@ -67,9 +71,9 @@ SGLANG_EAGLE31 = {"norm_before_fc": False, "fc_norm": True, "norm_before_residua
 def _head(target, kind, dv, seed=1, aux=(1, 2), postnorm=True, flags=None):
     """aux: SGLang cannot name aux layer 0 (the tiny target has 2 layers); ids are distinct and ascending.
     postnorm: mtp / deepseek_mtp heads read the post-norm state, as the engines that serve them feed.
-    flags: an eagle3 head's EAGLE-3.1 flags (default SGLANG_EAGLE31)."""
+    flags: an eagle3 head's EAGLE-3.1 flags (default SGLANG_EAGLE31), an eagle1 head's (default: the family's)."""
     torch.manual_seed(seed)
-    flags = (SGLANG_EAGLE31 if flags is None else flags) if kind == "eagle3" else {}
+    flags = (SGLANG_EAGLE31 if flags is None else flags) if kind == "eagle3" else (flags or {})
     head = build_head(HeadConfig(head_type=kind, draft_vocab_size=dv, **flags,
                                  aux_layer_ids=list(aux) if kind in ("eagle3", "dflash") else None,
                                  postnorm_features=True if postnorm and kind in ("mtp", "deepseek_mtp") else None,
@@ -104,7 +108,10 @@ def _logits(head, target):
 @pytest.mark.parametrize(("family", "kind", "dv", "fmt"), CASES)
 def test_export_then_import_reproduces_the_logits_exactly(tmp_path, targets, family, kind, dv, fmt):
     target = targets[family]
-    head = _head(target, kind, dv, aux=(0, 1, 2) if fmt == "vllm" else (1, 2))
+    no_bias = (kind, fmt) == ("eagle1", "vllm") or kind == "eagle1-no-bias"  # vLLM's fc has none; SGLang: a zero one
+    kind = kind.removesuffix("-no-bias")
+    head = _head(target, kind, dv, aux=(0, 1, 2) if fmt == "vllm" else (1, 2),
+                 flags={"fc_bias": False} if no_bias else None)
     export_head(head, target, fmt, tmp_path / "exp")
     if fmt == "native":
         from headstart.heads import load_head
@@ -164,6 +171,15 @@ def test_serving_names_and_config_fields(tmp_path, targets):
     assert c["speculators_config"]["proposal_methods"][0]["speculative_tokens"] >= 1
     assert c["speculators_config"]["verifier"]["name_or_path"] == str(llama.source_dir)
     assert c["transformer_layer_config"]["model_type"] == "llama"
+    # vLLM's EAGLE-1 directory: fc without a bias, the first layer without its input norm, no embedding / lm_head
+    export_head(_head(llama, "eagle1", None, flags={"fc_bias": False}), llama, "vllm", tmp_path / "v1")
+    assert _names(tmp_path / "v1") == {"fc.weight"} | {f"layers.0.{n}" for n in layer}
+    c = json.loads((tmp_path / "v1" / "config.json").read_text())
+    assert c["architectures"] == ["EagleLlamaForCausalLM"] and c["model_type"] == "llama"
+    assert c["num_hidden_layers"] == 1 and "speculators_model_type" not in c
+    # SGLang's EAGLE-1 always has an fc bias: a head without one gets a zero bias
+    export_head(_head(llama, "eagle1", None, flags={"fc_bias": False}), llama, "sglang", tmp_path / "s1")
+    assert not load_file(str(tmp_path / "s1" / "model.safetensors"))["fc.bias"].any()
     # vLLM speculators mtp (Qwen3 target)
     export_head(_head(qwen3, "mtp", None), qwen3, "vllm", tmp_path / "vm")
     p = "mtp_layers.0."
@@ -191,7 +207,8 @@ def test_serving_names_and_config_fields(tmp_path, targets):
 @pytest.mark.parametrize(("family", "kind", "fmt", "reason"), [
     ("llama", "mtp", "sglang", "holds eagle3, eagle1, dflash heads, not 'mtp'"),
     ("llama", "mtp", "vllm", "Qwen3-family targets only"),
-    ("llama", "eagle1", "vllm", "no `eagle` type"),
+    ("llama", "eagle1", "vllm", "no fc bias.*head.fc_bias: false"),
+    ("qwen3", "eagle1", "vllm", "built on Llama layers"),
     ("qwen3", "eagle3", "sglang", "no q/k norms"),
     ("llama", "medusa", "hf", "holds draft_lm heads"),
 ])
@@ -249,7 +266,10 @@ def test_import_without_our_metadata_reads_the_layout_itself(tmp_path, targets, 
     """A checkpoint written by another tool carries no `headstart` key: the layout alone must give the
     same head (type, aux layers, vocabulary, shape) and the same logits."""
     target = targets[family]
-    head = _head(target, kind, dv, aux=(0, 1, 2) if fmt == "vllm" else (1, 2))
+    no_bias = (kind, fmt) == ("eagle1", "vllm") or kind == "eagle1-no-bias"  # vLLM's fc has none; SGLang: a zero one
+    kind = kind.removesuffix("-no-bias")
+    head = _head(target, kind, dv, aux=(0, 1, 2) if fmt == "vllm" else (1, 2),
+                 flags={"fc_bias": False} if no_bias else None)
     export_head(head, target, fmt, tmp_path / "exp")
     cfg_path = tmp_path / "exp" / "config.json"
     raw = json.loads(cfg_path.read_text())

@@ -62,7 +62,8 @@ def test_the_head_and_optimizer_term_counts_the_real_head(tiny, family):
     ({"type": "eagle3", "norm_before_fc": False, "norm_before_residual": False}, "yes (--format vllm)",
      "yes (--format sglang)"),
     ({"type": "eagle3", "norm_before_fc": False}, "yes (--format vllm)", "head.norm_before_residual"),
-    ({"type": "eagle1"}, "holds a eagle1 head", "yes (--format sglang)"),
+    ({"type": "eagle1"}, "built on Llama layers; this target is 'qwen2'", "yes (--format sglang)"),
+    ({"type": "eagle1", "fc_bias": False}, "built on Llama layers", "yes (--format sglang)"),  # a zero bias
     ({"type": "dflash", "draft_vocab_size": 64}, "yes (--format vllm)", "has no lm_head or d2t of its own"),
     ({"type": "dflash"}, "yes (--format vllm)", "yes (--format sglang)"),
     ({"type": "mtp", "draft_vocab_size": 64}, "no place for that vocabulary", "no place for that vocabulary"),
@@ -84,7 +85,8 @@ def test_the_plan_says_where_the_head_serves_as_the_export_decides(tiny, head, v
     assert lines["vLLM"].startswith("yes") == ("yes" in vllm)
     built = build_head(HeadConfig(head_type=head["type"], draft_vocab_size=head.get("draft_vocab_size"),
                                   aux_layer_ids=head.get("aux_layer_ids"),
-                                  **{k: v for k, v in head.items() if k.startswith("norm")}), load_llama(tiny, "fp32"))
+                                  **{k: v for k, v in head.items() if k.startswith("norm") or k == "fc_bias"}),
+                      load_llama(tiny, "fp32"))
     assert [s.line() for s in serving(built)] == plan.serving  # the meta-device head answers as the real one
 
 

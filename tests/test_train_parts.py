@@ -369,3 +369,19 @@ def test_a_resumed_curve_keeps_rows_written_under_the_old_column_name(tmp_path):
 
     rows = list(csv.DictReader(p.open()))
     assert [r["step"] for r in rows] == ["5"] and rows[0]["sampled_accept_per_step"] == "[0.25]"
+
+
+def test_the_loader_pins_every_tensor_of_a_packed_batch(monkeypatch):
+    """DataLoader(pin_memory=True) passes an object without a pin_memory method through unpinned, so the
+    step's non_blocking copies would be synchronous. No CUDA here: the pinning itself is recorded."""
+    from torch.utils.data._utils.pin_memory import pin_memory
+
+    pinned = []
+    monkeypatch.setattr(torch.Tensor, "pin_memory", lambda t, *a: pinned.append(t) or t.clone())
+    batch = PackedBatch(torch.arange(6), [3, 3], torch.randn(6, 4), torch.randn(6, 2, 4), torch.ones(6),
+                        torch.ones(6), None)
+    out = pin_memory(batch)
+    assert isinstance(out, PackedBatch) and out.seq_lens == [3, 3] and out.aux_scale is None
+    assert len(pinned) == 5 and all(any(p is getattr(batch, f) for p in pinned)
+                                    for f in ("input_ids", "hidden", "aux_hidden", "loss_mask", "hidden_scale"))
+    assert torch.equal(out.hidden, batch.hidden) and out.hidden is not batch.hidden

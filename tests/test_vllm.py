@@ -102,8 +102,8 @@ def test_heads_vllm_does_not_serve_get_the_reason_plan_prints():
     from headstart.export.serving import NOT_LOADED
 
     assert vllm_refusal("mtp") == NOT_LOADED[("vLLM", "vllm", "mtp")]
-    assert "eagle1" in vllm_refusal("eagle1")
-    assert all(vllm_refusal(f) is None for f in ("eagle3", "dflash", "medusa", "draft_lm"))
+    assert "deepseek_mtp" in vllm_refusal("deepseek_mtp")
+    assert all(vllm_refusal(f) is None for f in ("eagle3", "eagle1", "dflash", "medusa", "draft_lm"))
 
 
 def test_a_missing_vllm_is_named(monkeypatch, tmp_path):
@@ -140,6 +140,7 @@ FAMILIES = {
     "eagle3-no-norm-output": ("chain", "eagle3", 0.2),
     "eagle3-norm-before-fc": ("chain", "eagle3", 0.05),
     "eagle3-full-vocab": ("chain", "eagle3", 0.2),
+    "eagle1": ("chain", "eagle", 0.05),
     "medusa": ("medusa", "medusa", None),
     "dflash": ("block", "dflash", None),
     "draft-model": ("draft", "draft_model", 0.8),
@@ -159,6 +160,22 @@ def _variant(shipped, target, out: Path, **changes):
     head.load_state_dict({k: v for k, v in shipped.state_dict().items()
                           if k in own and own[k].shape == v.shape and k not in maps}, strict=False)
     return save_head(head, out)
+
+
+def _eagle1(target):
+    """An EAGLE-1 head as vLLM builds it (no fc bias) from the target's last layer, its fusion at the
+    identity over the features, moved off that start so a swapped or missing tensor shows: it drafts the
+    target's own next token one position back, which repetitive text accepts."""
+    import torch
+
+    from headstart.heads import HeadConfig, build_head
+
+    head = build_head(HeadConfig(head_type="eagle1", fc_bias=False), target, init_from_target=True)
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for p in head.trainable_parameters():  # the projections a copied layer starts at zero move too
+            p.add_(0.01 * (float(p.abs().mean()) or 0.1) * torch.randn(p.shape, generator=gen))
+    return head
 
 
 @pytest.fixture(scope="module")
@@ -185,6 +202,7 @@ def both_engines(tmp_path_factory):
              "eagle3-norm-before-fc": _variant(shipped, target, tmp / "norm-before-fc", fc_norm=False,
                                                norm_before_fc=True, norm_before_residual=True),
              "eagle3-full-vocab": _variant(shipped, target, tmp / "full-vocab", draft_vocab_size=None),
+             "eagle1": save_head(_eagle1(target), tmp / "eagle1"),
              "medusa": save_head(build_head(HeadConfig(head_type="medusa"), target), tmp / "medusa"),
              "dflash": save_head(build_head(HeadConfig(head_type="dflash"), target), tmp / "dflash")}
     params = SamplingParams(max_tokens=N_TOKENS, temperature=0.0)

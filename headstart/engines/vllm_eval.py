@@ -36,6 +36,9 @@ def export_for_vllm(head_dir: str | Path, model_dir: str | Path, out: Path, *,
     method, fmt = METHODS[family]
     target = load_target(Path(model_dir), dtype="fp32", layers=[])
     head = load_head(head_dir, target, allow_other_target=allow_other_target)
+    why = vllm_refusal(family, head)
+    if why:
+        raise VLLMError(f"vLLM does not serve this head: {why}")
     export_head(head, target.to(head.dtype), fmt, out, overwrite=True)
     return {"method": method, "model": str(out)}
 
@@ -64,7 +67,7 @@ def vllm_eval(target: Any, prompts: list[list[int]], categories: list[str | None
     settings = []  # (engine name, head path, k)
     skipped = []
     for i, (path, head) in enumerate(heads.items()):
-        why = vllm_refusal(head.config.head_type)
+        why = vllm_refusal(head.config.head_type, head)
         if why:
             skipped.append({"head": path, "label": labels[path], "reason": why})
             continue

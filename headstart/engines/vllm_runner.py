@@ -31,7 +31,8 @@ START_TIMEOUT_S = 600.0  # per engine start: a cold start on 2 cores takes ~20-6
 TOKENS_PER_S_FLOOR = 0.5  # the slowest decoding a job's timeout allows for
 
 # head family -> (vLLM speculative method, our export format that vLLM reads for it)
-METHODS = {"eagle3": ("eagle3", "vllm"), "dflash": ("dflash", "vllm"), "medusa": ("medusa", "medusa"),
+METHODS = {"eagle3": ("eagle3", "vllm"), "eagle1": ("eagle", "vllm"),
+           "dflash": ("dflash", "vllm"), "medusa": ("medusa", "medusa"),
            "draft_lm": ("draft_model", "hf")}
 DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 
@@ -73,17 +74,23 @@ def vllm_missing() -> str | None:
     return None
 
 
-def vllm_refusal(head_type: str) -> str | None:
-    """None when vLLM serves this head family, else the one-line reason (checked before vLLM starts)."""
+def vllm_refusal(head_type: str, head: Any = None) -> str | None:
+    """None when vLLM serves this head family (and, given the head, the layout vLLM reads takes this
+    head: an eagle1 head with an fc bias does not fit vLLM's drafter), else the one-line reason
+    (checked before vLLM starts)."""
     if head_type in METHODS:
-        return None
+        if head is None:
+            return None
+        from headstart.export.formats import LAYOUTS
+
+        return LAYOUTS[METHODS[head_type][1]].refuse(head)
     from headstart.export.serving import NOT_LOADED
 
     known = [why for (engine, _fmt, family), why in NOT_LOADED.items() if engine == "vLLM" and family == head_type]
     if known:
         return known[0]
-    return (f"vLLM has no speculative method for a {head_type} head (it serves eagle3, dflash, medusa and draft "
-            "models from our exports)")
+    return (f"vLLM has no speculative method for a {head_type} head (it serves eagle3, eagle1, dflash, medusa and "
+            "draft models from our exports)")
 
 
 def max_k(head: Any) -> int | None:

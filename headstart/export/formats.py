@@ -5,7 +5,7 @@
 | `sglang`       | eagle3, eagle1, dflash | SGLang `LlamaForCausalLMEagle3` / `LlamaForCausalLMEagle` (EAGLE code) |
 |                |                        | / `DFlashDraftModel` (sglang_dflash.py)                                 |
 | `vllm`         | eagle3, mtp (Qwen3),   | vLLM speculators format (`speculators` 0.9.0 `eagle3` / `mtp` /        |
-|                | dflash                 | `dflash`)                                                              |
+|                | dflash, eagle1         | `dflash`); eagle1: vLLM's own EAGLE directory (`EagleLlamaForCausalLM`) |
 | `deepseek-mtp` | deepseek_mtp, mtp      | DeepSeek-V3 MTP module at `model.layers.{L}` (vLLM/SGLang MTP loaders), |
 |                |                        | DeepSeek targets only: those loaders build a DeepSeek block            |
 | `medusa`       | medusa                 | vLLM `Medusa` (`blocks.*`, `lm_heads.*`, `token_map`)                 |
@@ -158,8 +158,8 @@ class SGLang(Layout):
                             f"head.{flag}: false (head init --no-{flag.replace('_', '-')}) to serve it on SGLang, or "
                             "export it with --format vllm")
         else:
-            flags = {k: getattr(cfg, k) for k in EAGLE_FLAGS["eagle1"]}
-            if flags != EAGLE_FLAGS["eagle1"]:
+            flags = {k: getattr(cfg, k) for k in EAGLE_FLAGS["eagle1"] if k != "fc_bias"}  # none: a zero bias
+            if flags != {k: v for k, v in EAGLE_FLAGS["eagle1"].items() if k != "fc_bias"}:
                 return f"SGLang's LlamaForCausalLMEagle is the original EAGLE head; these norm flags differ: {flags}"
         return None
 
@@ -187,6 +187,8 @@ class SGLang(Layout):
             config.update(fc_norm=cfg.fc_norm, norm_output=cfg.norm_output)  # read as config attributes
         else:
             config.update(architectures=["LlamaForCausalLMEagle"])
+            if not cfg.fc_bias:  # SGLang's fc always has a bias: a zero one is this head exactly
+                state["fc.bias"] = torch.zeros(cfg.hidden_size, dtype=state["fc.weight"].dtype)
         config["headstart"] = _meta(head, self.name)
         return config, state
 
@@ -230,15 +232,26 @@ class SGLang(Layout):
                                **_dims(config))
             state.pop("embed_tokens.weight", None)
             state.pop("lm_head.weight", None)
+            if cfg.fc_bias is False and "fc.bias" in state:  # our head without a bias, written with a zero one
+                if state["fc.bias"].any():
+                    raise AssetError("fc.bias is not zero, but the recorded head config says the head has no fc "
+                                     "bias (head.fc_bias: false)")
+                del state["fc.bias"]
         return cfg, state
 
 
 # ----------------------------------------------------------------------------- vLLM speculators
 
 
+# vLLM's EAGLE-1 drafter (vllm/model_executor/models/llama_eagle.py, `method: eagle`): fc (2H -> H) WITHOUT a
+# bias over cat(embedding, the target's post-norm state), the first layer without its input norm, no norm
+# before the target's lm_head; config.json is the layer's Llama config. speculators has no `eagle` type.
+VLLM_EAGLE1_ARCH = "EagleLlamaForCausalLM"
+
+
 class VLLM(Layout):
     name = "vllm"
-    families = ("eagle3", "mtp", "dflash")
+    families = ("eagle3", "mtp", "dflash", "eagle1")
     optional = ("t2d",)  # vLLM ignores t2d; a checkpoint without it gets one rebuilt from d2t
 
     def refuse(self, head: DraftHead) -> str | None:
@@ -247,9 +260,9 @@ class VLLM(Layout):
             return None
         why = super().refuse(head)
         if why:
-            return (why + "; eagle1 heads: use --format sglang (the EAGLE layout); speculators "
-                    f"{SPECULATORS_VERSION} has no `eagle` type") if head.config.head_type == "eagle1" else why
-        cfg = head.config
+            return why
+        if cfg.head_type == "eagle1":
+            return self._refuse_eagle1(head)
         if cfg.head_type == "mtp":
             family = cfg.target.get("model_type")
             if family != "qwen3":
@@ -265,6 +278,21 @@ class VLLM(Layout):
         return None
 
     @staticmethod
+    def _refuse_eagle1(head: DraftHead) -> str | None:
+        cfg = head.config
+        if cfg.target.get("model_type") != "llama":
+            return f"vLLM's EAGLE-1 drafter ({VLLM_EAGLE1_ARCH}) is built on Llama layers; this target is " \
+                   f"{cfg.target.get('model_type')!r}"
+        if cfg.fc_bias:
+            return (f"vLLM's {VLLM_EAGLE1_ARCH} has no fc bias (vllm/model_executor/models/llama_eagle.py); train "
+                    "the eagle1 head with head.fc_bias: false to serve it on vLLM, or export it with --format "
+                    "sglang (SGLang's LlamaForCausalLMEagle keeps the bias)")
+        flags = {k: getattr(cfg, k) for k in EAGLE_FLAGS["eagle1"]}
+        if flags != {**EAGLE_FLAGS["eagle1"], "fc_bias": False}:
+            return f"vLLM's {VLLM_EAGLE1_ARCH} is the original EAGLE head; these norm flags differ: {flags}"
+        return None
+
+    @staticmethod
     def _rules(head_type: str) -> list[tuple[str, str]]:
         if head_type == "eagle3":
             return [("embed_norm", "layers.0.input_layernorm"), ("hidden_norm", "layers.0.hidden_norm")]
@@ -276,6 +304,10 @@ class VLLM(Layout):
         cfg = head.config
         if cfg.head_type == "dflash":
             return self._write_dflash(head, target)
+        if cfg.head_type == "eagle1":  # vLLM shares the verifier's embedding and lm_head (none written)
+            config = {**_layer_config(head, target, "llama"), "architectures": [VLLM_EAGLE1_ARCH],
+                      "tie_word_embeddings": False, "headstart": _meta(head, self.name)}
+            return config, split_fused(native_state(head), cfg)
         family = "qwen3" if cfg.target.get("model_type") == "qwen3" else "llama"
         layer = _layer_config(head, target, family)
         verifier = {"name_or_path": str(target.source_dir) if target.source_dir else None,
@@ -378,12 +410,20 @@ class VLLM(Layout):
 
     def recognise(self, config):  # noqa: ANN001, ANN201
         kind = config.get("speculators_model_type")
-        if kind in ("eagle3", "mtp", "dflash"):
+        if kind in ("eagle3", "mtp", "dflash") or (kind is None and config.get("architectures") == [VLLM_EAGLE1_ARCH]):
             return None
-        return f"speculators_model_type {kind!r} (expected 'eagle3', 'mtp' or 'dflash')"
+        return f"speculators_model_type {kind!r} (expected 'eagle3', 'mtp' or 'dflash', or architectures " \
+               f"[{VLLM_EAGLE1_ARCH!r}])"
 
     def read(self, config, tensors, target):  # noqa: ANN001, ANN201
-        kind = config["speculators_model_type"]
+        kind = config.get("speculators_model_type")
+        if kind is None:  # vLLM's EAGLE-1 directory
+            cfg = _head_config(config, "eagle1", target, num_layers=config_int(config, "num_hidden_layers", 1),
+                               fc_bias=False, **_dims(config))
+            state = join_fused(tensors)
+            for extra in ("embed_tokens.weight", "lm_head.weight"):
+                state.pop(extra, None)
+            return cfg, state
         if kind == "dflash":
             return self._read_dflash(config, tensors, target)
         require(config, "transformer_layer_config", "config.json")
@@ -394,7 +434,9 @@ class VLLM(Layout):
         if kind == "eagle3":
             ids = config_ids(config.get("eagle_aux_hidden_state_layer_ids"), "eagle_aux_hidden_state_layer_ids")
             n = target.config.num_hidden_layers
-            flags = {flag: config_bool(config, flag) for flag in EAGLE31_FLAGS}  # absent: off, as speculators reads it
+            flags = {flag: config_bool(config, flag) for flag in EAGLE31_FLAGS}  # absent: off, as vLLM reads them,
+            if "norm_before_residual" not in config:  # but this one: vLLM 0.32 serves an absent one as true
+                flags["norm_before_residual"] = True  # (speculators/algos.py; speculators' own class reads false)
             cfg = _head_config(config, "eagle3", target, aux_layer_ids=list(ids) if ids else default_aux_layers(n),
                                num_layers=config_int(layer, "num_hidden_layers", 1), **flags, **_dims(layer))
             vd = config_int(config, "draft_vocab_size")

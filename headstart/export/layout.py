@@ -73,7 +73,7 @@ def split_fused(state: dict[str, torch.Tensor], cfg: HeadConfig) -> dict[str, to
             for part, block in zip(("q_proj", "k_proj", "v_proj"), t.split([q, kv, kv])):
                 out[name.replace(".qkv_proj.", f".{part}.")] = block.contiguous()
         elif ".gate_up_proj." in name:
-            for part, block in zip(("gate_proj", "up_proj"), t.chunk(2, dim=-2)):
+            for part, block in zip(("gate_proj", "up_proj"), t.chunk(2, dim=-2 if t.dim() > 1 else 0)):  # bias: 1-D
                 out[name.replace(".gate_up_proj.", f".{part}.")] = block.contiguous()
         else:
             out[name] = t

@@ -59,6 +59,7 @@ def head_config_from_recipe(section: HeadSection) -> HeadConfig:
         dense_block=section.dense_block, block_size=section.block_size, mask_token_id=section.mask_token_id,
         norm_before_fc=section.norm_before_fc, fc_norm=section.fc_norm,
         norm_before_residual=section.norm_before_residual, norm_output=section.norm_output,
+        fc_bias=section.fc_bias,
     )
 
 

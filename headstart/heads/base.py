@@ -298,6 +298,13 @@ class PackedBatch:
     hidden_scale: torch.Tensor | None = None  # (N,)
     aux_scale: torch.Tensor | None = None  # (N, A)
 
+    def pin_memory(self) -> PackedBatch:
+        """Every tensor in page-locked memory: the DataLoader's pin_memory thread calls this (it passes
+        an object without the method through as it is), so the step's host-to-device copies are async."""
+        return dataclasses.replace(self, **{f.name: getattr(self, f.name).pin_memory()
+                                            for f in dataclasses.fields(self)
+                                            if isinstance(getattr(self, f.name), torch.Tensor)})
+
 
 @dataclass
 class Shifted:

@@ -122,11 +122,11 @@ def run_regenerate(recipe: Recipe, resume: bool = False, progress: bool = True) 
     # Nothing here compares a token with its own speculative re-run, so torch's blocked kernels serve
     # the prompts (a long prefill costs 1.4-2x less than with the row-invariant ones).
     if cfg.engine == "vllm":  # vLLM's own sampler: its outputs, not ours, so the engine is part of the provenance
-        from headstart.assets import resolve_model
-        from headstart.engines.vllm_session import VLLMGenerator
-
         import shutil
         import tempfile
+
+        from headstart.assets import resolve_model
+        from headstart.engines.vllm_session import VLLMGenerator
 
         # vLLM's job and log live outside the output directory (train refuses files it did not write there);
         # kept, and named by the error, when vLLM fails
