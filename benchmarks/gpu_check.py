@@ -229,12 +229,16 @@ def _describe(kind: str, path: Path) -> str:
     return lines[-1] if lines else f"no '... attention on ...' line in {path}"
 
 
+OVER_PLAN = 3  # `table`'s exit status when a measured peak exceeds the plan (gpu_check.sh counts it a failure)
+
+
 def _fmt(x: float | None) -> str:
     return "-" if x is None else f"{x:.2f}" if x >= 10 else f"{x:.3f}"
 
 
 def cmd_table(args: argparse.Namespace) -> int:
-    """Each measured phase's peak beside the plan's per-rank total for the same phase (GB)."""
+    """Each measured phase's peak beside the plan's per-rank total for the same phase (GB); exit status
+    OVER_PLAN when a phase's measured peak (torch's max allocated, what the plan adds up) exceeds it."""
     run = Path(args.run)
     plan_file = run / "plan.json"
     plan = {}
@@ -250,6 +254,7 @@ def cmd_table(args: argparse.Namespace) -> int:
     rows = [("precompute", ("precompute",)), ("train", ("train", "validation")), ("eval", ("eval",)),
             ("deepseek-auto", ())]
     print(f"{'phase':<16}{'GPU alloc':>10}{'GPU resv':>10}{'nvidia-smi':>11}{'host RSS':>10}{'plan':>9}  plan phase(s)")
+    over = []
     for name, phases in rows:
         f = run / "peaks" / f"{name}.json"
         if not f.is_file():
@@ -262,9 +267,13 @@ def cmd_table(args: argparse.Namespace) -> int:
             smi_gb = max(vals) * 2**20 / GB if vals else None
         planned = [plan[p] for p in phases if p in plan]
         what = " / ".join(f"{p} {_fmt(plan[p])}" for p in phases if p in plan)
-        print(f"{name:<16}{_fmt(m.get('gpu_max_allocated_gb')):>10}{_fmt(m.get('gpu_max_reserved_gb')):>10}"
+        alloc = m.get("gpu_max_allocated_gb")
+        exceeds = bool(planned) and isinstance(alloc, (int, float)) and alloc > max(planned)
+        print(f"{name:<16}{_fmt(alloc):>10}{_fmt(m.get('gpu_max_reserved_gb')):>10}"
               f"{_fmt(smi_gb):>11}{_fmt(m.get('host_max_rss_gb')):>10}{_fmt(max(planned) if planned else None):>9}"
-              f"  {what}")
+              f"  {what}" + ("  OVER PLAN" if exceeds else ""))
+        if exceeds:
+            over.append(f"{name} {alloc:.3f} GB > planned {max(planned):.3f} GB")
     shards = run / "llama" / "precompute"
     if shards.is_dir():
         tokens = 0
@@ -276,6 +285,9 @@ def cmd_table(args: argparse.Namespace) -> int:
             print(f"shards: {size / tokens:,.0f} bytes/token measured ({tokens:,} tokens, {size / GB:.3f} GB)")
     print("GB = 1e9 bytes; GPU alloc/resv: torch.cuda.max_memory_{allocated,reserved} of the verb's process; "
           "nvidia-smi: the device's peak used memory sampled every 0.2 s (CUDA context included)")
+    if over:
+        print("peak over plan: " + "; ".join(over) + " (headstart plan under-counts this phase)")
+        return OVER_PLAN
     return 0
 
 

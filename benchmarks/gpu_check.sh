@@ -320,7 +320,13 @@ for s in "${STEPS[@]}"; do
 done
 echo
 echo "== peak memory per phase (GB) beside headstart plan"
-"$PY" "$REPO/benchmarks/gpu_check.py" table "$RUN" 2>&1 || echo "(no table: $PY could not run benchmarks/gpu_check.py)"
+table_rc=0
+"$PY" "$REPO/benchmarks/gpu_check.py" table "$RUN" 2>&1 || table_rc=$?
+if [ "$table_rc" -eq 3 ]; then  # a phase's measured peak exceeds headstart plan's
+    echo "FAIL   memory-vs-plan: a measured peak exceeds headstart plan"; failed=$((failed + 1))
+elif [ "$table_rc" -ne 0 ]; then
+    echo "(no table: $PY could not run benchmarks/gpu_check.py)"
+fi
 echo
 if [ "$failed" -gt 0 ]; then echo "gpu_check: $failed step(s) FAILED"; exit 1; fi
 echo "gpu_check: no step failed"

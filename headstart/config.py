@@ -233,6 +233,13 @@ class TrainConfig:
     weight_decay: float = 0.0
     grad_clip: float = 1.0  # max global grad norm (0: off)
     loss_weights: LossWeights = field(default_factory=LossWeights)
+    # The distribution loss (weighted by loss_weights.kl, whichever it is; train.losses): kl = forward KL to the
+    # target; the LK losses (arXiv 2602.23881) train the acceptance rate a = sum_x min(p(x), q(x)) itself:
+    # lk_alpha = -log a per token; lk_lambda (= lk) = l KL + (1 - l)(1 - mean a), l = lk_kl_scale *
+    # exp(-lk_kl_decay * mean a) (mean a: the micro-batch's, per draft step, no gradient through l).
+    loss: Literal["kl", "lk", "lk_lambda", "lk_alpha"] = "kl"
+    lk_kl_scale: float = 1.0  # lk_lambda: the KL's weight at a = 0
+    lk_kl_decay: float = 3.0  # lk_lambda: eta, how fast the KL's weight falls as acceptance rises (the paper's 3)
     ttt_steps: int = 1  # training-time test: unrolled draft steps (1 = plain teacher forcing)
     ttt_decay: float = 0.8  # step j's loss is weighted by ttt_decay ** j
     block_decay_gamma: float = 4.0  # dflash: draft slot i's loss is weighted exp(-(i - 1) / gamma) (speculators')
@@ -266,6 +273,10 @@ class TrainConfig:
         _require(self.ttt_steps <= MAX_TTT_STEPS, "train.ttt_steps",
                  f"must be in 1..{MAX_TTT_STEPS}, got {self.ttt_steps}")
         _require(0 < self.ttt_decay <= 1, "train.ttt_decay", "must be in (0, 1]")
+        _require(0 < self.lk_kl_scale <= 1, "train.lk_kl_scale", f"must be in (0, 1], got {self.lk_kl_scale}")
+        _require(self.lk_kl_decay >= 0, "train.lk_kl_decay", f"must be >= 0, got {self.lk_kl_decay}")
+        _require(self.loss == "kl" or self.loss_weights.kl > 0, "train.loss_weights",
+                 f"kl weighs the distribution loss ({self.loss}): it must be > 0")
         _require(self.val_max_tokens >= 1, "train.val_max_tokens", "must be >= 1")
         _require(self.num_workers >= 0, "train.num_workers", "must be >= 0")
 

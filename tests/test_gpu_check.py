@@ -52,3 +52,24 @@ def test_a_failing_step_is_recorded_and_the_others_still_run(tmp_path):
     assert f"gpu_check: {len(RAN)} step(s) FAILED" in p.stdout
     summary = p.stdout.split("== summary", 1)[1]
     assert all(re.search(rf"^FAIL\s+{s}\s", summary, re.M) for s in RAN)
+
+
+def test_the_table_fails_when_a_measured_peak_exceeds_the_plan(tmp_path, capsys):
+    """The check exists to catch what `plan` does not count: a peak above the planned phase is a failure."""
+    import importlib.util
+    import json
+
+    spec = importlib.util.spec_from_file_location("gpu_check", ROOT / "benchmarks" / "gpu_check.py")
+    gpu_check = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(gpu_check)
+    (tmp_path / "peaks").mkdir()
+    (tmp_path / "plan.json").write_text(json.dumps({"recipe": "r", "device": "H200", "phases": [
+        {"name": "train", "total": 40e9}, {"name": "validation", "total": 30e9}, {"name": "eval", "total": 20e9}]}))
+    (tmp_path / "peaks" / "train.json").write_text(json.dumps({"gpu_max_allocated_gb": 39.0}))
+    (tmp_path / "peaks" / "eval.json").write_text(json.dumps({"gpu_max_allocated_gb": 19.5}))
+    assert gpu_check.main(["table", str(tmp_path)]) == 0
+    (tmp_path / "peaks" / "eval.json").write_text(json.dumps({"gpu_max_allocated_gb": 21.0}))
+    assert gpu_check.main(["table", str(tmp_path)]) == gpu_check.OVER_PLAN
+    out = capsys.readouterr().out
+    assert re.search(r"^eval\s.*OVER PLAN$", out, re.M) and "eval 21.000 GB > planned 20.000 GB" in out
+    assert not re.search(r"^train\s.*OVER PLAN", out, re.M)

@@ -167,17 +167,44 @@ def test_train_compile_gives_the_eager_loss_and_falls_back_naming_what_failed(ta
         torch.testing.assert_close(x, y, rtol=1e-4, atol=1e-6)
     assert "runs eagerly" not in capsys.readouterr().err
 
+    from torch._dynamo.exc import BackendCompilerFailed
+
     def broken(fn, **kw):
         def fails(*a, **k):
-            raise RuntimeError("inductor: no C++ compiler\nmore detail")
+            raise BackendCompilerFailed(broken, RuntimeError("no C++ compiler\nmore detail"), first_useful_frame=None)
         return fails
 
     monkeypatch.setattr(module_py.torch, "compile", broken)
     fallback = run(True)
     err = capsys.readouterr().err
-    assert "train.compile: mtp.forward_hidden runs eagerly: it did not compile (RuntimeError: inductor: no C++" in err
+    assert "train.compile: mtp.forward_hidden runs eagerly: it did not compile (BackendCompilerFailed: backend=" in err
     assert err.count("forward_hidden runs eagerly") == 1  # said once, not per step
     torch.testing.assert_close(fallback[0], eager[0], rtol=0, atol=0)
+
+
+def test_an_error_of_the_compiled_call_is_raised_and_compile_stays_on(capsys):
+    """Out of memory (or any error of the computation) in the compiled call is not a compile failure: it
+    is raised as it is, nothing says "did not compile", and the next call runs compiled again."""
+    from headstart.train.module import Compiled
+
+    calls = []
+
+    def compiled(x):
+        calls.append("compiled")
+        if x == "oom":
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB")
+        if x == "bad":
+            raise ValueError("a bad batch")
+        return "ok"
+
+    c = Compiled(lambda x: calls.append("eager") or "eager", "mtp.forward_hidden")
+    c.compiled = compiled
+    with pytest.raises(torch.OutOfMemoryError):
+        c("oom")
+    with pytest.raises(ValueError, match="a bad batch"):
+        c("bad")
+    assert c("fine") == "ok" and calls == ["compiled"] * 3
+    assert "did not compile" not in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("kind", ["mtp", "eagle3", "deepseek_mtp"])

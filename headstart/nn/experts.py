@@ -90,7 +90,10 @@ class RoutedExperts(nn.Module):
         flat = ids.flatten()
         order = torch.argsort(flat, stable=True)  # (token, slot) pairs grouped by expert, tokens in order
         tokens, w = order // k, weights.flatten()[order]
-        counts = torch.bincount(flat, minlength=self.num_experts)
+        # tokens per expert by a scatter, not torch.bincount: on CUDA bincount reads its input's min and max
+        # back to the host (a sync per call); a scatter into E counters stays on the device
+        counts = torch.zeros(self.num_experts, dtype=torch.long, device=flat.device).scatter_add_(
+            0, flat, torch.ones_like(flat))
         kernels = self._kernels()
         if kernels is None and grouped_mm_runs(x):
             ends = counts.cumsum(0).to(torch.int32)

@@ -7,6 +7,11 @@ checkpointing), so peak memory is set by `chunk` rows, not by the batch.
              With a reduced draft vocabulary, p is restricted to it and renormalised.
     feature  smooth-L1 between the head's output and the target's next hidden state, in the head's
              feature space (mtp: pre-norm h; eagle1: post-norm h), both divided by the target row's RMS.
+    LK       (train.loss: lk_alpha / lk_lambda; arXiv 2602.23881) the acceptance rate of a draft sampled
+             from q, a = sum_x min(p(x), q(x)) = 1 - TV(p, q), trained directly: per row a (and -log a),
+             summed like the KL. With a draft vocabulary p is the target's full distribution read on the
+             draft tokens, not renormalised: the target's mass outside them is never accepted (the KL
+             keeps the renormalised p_d). `objective` combines the sums (module.HeadModule).
 
 Per-step statistics (no gradient), over supervised rows: top-1 agreement with the target's argmax
 (a greedy draft is accepted under greedy verification iff the two agree), the acceptance of a draft
@@ -30,6 +35,8 @@ class LossParts:
     kl: torch.Tensor  # summed over supervised rows (differentiable)
     feature: torch.Tensor  # summed over supervised rows and dims (differentiable)
     rows: int  # supervised rows
+    alpha: torch.Tensor = field(default_factory=lambda: torch.zeros(()))  # sum of a = sum_x min(p, q) (LK only)
+    neglog_alpha: torch.Tensor = field(default_factory=lambda: torch.zeros(()))  # sum of -log a (LK only)
     correct: torch.Tensor = field(default_factory=lambda: torch.zeros(()))  # top-1 agreements (no grad)
     accept: torch.Tensor = field(default_factory=lambda: torch.zeros(()))  # sum of min(p, q) (no grad)
     mass: torch.Tensor = field(default_factory=lambda: torch.zeros(()))  # target mass inside the draft vocab
@@ -74,9 +81,35 @@ class _ForwardKL(torch.autograd.Function):
         return grad * w[:, None] * (logq.exp() - p), None, None, None
 
 
+ALPHA_FLOOR = 1e-8  # -log a of a row whose acceptance underflows is -log of this (and has no gradient)
+
+
+class _Acceptance(torch.autograd.Function):
+    """[sum_r w_r a_r, sum_r w_r (-log a_r)] with a_r = sum_x min(p_rx, softmax(logits_r)_x). The gradient
+    of a through the softmax, q (m - sum(m q)) with m = [q < p], is written out: two (R, V) passes, no
+    chain of autograd nodes over the chunk."""
+
+    @staticmethod
+    def forward(ctx, logits: torch.Tensor, p: torch.Tensor, w: torch.Tensor) -> torch.Tensor:  # noqa: ANN001
+        q = torch.softmax(logits, dim=-1)
+        a = torch.minimum(p, q).sum(-1)
+        floor = a.clamp(min=ALPHA_FLOOR)
+        ctx.save_for_backward(q, p, w, a)
+        return torch.stack([(w * a).sum(), -(w * floor.log()).sum()])
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:  # noqa: ANN001
+        q, p, w, a = ctx.saved_tensors
+        m = (q < p).to(q.dtype)
+        da = q * (m - (m * q).sum(-1, keepdim=True))  # d a_r / d logits_r
+        coef = w * (grad[0] - torch.where(a >= ALPHA_FLOOR, grad[1] / a.clamp(min=ALPHA_FLOOR), 0.0))
+        return coef[:, None] * da, None, None
+
+
 def _chunk_kl(head: DraftHead, draft_ids: torch.Tensor | None, target_h: torch.Tensor, weights: torch.Tensor,
-              stats: list, *head_h: torch.Tensor) -> torch.Tensor:
-    """The weighted KL of one chunk of rows at every step -> (S,): one teacher distribution for the
+              stats: list, lk: bool, *head_h: torch.Tensor) -> torch.Tensor:
+    """The weighted KL of one chunk of rows at every step -> (S, 3): [KL, sum of a, sum of -log a] (the
+    last two with `lk`, else zeros), from one teacher distribution for the
     chunk's rows, read by each of the S steps' head states `head_h` (R, d), row r of step s weighted
     weights[s, r] (1 if supervised there, else 0). Checkpointed: it runs again in the backward pass,
     where `stats` (filled by the first run, per step: top-1 agreements, sum of min(p, q), target mass
@@ -88,14 +121,15 @@ def _chunk_kl(head: DraftHead, draft_ids: torch.Tensor | None, target_h: torch.T
     is minimised exactly at q = p_d, and p_d is also the q that maximises the acceptance of drafts
     sampled from q, sum_x min(p(x), q(x)) = p(V_d), the most any q on V_d can reach. Its logits need
     only the V_d lm_head rows (the full-vocabulary normaliser cancels), so the teacher's side costs
-    V_d rows too; the full vocabulary is computed only when statistics are asked for."""
+    V_d rows too; the full vocabulary is computed only when statistics or the LK losses (whose p is not
+    renormalised) ask for it."""
     with torch.no_grad():
         want = not stats
-        if draft_ids is not None and not want:
+        if draft_ids is not None and not (want or lk):
             t_logits = restricted_target_logits(head, target_h)  # (R, Vd)
         else:
             t_logits = target_logits(head, target_h)  # (R, V)
-        if want:
+        if want or lk:
             top = t_logits.argmax(-1)
             p_full = torch.softmax(t_logits, dim=-1)
             if draft_ids is not None:
@@ -105,6 +139,7 @@ def _chunk_kl(head: DraftHead, draft_ids: torch.Tensor | None, target_h: torch.T
         p = logp.exp()
         del t_logits
     kls = []
+    none = torch.zeros(2, device=target_h.device)
     for w, hh in zip(weights, head_h):
         logits = head.compute_logits(hh)  # (R, V or Vd) fp32
         if want:
@@ -114,7 +149,8 @@ def _chunk_kl(head: DraftHead, draft_ids: torch.Tensor | None, target_h: torch.T
                 correct = ((pick if draft_ids is None else draft_ids[pick]) == top).float()
                 stats.append(torch.stack([(w * correct).sum(), (w * torch.minimum(p_full, q).sum(-1)).sum(),
                                           (w * p_full.sum(-1)).sum()]))
-        kls.append(_ForwardKL.apply(logits, logp, p, w))
+        acc = _Acceptance.apply(logits, p_full, w) if lk else none
+        kls.append(torch.cat([_ForwardKL.apply(logits, logp, p, w)[None], acc]))
     return torch.stack(kls)
 
 
@@ -128,14 +164,29 @@ def restricted_target_logits(head: DraftHead, target_h: torch.Tensor) -> torch.T
 
 def distill(head: DraftHead, head_h: torch.Tensor, target_h: torch.Tensor, rows: torch.Tensor,
             feature_target: torch.Tensor | None, chunk: int, with_kl: bool = True,
-            with_stats: bool = True) -> LossParts:
+            with_stats: bool = True, lk: bool = False) -> LossParts:
     """Losses over `rows` (indices of supervised rows) of head_h (M, d) against target_h (M, d)."""
-    return distill_steps(head, [head_h], target_h, [rows], feature_target, chunk, with_kl, with_stats)[0]
+    return distill_steps(head, [head_h], target_h, [rows], feature_target, chunk, with_kl, with_stats, lk)[0]
+
+
+def objective(part: LossParts, loss: str, kl_scale: float = 1.0, kl_decay: float = 3.0) -> torch.Tensor:
+    """One step's distribution loss per supervised row (train.loss): kl, lk_alpha (mean -log a) or
+    lk_lambda / lk (l KL + (1 - l)(1 - mean a), l = kl_scale * exp(-kl_decay * mean a), l without gradient)."""
+    n = max(part.rows, 1)
+    if loss == "kl":
+        return part.kl / n
+    if loss == "lk_alpha":
+        return part.neglog_alpha / n
+    if not part.rows:  # nothing supervised: no loss (kl, alpha are zeros still tied to the graph)
+        return part.kl + part.alpha
+    mean_a = part.alpha / n
+    lam = kl_scale * torch.exp(-kl_decay * mean_a.detach())
+    return lam * part.kl / n + (1 - lam) * (1 - mean_a)
 
 
 def distill_steps(head: DraftHead, head_h: list[torch.Tensor], target_h: torch.Tensor, rows: list[torch.Tensor],
                   feature_target: torch.Tensor | None, chunk: int, with_kl: bool = True,
-                  with_stats: bool = True) -> list[LossParts]:
+                  with_stats: bool = True, lk: bool = False) -> list[LossParts]:
     """The losses of S steps that share their targets (the unrolled TTT steps: step s's head states
     head_h[s] (M, d) against the same target rows target_h (M, d)), over each step's supervised rows
     rows[s] (host-side indices, so that nothing here waits for the device). The teacher distribution
@@ -155,7 +206,7 @@ def distill_steps(head: DraftHead, head_h: list[torch.Tensor], target_h: torch.T
     draft_ids = None
     if d2t is not None and d2t.numel() != head.target.vocab_size:
         draft_ids = torch.arange(d2t.numel(), device=d2t.device) + d2t  # draft id i -> target id i + d2t[i]
-    kl = torch.zeros(len(rows), device=device) + zero
+    kl = torch.zeros(len(rows), 3, device=device) + zero
     stats_sum = torch.zeros(len(rows), 3, device=device)
     if with_kl:
         for piece in pieces:
@@ -164,9 +215,9 @@ def distill_steps(head: DraftHead, head_h: list[torch.Tensor], target_h: torch.T
             hh, th = [h[r] for h in head_h], target_h[r]
             stats: list = [] if with_stats else [None]
             if torch.is_grad_enabled() and any(h.requires_grad for h in hh):
-                k = checkpoint(_chunk_kl, head, draft_ids, th, w, stats, *hh, use_reentrant=False)
+                k = checkpoint(_chunk_kl, head, draft_ids, th, w, stats, lk, *hh, use_reentrant=False)
             else:
-                k = _chunk_kl(head, draft_ids, th, w, stats, *hh)
+                k = _chunk_kl(head, draft_ids, th, w, stats, lk, *hh)
             kl = kl + k
             if with_stats:
                 stats_sum = stats_sum + torch.stack(stats)
@@ -180,7 +231,7 @@ def distill_steps(head: DraftHead, head_h: list[torch.Tensor], target_h: torch.T
                  for w, h in zip(member, head_h)]
     parts = []
     for s, n in enumerate(counts):
-        part = LossParts(kl[s], feats[s], n)
+        part = LossParts(kl[s, 0], feats[s], n, alpha=kl[s, 1], neglog_alpha=kl[s, 2])
         if with_stats:
             part.correct, part.accept, part.mass = stats_sum[s].detach().unbind()
         parts.append(part)

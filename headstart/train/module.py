@@ -23,7 +23,7 @@ from headstart.models.llama import LlamaForCausalLM
 from headstart.nn.attention import PackedCausalAttention, packed_metadata
 from headstart.nn.parallel import SINGLE, TensorParallel
 from headstart.precompute.shards import from_fp8
-from headstart.train.losses import LossParts, distill, distill_steps, loss_chunk_rows
+from headstart.train.losses import LossParts, distill, distill_steps, loss_chunk_rows, objective
 from headstart.train.ttt import unroll
 
 CHAIN_HEADS = ("mtp", "eagle1", "deepseek_mtp", "eagle3")
@@ -65,10 +65,25 @@ def group_target_forward(target: LlamaForCausalLM, batch: PackedBatch, aux_layer
     return PackedBatch(mine.input_ids, mine.seq_lens, mine.hidden, mine.aux_hidden, batch.loss_mask)
 
 
+def compiler_failure(e: BaseException) -> bool:
+    """Whether `e` is torch.compile failing (dynamo / inductor / a backend), not the computation: an out of
+    memory, a bad batch or an error of the head itself is raised as it is, compiled or not."""
+    from torch._dynamo.exc import BackendCompilerFailed, TorchDynamoException
+
+    if isinstance(e, torch.OutOfMemoryError) or isinstance(getattr(e, "inner_exception", None),
+                                                           torch.OutOfMemoryError):
+        return False
+    if isinstance(e, (TorchDynamoException, BackendCompilerFailed)):
+        return True
+    return (type(e).__module__ or "").startswith(("torch._dynamo", "torch._inductor"))
+
+
 class Compiled:
     """A head method run through torch.compile, or eagerly from the first call that fails to compile: the
-    failure is reported once (which method, why) and training goes on. Train-time only: the engine and
-    saving read the module's own method."""
+    failure is reported once (which method, why) and training goes on. Any other error of the compiled
+    call (CUDA out of memory, a bad batch) is raised as it is and compile stays on: an eager retry would
+    fail the same way and a compile failure would be reported that never happened. Train-time only: the
+    engine and saving read the module's own method."""
 
     def __init__(self, fn: Any, what: str) -> None:
         self.eager, self.what = fn, what
@@ -79,7 +94,9 @@ class Compiled:
             return self.eager(*args, **kwargs)
         try:
             return self.compiled(*args, **kwargs)
-        except Exception as e:  # noqa: BLE001 - any compiler failure: fall back, say which and why
+        except Exception as e:  # noqa: BLE001 - a compiler failure: fall back, say which and why
+            if not compiler_failure(e):
+                raise
             self.compiled = None
             reason = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
             print(f"train.compile: {self.what} runs eagerly: it did not compile ({type(e).__name__}: {reason})",
@@ -233,7 +250,7 @@ class HeadModule(L.LightningModule):
         batch = PackedBatch(batch.input_ids.to(device, non_blocking=True), batch.seq_lens, hidden, aux,
                             batch.loss_mask.cpu() if batch.loss_mask is not None else None)
         head, w = head or self.head, self.cfg.loss_weights
-        kind = head.config.head_type
+        kind, lk = head.config.head_type, self.cfg.loss != "kl"
         per_step: list[LossParts] = []
         chunk = self._loss_chunk(head, batch)
         if kind in CHAIN_HEADS:
@@ -243,26 +260,26 @@ class HeadModule(L.LightningModule):
             # Step j supervises the rows whose token is supervised and that have j predecessors (ttt.unroll).
             supervised, pos = sh.token_mask.cpu() > 0, packed_metadata(sh.seq_lens).positions
             rows = [torch.nonzero(supervised & (pos >= j)).flatten() for j in range(len(outs))]
-            per_step = distill_steps(head, outs, target_h, rows, feat_t, chunk, w.kl > 0, with_stats)
+            per_step = distill_steps(head, outs, target_h, rows, feat_t, chunk, w.kl > 0, with_stats, lk)
         elif kind == "medusa":
             states, sh = head.train_forward(batch)  # (N, k, d)
             mask = sh.token_mask.cpu() > 0  # host: the rows are chosen without a sync
             for j in range(states.shape[1]):
                 target_h = batch.hidden[sh.target_rows[:, j].to(device, non_blocking=True)]
                 rows = torch.nonzero(mask[:, j]).flatten()
-                per_step.append(distill(head, states[:, j], target_h, rows, None, chunk, with_stats=with_stats))
+                per_step.append(distill(head, states[:, j], target_h, rows, None, chunk, with_stats=with_stats, lk=lk))
         elif kind == "dflash":
             return self._block_losses(head, batch, with_stats, same_in_group)
         else:  # draft_lm: KL to the target's next-token distribution
             h, sh = head.train_forward(batch)
             rows = torch.nonzero(sh.token_mask.cpu() > 0).flatten()
             target_h = batch.hidden[sh.target_rows.to(device, non_blocking=True)]
-            per_step.append(distill(head, h, target_h, rows, None, chunk, with_stats=with_stats))
+            per_step.append(distill(head, h, target_h, rows, None, chunk, with_stats=with_stats, lk=lk))
         d = head.config.hidden_size
         total = torch.zeros((), device=device)
         for j, part in enumerate(per_step):
             n = max(part.rows, 1)
-            step_loss = w.kl * part.kl / n + w.feature * part.feature / (n * d)
+            step_loss = w.kl * self._objective(part) + w.feature * part.feature / (n * d)
             total = total + (self.cfg.ttt_decay ** j if kind in CHAIN_HEADS else 1.0) * step_loss
         stats: dict[str, Any] = {"rows": [p.rows for p in per_step], "tokens": int(batch.input_ids.numel())}
         if with_stats:  # host syncs: only when asked
@@ -270,6 +287,11 @@ class HeadModule(L.LightningModule):
                          mass=[float(p.mass) for p in per_step],
                          kl=[float(p.kl.detach()) / max(p.rows, 1) for p in per_step])
         return total, stats
+
+    def _objective(self, part: LossParts) -> torch.Tensor:
+        """A step's distribution loss per supervised row (train.loss: kl or an LK loss)."""
+        loss = "lk_lambda" if self.cfg.loss == "lk" else self.cfg.loss
+        return objective(part, loss, self.cfg.lk_kl_scale, self.cfg.lk_kl_decay)
 
     def _loss_chunk(self, head: DraftHead, batch: PackedBatch) -> int:
         """Rows per loss chunk on this batch's device; the TTT steps of a chain head share each chunk."""
@@ -308,10 +330,13 @@ class HeadModule(L.LightningModule):
         target_h = batch.hidden[(rows - 1).to(device, non_blocking=True)]
         for i in range(1, bs):
             sel = torch.nonzero(mask & (slot == i)).flatten()
-            per_step.append(distill(head, h, target_h, sel, None, chunk, with_stats=with_stats))
+            per_step.append(distill(head, h, target_h, sel, None, chunk, with_stats=with_stats,
+                                    lk=self.cfg.loss != "kl"))
         n = max(sum(p.rows for p in per_step), 1)
         gamma = self.cfg.block_decay_gamma
-        total = sum(math.exp(-(i - 1) / gamma) * p.kl for i, p in enumerate(per_step, start=1)) / n
+        # slot i's loss per row, times its rows (kl: its summed KL), over every supervised slot
+        total = sum(math.exp(-(i - 1) / gamma) * p.rows * self._objective(p)
+                    for i, p in enumerate(per_step, start=1)) / n
         stats: dict[str, Any] = {"rows": [p.rows for p in per_step], "tokens": tokens}
         if with_stats:
             stats.update(correct=[float(p.correct) for p in per_step], accept=[float(p.accept) for p in per_step],

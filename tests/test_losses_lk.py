@@ -1,0 +1,139 @@
+"""The LK losses (train.loss: lk_alpha / lk_lambda; arXiv 2602.23881): the acceptance rate
+a = sum_x min(p(x), q(x)) computed in the chunked loss path, its value and gradient against a direct
+computation by autograd, with and without a draft vocabulary, and the module's combination."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from headstart.config import ConfigError, recipe_from_dict
+from headstart.heads import HeadConfig, PackedBatch, build_head, build_vocab_maps
+from headstart.models.llama import load_llama
+from headstart.train.losses import LossParts, distill, distill_steps, objective, target_logits
+from headstart.train.module import target_forward
+
+
+@pytest.fixture(scope="module")
+def target(tmp_path_factory):
+    from tiny_models import make_hf_model
+
+    d = tmp_path_factory.mktemp("target")
+    make_hf_model("llama", d, seed=5, vocab_size=512)
+    return load_llama(d, "fp32")
+
+
+def _batch(target, lens=(11, 7, 14), seed=0):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(2, target.config.vocab_size, (sum(lens),), generator=g)
+    mask = (torch.rand(sum(lens), generator=g) > 0.3).to(torch.uint8)
+    return target_forward(target, PackedBatch(ids, list(lens), None, None, mask), [0, 1, 2])
+
+
+def _draft_vocab_head(target):
+    head = build_head(HeadConfig(head_type="eagle3", aux_layer_ids=[0, 1, 2], draft_vocab_size=96), target)
+    d2t, _ = build_vocab_maps(torch.arange(512, 0, -1).float(), 96)
+    d2t = d2t + 7 * (torch.arange(96) >= 40)  # a non-trivial map
+    t2d = torch.zeros(512, dtype=torch.bool)
+    t2d[torch.arange(96) + d2t] = True
+    head.set_vocab_maps(d2t, t2d)
+    return head, torch.arange(96) + d2t
+
+
+@pytest.mark.parametrize("vocab", ["full", "draft"])
+def test_acceptance_and_its_log_equal_the_direct_formula_with_their_gradients(target, vocab):
+    """Chunks of 3 rows; a with a draft vocabulary reads the target's full distribution on the draft
+    tokens, not renormalised (its mass outside them is never accepted)."""
+    if vocab == "full":
+        head, ids = build_head(HeadConfig(head_type="mtp"), target), None
+    else:
+        head, ids = _draft_vocab_head(target)
+    b = _batch(target)
+    rows = torch.tensor([0, 3, 4, 9, 10, 20, 30])
+    for which in ("alpha", "neglog_alpha"):
+        hh = (torch.randn(b.input_ids.numel(), 64, generator=torch.Generator().manual_seed(1)) * 2).requires_grad_()
+        part = distill(head, hh, b.hidden, rows, None, chunk=3, with_stats=False, lk=True)
+        getattr(part, which).backward()
+        chunked = hh.grad.clone()
+        hh.grad = None
+        q = torch.softmax(head.compute_logits(hh[rows]), -1)
+        p = torch.softmax(target_logits(head, b.hidden[rows]), -1)
+        p = p if ids is None else p[:, ids]
+        a = torch.minimum(p, q).sum(-1)
+        direct = a.sum() if which == "alpha" else -a.log().sum()
+        direct.backward()
+        torch.testing.assert_close(getattr(part, which), direct.detach(), rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(chunked, hh.grad, rtol=1e-4, atol=1e-7)
+        assert float(chunked.abs().sum()) > 0
+    if ids is not None:  # below the mass the target puts on the draft tokens
+        assert float(part.alpha.detach()) < float(p.sum())
+
+
+def test_the_kl_path_computes_no_acceptance(target):
+    head = build_head(HeadConfig(head_type="mtp"), target)
+    b = _batch(target)
+    part = distill(head, torch.randn(b.input_ids.numel(), 64), b.hidden, torch.arange(10), None, chunk=4)
+    assert float(part.alpha) == 0 and float(part.neglog_alpha) == 0 and float(part.kl.detach()) > 0
+
+
+def test_lk_lambda_weighs_kl_and_tv_by_the_detached_mean_acceptance():
+    kl = torch.tensor(6.0, requires_grad=True)
+    alpha = torch.tensor(1.5, requires_grad=True)
+    part = LossParts(kl, torch.zeros(()), 3, alpha=alpha, neglog_alpha=torch.tensor(2.4))
+    loss = objective(part, "lk_lambda", kl_scale=0.9, kl_decay=3.0)
+    lam = 0.9 * torch.exp(torch.tensor(-3.0 * 0.5))
+    torch.testing.assert_close(loss, lam * 2.0 + (1 - lam) * 0.5)
+    loss.backward()
+    torch.testing.assert_close(kl.grad, lam / 3)  # no gradient through the weight
+    torch.testing.assert_close(alpha.grad, -(1 - lam) / 3)
+    assert float(objective(part, "lk_alpha")) == pytest.approx(0.8)
+    assert float(objective(part, "kl")) == pytest.approx(2.0)
+    empty = LossParts(torch.zeros(()), torch.zeros(()), 0)
+    assert float(objective(empty, "lk_lambda", 0.5)) == 0.0  # no supervised row: no loss
+
+
+def _losses(target, b, loss, head_type="eagle3", **train):
+    from headstart.train.module import HeadModule
+
+    torch.manual_seed(0)
+    cfg = HeadConfig(head_type=head_type, aux_layer_ids=[0, 1, 2] if head_type in ("eagle3", "dflash") else None,
+                     block_size=4 if head_type == "dflash" else None)
+    head = build_head(cfg, target)
+    recipe = recipe_from_dict({"train": {"ttt_steps": 2, "loss": loss, **train},
+                               "head": {"type": head_type}})
+    module = HeadModule(recipe, target, head)
+    total, stats = module.losses(b, with_stats=True)
+    total.backward()
+    return total, stats, [p.grad.clone() for p in head.trainable_parameters() if p.grad is not None]
+
+
+@pytest.mark.parametrize("head_type", ["eagle3", "mtp", "medusa", "dflash"])
+def test_the_module_trains_each_lk_loss_as_documented(target, head_type):
+    """TTT 2: sum_j decay^j * objective_j for chain heads; each loss moves the head's weights; lk is lk_lambda;
+    the logged KL and acceptance are the same statistics whatever the loss."""
+    b = _batch(target, lens=(40, 33, 50) if head_type == "dflash" else (11, 7, 14))
+    kl, kl_stats, _ = _losses(target, b, "kl", head_type)
+    alpha, a_stats, g_alpha = _losses(target, b, "lk_alpha", head_type)
+    lam, _, g_lam = _losses(target, b, "lk_lambda", head_type)
+    lk, _, g_lk = _losses(target, b, "lk", head_type)
+    torch.testing.assert_close(lk, lam)
+    assert all(torch.equal(x, y) for x, y in zip(g_lk, g_lam))
+    assert float(alpha) > 0 and float(kl) > 0 and float(lam) != float(kl)
+    assert g_alpha and all(torch.isfinite(g).all() for g in g_alpha)
+    assert kl_stats["accept"] == pytest.approx(a_stats["accept"]) and kl_stats["kl"] == pytest.approx(a_stats["kl"])
+    if head_type in ("eagle3", "mtp"):  # chain heads: the decayed sum of the steps' mean -log a
+        rows, acc = a_stats["rows"], a_stats["accept"]
+        assert len(rows) == 2 and float(alpha) > -sum(0.8 ** j * torch.log(torch.tensor(acc[j] / rows[j]))
+                                                        for j in range(2)) - 1e-6  # Jensen: mean(-log a) >= -log mean a
+
+
+def test_the_recipe_names_a_bad_loss():
+    with pytest.raises(ConfigError, match="train.loss"):
+        recipe_from_dict({"train": {"loss": "tv"}})
+    with pytest.raises(ConfigError, match="train.lk_kl_scale"):
+        recipe_from_dict({"train": {"loss": "lk", "lk_kl_scale": 0}})
+    with pytest.raises(ConfigError, match="train.lk_kl_decay"):
+        recipe_from_dict({"train": {"loss": "lk", "lk_kl_decay": -1}})
+    with pytest.raises(ConfigError, match="kl weighs the distribution loss"):
+        recipe_from_dict({"train": {"loss": "lk_alpha", "loss_weights": {"kl": 0, "feature": 1}}})
+    assert recipe_from_dict({"train": {"loss": "lk"}}).train.lk_kl_decay == 3.0
