@@ -184,6 +184,10 @@ class RegenerateConfig:
     limit: int | None = None  # read only the first N rows of the source (None: data.limit)
     max_turns: int | None = None  # keep each conversation up to its N-th assistant turn (None: all turns)
     max_prompt_tokens: int | None = None  # skip conversations whose first prompt is longer (None: no limit)
+    # stop a conversation at the first turn whose prompt (the conversation so far, templated) reaches this
+    # many tokens, keeping the turns before it: training cuts at data.max_length, so later turns would
+    # only cost decoding (None: every turn)
+    max_context_tokens: int | None = None
     temperature: float = 0.0
     top_p: float = 1.0
     max_tokens: int = 512  # per assistant turn
@@ -201,6 +205,8 @@ class RegenerateConfig:
         _require(self.limit is None or self.limit > 0, "regenerate.limit", "must be > 0 or null")
         _require(self.max_turns is None or self.max_turns > 0, "regenerate.max_turns", "must be > 0 or null")
         _require(self.max_prompt_tokens is None or self.max_prompt_tokens > 0, "regenerate.max_prompt_tokens",
+                 "must be > 0 or null")
+        _require(self.max_context_tokens is None or self.max_context_tokens > 0, "regenerate.max_context_tokens",
                  "must be > 0 or null")
         _require(self.source is None or bool(self.source.strip()), "regenerate.source", "must not be empty")
 

@@ -160,3 +160,21 @@ def test_a_finished_run_grows_with_a_larger_limit(tmp_path, model_dir):
     assert [r["regenerated"]["limit"] for r in got] == [3] * 3 + [7] * 4
     run_file = out.with_name(out.name + ".run.json")
     assert json.loads(run_file.read_text())["limit"] == 7
+
+
+def test_max_context_tokens_stops_a_conversation_where_its_context_would_be_cut(tmp_path, model_dir):
+    """A later turn whose prompt reaches max_context_tokens is not decoded (training would cut it at
+    data.max_length), the turns before it are kept; the first turn is always regenerated."""
+    import dataclasses
+
+    recipe = _recipe(tmp_path, model_dir, "ctx")
+    for cut, replies in ((1, 1), (100_000, 2)):
+        r = dataclasses.replace(recipe, output_dir=str(tmp_path / f"ctx-{cut}"),
+                                regenerate=dataclasses.replace(recipe.regenerate, max_context_tokens=cut))
+        rows = [json.loads(x) for x in run_regenerate(r, progress=False).read_text().splitlines()]
+        assert len(rows) == 9
+        for row in rows:
+            roles = ["system", "human", "gpt", "human", "gpt"][:1 + 2 * replies]
+            assert [t["from"] for t in row["conversations"]] == roles
+            assert row["regenerated"]["max_context_tokens"] == cut
+            assert len(row["regenerated"]["finish_reasons"]) == replies

@@ -158,13 +158,16 @@ def _run(recipe: Recipe, engine: Any, out: Path, partial: Path, run_file: Path, 
                   "temperature": cfg.temperature, "top_p": cfg.top_p, "max_tokens": cfg.max_tokens,
                   "seed": recipe.seed, "source": source, "limit": limit, "max_turns": cfg.max_turns,
                   "max_prompt_tokens": cfg.max_prompt_tokens}
+    if cfg.max_context_tokens is not None:  # recorded only when set: earlier runs' records stay resumable
+        provenance["max_context_tokens"] = cfg.max_context_tokens
     if cfg.engine != "headstart":  # recorded only when not ours: earlier runs' records stay resumable
         provenance["engine"] = cfg.engine
     if partial.stat().st_size or run_file.exists():
         if not resume:
             raise DataError(f"{partial} holds an unfinished run; pass --resume to continue it")
         prev = read_json_object(run_file, "run record") if run_file.exists() else {}
-        diff = [k for k, v in {**provenance, "engine": provenance.get("engine")}.items()
+        diff = [k for k, v in {**provenance, "engine": provenance.get("engine"),
+                               "max_context_tokens": provenance.get("max_context_tokens")}.items()
                 if prev.get(k) != v and not (k == "limit" and _larger(v, prev.get(k)))]
         if diff:
             raise DataError(f"{partial} was made with a different {', '.join(diff)}; refusing to resume")
@@ -217,7 +220,9 @@ def _regenerate_chunk(engine: Any, convs: list[dict[str, Any]], cfg: Any, seed: 
                 st["out"].append(msgs[st["pos"]])
                 st["pos"] += 1
             turn = sum(m["role"] == "assistant" for m in st["out"])
-            if cfg.max_turns is not None and turn >= cfg.max_turns:
+            too_long = (cfg.max_context_tokens is not None and turn > 0 and st["pos"] < len(msgs)
+                        and len(engine.encode(st["out"])) >= cfg.max_context_tokens)
+            if (cfg.max_turns is not None and turn >= cfg.max_turns) or too_long:
                 st["pos"] = len(msgs)  # the rest of the conversation is dropped, not kept stale
                 while st["out"] and st["out"][-1]["role"] != "assistant":
                     st["out"].pop()
