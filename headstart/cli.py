@@ -213,7 +213,11 @@ def main(argv: list[str] | None = None) -> int:
 
     if argv is not None:  # a library call: nothing about the process is ours to decide
         return _main(argv)
-    install_signal_handlers()  # the command line itself: SIGTERM and Ctrl-C always end it
+    try:
+        install_signal_handlers()  # the command line itself: SIGTERM and Ctrl-C always end it
+    except HeadstartError as e:  # a bad HEADSTART_TERM_GRACE_S: one line, before any verb (even --help)
+        print(f"headstart: error: {e}", file=sys.stderr)
+        return 2
     try:
         code = _main(None)
     except SystemExit as e:  # argparse; Lightning's sys.exit(1) after SIGTERM / Ctrl-C during fit

@@ -31,6 +31,9 @@ class Terminated(KeyboardInterrupt):
     """SIGTERM, raised in the main thread like Ctrl-C's KeyboardInterrupt (cleanups run on both)."""
 
 
+MAX_SECONDS = 1e8  # ~3 years: any longer wait is a typo (and overflows a timedelta near 1e14)
+
+
 def _seconds(name: str, default: float) -> float:
     text = os.environ.get(name)
     if text is None:
@@ -39,8 +42,8 @@ def _seconds(name: str, default: float) -> float:
         value = float(text)
     except ValueError:
         value = float("nan")
-    if not (value > 0 and value != float("inf")):
-        raise ConfigError(f"{name}={text[:40]!r}: expected a positive number of seconds")
+    if not (0 < value <= MAX_SECONDS):  # nan fails too
+        raise ConfigError(f"{name}={text[:40]!r}: expected a positive number of seconds (at most {MAX_SECONDS:.0e})")
     return value
 
 

@@ -6,6 +6,8 @@ import json
 import shutil
 from pathlib import Path
 
+import pytest
+
 from conftest import fails_with_one_line, random_conversations, write_jsonl
 
 from headstart.cli import main
@@ -214,3 +216,25 @@ def test_launched_ranks_reads_world_size_or_says_one(monkeypatch):
         assert launched_ranks() == ranks, text
     monkeypatch.delenv("WORLD_SIZE")
     assert launched_ranks() == 1
+
+
+def test_a_bad_wait_setting_is_one_line_for_every_verb_even_help(monkeypatch):
+    """HEADSTART_TERM_GRACE_S is read before any verb (the signal handlers): a bad value is one line and
+    exit 2, even for --version; an absurd HEADSTART_RENDEZVOUS_TIMEOUT_S is named, not an OverflowError."""
+    import os
+    import subprocess
+    import sys
+
+    from headstart.errors import ConfigError
+    from headstart.launch import _seconds
+
+    for value in ("abc", "-1", "nan", "", "1e300"):
+        env = {**os.environ, "PYTHONPATH": str(ROOT), "HEADSTART_TERM_GRACE_S": value}
+        p = subprocess.run([sys.executable, "-m", "headstart.cli", "--version"], env=env, text=True,
+                           capture_output=True, timeout=120, stdin=subprocess.DEVNULL)
+        assert p.returncode == 2 and "Traceback" not in p.stderr, (value, p.stderr)
+        assert p.stderr.strip().splitlines() == [f"headstart: error: HEADSTART_TERM_GRACE_S={value!r}: expected a "
+                                                 "positive number of seconds (at most 1e+08)"], p.stderr
+    monkeypatch.setenv("HEADSTART_RENDEZVOUS_TIMEOUT_S", "1e300")
+    with pytest.raises(ConfigError, match="HEADSTART_RENDEZVOUS_TIMEOUT_S='1e300'"):
+        _seconds("HEADSTART_RENDEZVOUS_TIMEOUT_S", 300.0)
