@@ -7,7 +7,6 @@ import shutil
 from pathlib import Path
 
 import pytest
-
 from conftest import fails_with_one_line, random_conversations, write_jsonl
 
 from headstart.cli import main

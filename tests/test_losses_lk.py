@@ -10,7 +10,7 @@ import torch
 from headstart.config import ConfigError, recipe_from_dict
 from headstart.heads import HeadConfig, PackedBatch, build_head, build_vocab_maps
 from headstart.models.llama import load_llama
-from headstart.train.losses import LossParts, distill, distill_steps, objective, target_logits
+from headstart.train.losses import LossParts, distill, objective, target_logits
 from headstart.train.module import target_forward
 
 
