@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import argparse
+import errno
+import os
 import sys
 
 from headstart import __version__, commands
@@ -254,6 +256,19 @@ def _main(argv: list[str] | None) -> int:
     except KeyboardInterrupt:
         print("headstart: interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:  # `headstart plan RECIPE | head`: the reader left; say nothing more
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # the interpreter's last flush too
+        return 141
+    except OSError as e:  # the file system refused a write this verb made: where and why, in one line
+        if not (isinstance(e, PermissionError) or e.errno in _REFUSED_WRITES):
+            raise
+        where = f"{e.filename}: " if e.filename else ""
+        print(f"headstart: error: {where}{e.strerror or e} (check the output path's permissions and free "
+              "space)", file=sys.stderr)
+        return 2
+
+
+_REFUSED_WRITES = {errno.EROFS, errno.ENOSPC, errno.EDQUOT, errno.EACCES, errno.EPERM}
 
 
 if __name__ == "__main__":

@@ -237,3 +237,34 @@ def test_a_bad_wait_setting_is_one_line_for_every_verb_even_help(monkeypatch):
     monkeypatch.setenv("HEADSTART_RENDEZVOUS_TIMEOUT_S", "1e300")
     with pytest.raises(ConfigError, match="HEADSTART_RENDEZVOUS_TIMEOUT_S='1e300'"):
         _seconds("HEADSTART_RENDEZVOUS_TIMEOUT_S", 300.0)
+
+
+def test_a_closed_pipe_and_a_refused_write_end_in_one_line(tmp_path, capsys, monkeypatch):
+    """`headstart plan RECIPE | head` ends quietly when the reader leaves; a write the file system refuses
+    (permissions, read-only, full) names the path in one line, no traceback; other errors are not hidden."""
+    import errno
+    import subprocess
+    import sys
+
+    from headstart import cli
+
+    script = ("import sys\nfrom headstart import cli, commands\n"  # a verb that prints more than a pipe holds
+              "commands.cmd_plan = lambda args: [print('x' * 99) for _ in range(100_000)] and 0\n"
+              "sys.argv = ['headstart', 'plan', 'r.yaml']\nsys.exit(cli.main())\n")
+    (tmp_path / "verb.py").write_text(script)
+    line = f"{sys.executable} {tmp_path / 'verb.py'} | head -1; echo \"rc=${{PIPESTATUS[0]}}\""
+    p = subprocess.run(["bash", "-c", line], text=True, capture_output=True, timeout=300,
+                       env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(ROOT)})
+    assert p.stdout.splitlines() == ["x" * 99, "rc=141"], p.stdout[-300:]
+    assert "Traceback" not in p.stderr and "BrokenPipe" not in p.stderr, p.stderr
+    for exc in (PermissionError(errno.EACCES, "Permission denied", str(tmp_path / "out" / "config.json")),
+                OSError(errno.ENOSPC, "No space left on device", str(tmp_path / "x"))):
+        def refused(args, exc=exc):
+            raise exc
+        monkeypatch.setattr(cli.commands, "cmd_export", refused)
+        assert cli.main(["export", "h", "--format", "vllm", "--out", str(tmp_path / "out")]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and err[0].startswith(f"headstart: error: {exc.filename}: {exc.strerror}"), err
+    monkeypatch.setattr(cli.commands, "cmd_export", lambda args: (_ for _ in ()).throw(FileNotFoundError("bug")))
+    with pytest.raises(FileNotFoundError):
+        cli.main(["export", "h", "--format", "vllm", "--out", str(tmp_path / "out")])
