@@ -229,3 +229,80 @@ def test_a_quantisation_we_cannot_read_is_refused_by_name(deepseek, tmp_path, qu
     with pytest.raises(AssetError, match=named) as e:
         load_target(d, "fp32")
     assert str(d / "config.json") in str(e.value) and "dequantise" in str(e.value)
+
+
+def _edit_scale(value):
+    def damage(d: Path) -> None:
+        tensors = load_file(d / "model.safetensors")
+        name = "model.layers.1.self_attn.kv_b_proj.weight_scale_inv"
+        s = tensors[name].clone()
+        if value == "int":
+            s = s.to(torch.int32)
+        else:
+            s[0, 0] = value
+        tensors[name] = s
+        save_file(tensors, d / "model.safetensors")
+    return damage
+
+
+def _as_e5m2(d: Path) -> None:
+    tensors = load_file(d / "model.safetensors")
+    name = "model.layers.1.self_attn.kv_b_proj.weight"
+    tensors[name] = tensors[name].float().to(torch.float8_e5m2)
+    save_file(tensors, d / "model.safetensors")
+
+
+@pytest.mark.parametrize("damage, named", [
+    (_edit_scale(float("nan")), r"kv_b_proj\.weight_scale_inv' holds 1 block scale\(s\) that are not finite and "
+                                r"positive \(e\.g\. nan\)"),
+    (_edit_scale(0.0), r"not finite and positive \(e\.g\. 0\.0\)"),  # over nonzero weights
+    (_edit_scale(-1.0), r"not finite and positive \(e\.g\. -1\.0\)"),
+    (_edit_scale("int"), r"kv_b_proj\.weight_scale_inv' has dtype torch\.int32"),
+    (_as_e5m2, r"kv_b_proj\.weight' is torch\.float8_e5m2 but quantization_config\.fmt declares "
+               r"torch\.float8_e4m3fn"),
+])
+def test_damaged_scales_and_a_mislabelled_format_are_refused_not_decoded_as_garbage(deepseek, tmp_path, damage,
+                                                                                    named):
+    d = _fp8_copy(deepseek, tmp_path / "damaged")
+    damage(d)
+    with pytest.raises(AssetError, match=named):
+        load_target(d, "fp32")
+
+
+def test_a_released_fp8_mtp_layer_imports_as_its_dequantised_values(deepseek, tmp_path):
+    """`headstart import --format deepseek-mtp` of an MTP layer shipped in block-scaled FP8 (DeepSeek-V3/R1
+    as released) gives the head the same checkpoint dequantised gives; its damaged scales are refused."""
+    from headstart.export import export_head, import_head
+    from headstart.heads import HeadConfig, build_head
+
+    target = load_target(deepseek / "plain", "fp32")
+    torch.manual_seed(0)
+    head = build_head(HeadConfig(head_type="deepseek_mtp", postnorm_features=True), target)
+    with torch.no_grad():  # no all-zero block (a zero block has a zero scale, which this test damages below)
+        for p in head.parameters():
+            p.add_(0.01 * torch.randn_like(p))
+    export_head(head, target, "deepseek-mtp", tmp_path / "bf")
+    tensors = load_file(tmp_path / "bf" / "model.safetensors")
+    fp8, ref = {}, {}
+    for name, t in tensors.items():
+        if _quantised(name, t):
+            fp8[name], fp8[name + "_scale_inv"] = quantise(t.float())
+            ref[name] = dequantise(fp8[name], fp8[name + "_scale_inv"])
+        else:
+            fp8[name] = ref[name] = t
+    assert sum(t.dtype == torch.float8_e4m3fn for t in fp8.values()) >= 8
+    cfg = json.loads((tmp_path / "bf" / "config.json").read_text())
+    for d, weights, extra in (("fp8", fp8, {"quantization_config": {"quant_method": "fp8", "fmt": "e4m3",
+                                                                     "weight_block_size": list(BLOCK)}}),
+                              ("ref", ref, {})):
+        (tmp_path / d).mkdir()
+        (tmp_path / d / "config.json").write_text(json.dumps({**cfg, **extra}))
+        save_file(weights, tmp_path / d / "model.safetensors")
+    got = import_head(tmp_path / "fp8", "deepseek-mtp", target, tmp_path / "got").state_dict()
+    want = import_head(tmp_path / "ref", "deepseek-mtp", target, tmp_path / "want").state_dict()
+    assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in got)
+    scale = next(n for n in fp8 if n.endswith("_scale_inv"))
+    fp8[scale] = fp8[scale] * float("nan")
+    save_file(fp8, tmp_path / "fp8" / "model.safetensors")
+    with pytest.raises(AssetError, match="not finite and positive"):
+        import_head(tmp_path / "fp8", "deepseek-mtp", target, tmp_path / "bad")

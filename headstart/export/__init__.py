@@ -21,7 +21,14 @@ from headstart.heads import FAMILIES, DraftHead, HeadConfig, PackedBatch, is_hea
 from headstart.heads.base import EAGLE31_FLAGS, check_compatible
 from headstart.heads.checkpoint import NATIVE_MARK
 from headstart.models.llama import LlamaForCausalLM
-from headstart.models.loading import empty_weight_map
+from headstart.models.loading import (
+    SCALE_SUFFIX,
+    check_fp8_tensor,
+    dequantise_fp8,
+    empty_weight_map,
+    fp8_block_size,
+    fp8_format,
+)
 
 EXPORT_FORMATS = ("sglang", "vllm", "deepseek-mtp", "medusa", "hf", "native")
 IMPORT_FORMATS = ("sglang", "vllm", "eagle", "deepseek-mtp", "medusa", "hf")
@@ -174,6 +181,33 @@ def _load_tensors(src: Path, prefix: str | None = None) -> dict[str, torch.Tenso
     return tensors
 
 
+def _dequantised(tensors: dict[str, torch.Tensor], config: dict[str, Any], src: Path) -> dict[str, torch.Tensor]:
+    """Block-scaled FP8 weights (DeepSeek-V3/R1's MTP layer as released) in fp32, their scales dropped, as
+    the target loader reads them (models/loading.py); other tensors as they are."""
+    fp8 = [n for n, t in tensors.items() if t.dtype in (torch.float8_e4m3fn, torch.float8_e5m2)]
+    if not fp8:
+        return tensors
+    where = str(src / "config.json")
+    block = fp8_block_size(config, where)
+    if block is None:
+        raise AssetError(f"{where}: the weights are FP8 but there is no quantization_config giving their "
+                         "weight_block_size; add it (DeepSeek-V3's is [128, 128]) or dequantise first")
+    out = dict(tensors)
+    for name in fp8:
+        scale = out.pop(name + SCALE_SUFFIX, None)
+        if scale is None:
+            raise AssetError(f"{src}: tensor {name!r} is FP8 but the checkpoint has no {name + SCALE_SUFFIX!r}; "
+                             "cast without its block scales it would be silently wrong")
+        w = out[name]
+        blocks = (-(-w.shape[0] // block[0]), -(-w.shape[1] // block[1])) if w.ndim == 2 else None
+        if blocks is None or tuple(scale.shape) != blocks:
+            raise AssetError(f"{src}: {name + SCALE_SUFFIX!r} has shape {tuple(scale.shape)}, but {name!r} "
+                             f"{tuple(w.shape)} in blocks of {list(block)} needs {blocks}")
+        check_fp8_tensor(name, w, scale, fp8_format(config), str(src), block)
+        out[name] = dequantise_fp8(w, scale, block)
+    return out
+
+
 def _read_back(layout: Layout, src: Path, target: LlamaForCausalLM, *,
                allow_other_target: bool = False) -> DraftHead:
     """Checkpoint directory -> a head on `target`, every tensor name, shape, dtype and value checked."""
@@ -189,7 +223,7 @@ def _read_back(layout: Layout, src: Path, target: LlamaForCausalLM, *,
     if found is not None:
         raise AssetError(f"{src}: not a {layout.name} checkpoint: found {found}")
     _check_target(config, target, src, allow_other_target)
-    tensors = layout.tensor_names(config, _load_tensors(src, layout.tensor_prefix(config)))
+    tensors = layout.tensor_names(config, _dequantised(_load_tensors(src, layout.tensor_prefix(config)), config, src))
     if not tensors:
         raise AssetError(f"{src}: no tensors under {layout.tensor_prefix(config)!r}")
     _check_finite(tensors, str(src))

@@ -214,6 +214,10 @@ class _Fp8:
         return block
 
     @cached_property
+    def format(self) -> torch.dtype:
+        return fp8_format(json.loads(self.config.read_text()) if self.config.is_file() else {})
+
+    @cached_property
     def where(self) -> dict[str, Path]:
         """Tensor name -> the file holding it (the index's weight_map, or every file's header)."""
         index = self.model_dir / "model.safetensors.index.json"
@@ -252,7 +256,43 @@ class _Fp8:
                                  f"{name!r} {shape} in blocks of {list(b)} needs {blocks}; is "
                                  f"{self.config.name}'s weight_block_size the right one?")
             scale = sl[tuple(lead + [slice(lo // b[dim], -(-hi // b[dim]))])]
+        check_fp8_tensor(name, weight, scale, self.format, path.name, b)  # the slice starts on a block edge
         return dequantise_fp8(weight, scale, b).narrow(dim, start - lo, length)
+
+
+FP8_FORMATS = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
+
+
+def fp8_format(cfg: dict[str, Any]) -> torch.dtype:
+    """The FP8 dtype config.json's quantization_config.fmt names (default e4m3, as DeepSeek ships)."""
+    return FP8_FORMATS[(cfg.get("quantization_config") or {}).get("fmt", "e4m3")]
+
+
+def check_fp8_tensor(name: str, weight: torch.Tensor, scale_inv: torch.Tensor, expected: torch.dtype,
+                     where: str, block: tuple[int, int] | None = None) -> None:
+    """An FP8 weight in the format config.json declares, with finite positive floating-point block scales
+    (zero only over a block of zeros): anything else dequantises to garbage (NaN scales decode empty text)
+    without an error. `block`: the weight's block size (None: a zero scale is refused outright)."""
+    if weight.dtype != expected:
+        raise AssetError(f"{where}: {name!r} is {weight.dtype} but quantization_config.fmt declares {expected}; "
+                         "the bytes would be read in the wrong format: fix fmt or dequantise the checkpoint first")
+    if not scale_inv.is_floating_point() or scale_inv.dtype in FP8_FORMATS.values():
+        raise AssetError(f"{where}: {name + SCALE_SUFFIX!r} has dtype {scale_inv.dtype}; block scales are fp32 "
+                         "(or bf16 / fp16)")
+    s = scale_inv.float()
+    bad = ~(torch.isfinite(s) & (s >= 0))
+    if block is not None and weight.ndim == 2 and bool((s == 0).any()):  # a zero scale: only over zero weights
+        b0, b1 = block
+        rows, cols = weight.shape
+        nz = torch.zeros(s.shape[0] * b0, s.shape[1] * b1, dtype=torch.bool)
+        nz[:rows, :cols] = weight.float() != 0
+        bad |= (s == 0) & nz.view(s.shape[0], b0, s.shape[1], b1).any(3).any(1)
+    elif block is None:
+        bad |= s == 0
+    if bool(bad.any()):
+        value = scale_inv.float()[bad][0].item()
+        raise AssetError(f"{where}: {name + SCALE_SUFFIX!r} holds {int(bad.sum())} block scale(s) that are not "
+                         f"finite and positive (e.g. {value}); the checkpoint is damaged: restore it from the original")
 
 
 def dequantise_fp8(weight: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
