@@ -140,7 +140,7 @@ FAMILIES = {
     "eagle3-no-norm-output": ("chain", "eagle3", 0.2),
     "eagle3-norm-before-fc": ("chain", "eagle3", 0.05),
     "eagle3-full-vocab": ("chain", "eagle3", 0.2),
-    "eagle1": ("chain", "eagle", 0.05),
+    "eagle1": ("chain", "eagle", 0.1),
     "medusa": ("medusa", "medusa", None),
     "dflash": ("block", "dflash", None),
     "draft-model": ("draft", "draft_model", 0.8),
@@ -162,19 +162,31 @@ def _variant(shipped, target, out: Path, **changes):
     return save_head(head, out)
 
 
-def _eagle1(target):
-    """An EAGLE-1 head as vLLM builds it (no fc bias) from the target's last layer, its fusion at the
-    identity over the features, moved off that start so a swapped or missing tensor shows: it drafts the
-    target's own next token one position back, which repetitive text accepts."""
+def _eagle1(target, prompts, answers):
+    """An EAGLE-1 head as vLLM builds it (no fc bias), trained 30 steps (TTT 2) on the prompts' own greedy
+    answers: every weight moves off its target-copied start, so a swapped, missing or misread tensor
+    shows, and it accepts enough (~0.2 at the first position) for the comparison to have power."""
     import torch
 
-    from headstart.heads import HeadConfig, build_head
+    from headstart.config import recipe_from_dict
+    from headstart.heads import HeadConfig, PackedBatch, build_head
+    from headstart.train.module import HeadModule, target_forward
 
+    torch.manual_seed(0)
     head = build_head(HeadConfig(head_type="eagle1", fc_bias=False), target, init_from_target=True)
-    gen = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        for p in head.trainable_parameters():  # the projections a copied layer starts at zero move too
-            p.add_(0.01 * (float(p.abs().mean()) or 0.1) * torch.randn(p.shape, generator=gen))
+    seqs = [p + a for p, a in zip(prompts, answers)]
+    ids = torch.tensor([t for s in seqs for t in s])
+    mask = torch.tensor([int(i >= len(p)) for p, s in zip(prompts, seqs) for i in range(len(s))], dtype=torch.uint8)
+    recipe = recipe_from_dict({"train": {"ttt_steps": 2, "loss_weights": {"kl": 1.0, "feature": 0.0}},
+                               "head": {"type": "eagle1"}})
+    module = HeadModule(recipe, target, head)
+    batch = target_forward(target, PackedBatch(ids, [len(s) for s in seqs], None, None, mask), [])
+    opt = torch.optim.Adam(head.trainable_parameters(), lr=2e-3)
+    for _ in range(30):
+        loss, _ = module.losses(batch, with_stats=False)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
     return head
 
 
@@ -197,16 +209,16 @@ def both_engines(tmp_path_factory):
     plain = Engine(target, dtype="fp32")
     prompts = [plain.encode([{"role": "user", "content": t}]) for t in texts]
     shipped = load_head(SHIPPED, target)
+    params = SamplingParams(max_tokens=N_TOKENS, temperature=0.0)
+    ours = {"plain": [o.token_ids for o in plain.generate(prompts, params)]}
     heads = {"eagle31": SHIPPED,
              "eagle3-no-norm-output": _variant(shipped, target, tmp / "no-norm-output", norm_output=False),
              "eagle3-norm-before-fc": _variant(shipped, target, tmp / "norm-before-fc", fc_norm=False,
                                                norm_before_fc=True, norm_before_residual=True),
              "eagle3-full-vocab": _variant(shipped, target, tmp / "full-vocab", draft_vocab_size=None),
-             "eagle1": save_head(_eagle1(target), tmp / "eagle1"),
+             "eagle1": save_head(_eagle1(target, prompts, ours["plain"]), tmp / "eagle1"),
              "medusa": save_head(build_head(HeadConfig(head_type="medusa"), target), tmp / "medusa"),
              "dflash": save_head(build_head(HeadConfig(head_type="dflash"), target), tmp / "dflash")}
-    params = SamplingParams(max_tokens=N_TOKENS, temperature=0.0)
-    ours = {"plain": [o.token_ids for o in plain.generate(prompts, params)]}
     specs = {"plain": None}
     for name, (method, _, _) in FAMILIES.items():
         if name == "draft-model":  # the target drafting for itself: vLLM's draft_model from its own directory
