@@ -54,10 +54,35 @@ def torchrun_line(verb: str, recipe: str, overrides: list[str], flags: list[str]
     return shlex.join(["torchrun", *nodes, "--nproc-per-node", str(nproc), "-m", "headstart.cli", verb, *args])
 
 
+def launch_env() -> tuple[int, int]:
+    """(WORLD_SIZE, RANK) of this process's launch, checked: whole numbers, RANK below WORLD_SIZE, LOCAL_RANK
+    a whole number too; unset: one process, rank 0. A bad value is named here, before any verb works,
+    not met later as a ValueError in an import, a gloo RuntimeError or a rendezvous that waits for a rank
+    that cannot exist."""
+    env = os.environ
+
+    def whole(name: str, default: int) -> int:
+        text = env.get(name)
+        if text is None:
+            return default
+        if not (text.strip().isascii() and text.strip().isdigit()):
+            raise ConfigError(f"{name}={text[:20]!r} in the environment: expected a whole number >= 0 (torchrun "
+                              "sets it; unset it to run one process)")
+        return int(text)
+
+    world, rank = whole("WORLD_SIZE", 1), whole("RANK", 0)
+    whole("LOCAL_RANK", 0)
+    if rank >= max(world, 1):
+        raise ConfigError(f"RANK={rank} in the environment, but WORLD_SIZE={env.get('WORLD_SIZE', '(unset: 1)')}: "
+                          f"ranks are numbered 0..WORLD_SIZE-1; launch with torchrun, which sets both, or unset them")
+    return world, rank
+
+
 def check_world_size(verb: str, line: str | None = None) -> None:
     """WORLD_SIZE > 1 in the environment says several ranks, but only a launcher starts them: without
     one (no RANK / LOCAL_RANK / SLURM_PROCID) this process would run alone, or wait for ranks that
     never start. `line`: the launch command to suggest."""
+    launch_env()
     env = os.environ
     world = env.get("WORLD_SIZE")
     if world is None or world.strip() in ("", "1", "0"):
@@ -98,7 +123,7 @@ def rendezvous(timeout_s: float | None = None) -> None:
     import torch.distributed as dist
 
     env = os.environ
-    world, rank = int(env.get("WORLD_SIZE", "1")), int(env.get("RANK", "0"))
+    world, rank = launch_env()
     if world <= 1:
         return
     timeout = _seconds("HEADSTART_RENDEZVOUS_TIMEOUT_S", RENDEZVOUS_TIMEOUT_S) if timeout_s is None else timeout_s

@@ -3,6 +3,7 @@ torchrun, a rendezvous whose ranks never come, SIGTERM. Each ends with one clear
 traceback or a hang."""
 
 import json
+import re
 import shutil
 from pathlib import Path
 
@@ -268,3 +269,31 @@ def test_a_closed_pipe_and_a_refused_write_end_in_one_line(tmp_path, capsys, mon
     monkeypatch.setattr(cli.commands, "cmd_export", lambda args: (_ for _ in ()).throw(FileNotFoundError("bug")))
     with pytest.raises(FileNotFoundError):
         cli.main(["export", "h", "--format", "vllm", "--out", str(tmp_path / "out")])
+
+
+@pytest.mark.parametrize("env, named", [
+    ({"WORLD_SIZE": "-1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29511"}, "WORLD_SIZE='-1' in the environment"),
+    ({"WORLD_SIZE": "2", "RANK": "0", "LOCAL_RANK": "abc"}, "LOCAL_RANK='abc' in the environment"),
+    ({"WORLD_SIZE": "2", "RANK": "5", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29512"},
+     "RANK=5 in the environment, but WORLD_SIZE=2"),
+    ({"WORLD_SIZE": "1", "RANK": "3"}, "RANK=3 in the environment, but WORLD_SIZE=1"),
+    ({"RANK": "1"}, "WORLD_SIZE=(unset: 1)"),
+])
+def test_a_launch_environment_that_cannot_be_is_named_before_any_wait(monkeypatch, env, named):
+    """Every verb's launch checks (and the rendezvous, which would otherwise wait its whole timeout for a rank
+    that cannot exist) name the variable; a sound one passes."""
+    from headstart.errors import ConfigError
+    from headstart.launch import check_world_size, launch_env, rendezvous
+
+    for key in ("WORLD_SIZE", "RANK", "LOCAL_RANK"):
+        monkeypatch.delenv(key, raising=False)
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    for call in (launch_env, lambda: check_world_size("eval"), lambda: rendezvous(timeout_s=600)):
+        with pytest.raises(ConfigError, match=re.escape(named)):
+            call()
+    for key in ("RANK", "LOCAL_RANK"):
+        monkeypatch.delenv(key, raising=False)
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "1")
+    assert launch_env() == (2, 1)

@@ -153,12 +153,12 @@ def init_tensor_parallel(size: int, timeout_s: float = 1800.0,
     NCCL where CUDA is available, else gloo (a CPU run on a GPU machine passes gloo); `timeout_s`
     bounds every collective wait (a lost rank fails the others instead of hanging)."""
     import datetime
-    import os
 
     import torch.distributed as dist
 
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    rank = int(os.environ.get("RANK", "0"))
+    from headstart.launch import launch_env
+
+    world, rank = launch_env()
     if size < 1:
         raise ValueError(f"tensor-parallel size must be >= 1, got {size}")
     if world % size:

@@ -434,8 +434,10 @@ def join_tensor_parallel(size: int, devices: int, num_nodes: int, use_cuda: bool
 
     if size == 1:
         return SINGLE
+    from headstart.launch import launch_env
+
     world = devices * num_nodes
-    launched = int(os.environ.get("WORLD_SIZE", "0"))
+    launched = launch_env()[0] if "WORLD_SIZE" in os.environ else 0
     if world % size:
         raise ConfigError(f"engine.tensor_parallel {size} does not divide trainer.devices x trainer.num_nodes = "
                           f"{world}: set trainer.devices to a multiple of {size}")
@@ -459,13 +461,13 @@ def join_tensor_parallel(size: int, devices: int, num_nodes: int, use_cuda: bool
 def run_train(recipe: Recipe, *, resume: bool = False, progress: bool = True) -> dict[str, Any]:
     """Train the recipe's head; returns the last validation's metrics. The output_dir is checked
     before the target loads, and held by one run at a time (a second one refuses at once)."""
-    from headstart.plan import check_recipe_fits
-
     # Ranks torchrun (or a hand-set environment) started all come, or are named; a tensor-parallel run
     # meets when it joins its groups (join_tensor_parallel, after its own checks).
-    if "RANK" in os.environ and recipe.engine.tensor_parallel == 1:
-        from headstart.launch import rendezvous
+    from headstart.launch import launch_env, rendezvous
+    from headstart.plan import check_recipe_fits
 
+    launch_env()  # a bad WORLD_SIZE / RANK / LOCAL_RANK is named before anything loads
+    if "RANK" in os.environ and recipe.engine.tensor_parallel == 1:
         rendezvous()
     plan = check_recipe_fits(recipe, ("train", "validation"), torch.device(train_device(recipe.trainer)))  # first
     out = check_output_dir(recipe, resume)
