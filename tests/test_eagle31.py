@@ -5,6 +5,7 @@ Semantics against speculators' own model: test_serving.py; train == engine: test
 
 import itertools
 import json
+import re
 
 import pytest
 import torch
@@ -195,6 +196,13 @@ def test_sglangs_own_eagle3_config_is_read_as_sglang_reads_it(tmp_path, target):
     path.write_text(json.dumps(bare | {"norm_before_residual": "yes"}))
     with pytest.raises(AssetError, match="norm_before_residual must be true or false, got 'yes'"):
         import_head(tmp_path / "f", "sglang", target, tmp_path / "n3")
+    n = target.config.num_hidden_layers
+    for ids in ([-1, 0], [1, 0], [0, n]):  # named in SGLang's own numbers (the layer whose output it captures)
+        path.write_text(json.dumps(bare | {"eagle_config": {**bare["eagle_config"],
+                                                            "eagle_aux_hidden_state_layer_ids": ids}}))
+        with pytest.raises(AssetError, match=re.escape(f"eagle_aux_hidden_state_layer_ids {ids} must be distinct, "
+                                                       f"ascending layer ids in 0..{n - 1}")):
+            import_head(tmp_path / "f", "sglang", target, tmp_path / "n3")
     assert not (tmp_path / "n3").exists()
 
 

@@ -209,9 +209,13 @@ class SGLang(Layout):
         eagle3 = config["architectures"] == ["LlamaForCausalLMEagle3"]
         state = rename(join_fused(tensors), invert(self._rules("eagle3" if eagle3 else "eagle1")))
         if eagle3:
-            ids = config_ids(config_dict(config, "eagle_config").get("eagle_aux_hidden_state_layer_ids"),
-                             "eagle_config.eagle_aux_hidden_state_layer_ids")
+            key = "eagle_config.eagle_aux_hidden_state_layer_ids"
+            ids = config_ids(config_dict(config, "eagle_config").get("eagle_aux_hidden_state_layer_ids"), key)
             n = target.config.num_hidden_layers
+            if ids and (any(not 0 <= j < n for j in ids) or ids != sorted(set(ids))):  # in SGLang's own numbers
+                raise AssetError(f"config.json: {key} {ids[:8]} must be distinct, ascending layer ids in 0..{n - 1}: "
+                                 "SGLang names the layer whose OUTPUT it captures (e.g. [1, 14, 26] for a 30-layer "
+                                 "target)")
             aux = [j + 1 for j in ids] if ids else default_aux_layers(n)
             vocab = config_int(config, "draft_vocab_size")
             flags = {"fc_norm": config_bool(config, "fc_norm") or config_bool(config, "use_aux_norm"),
