@@ -374,3 +374,23 @@ def test_dflash_import_refuses_a_trained_lm_head_and_export_duplicate_aux_ids(ta
         HeadConfig(head_type="dflash", block_size=4.0)
     with pytest.raises(ConfigError, match="head.max_anchors"):
         recipe_from_dict({"head": {"type": "mtp", "max_anchors": 8}})
+
+
+def test_an_sglang_dflash_config_without_its_section_or_with_two_block_sizes_is_named(target, tmp_path):
+    import json
+
+    from headstart.errors import AssetError
+    from headstart.export import export_head, import_head
+
+    torch.manual_seed(0)
+    head = build_head(HeadConfig(head_type="dflash", aux_layer_ids=[1, 2], num_layers=2, block_size=4), target)
+    export_head(head, target, "sglang", tmp_path / "exp")
+    path = tmp_path / "exp" / "config.json"
+    bare = {k: v for k, v in json.loads(path.read_text()).items() if k != "headstart"}
+    for edited, reason in (({k: v for k, v in bare.items() if k != "dflash_config"}, "no dflash_config object"),
+                           ({**bare, "block_size": 6}, "block_size 6 and dflash_config.block_size 4 disagree")):
+        path.write_text(json.dumps(edited))
+        with pytest.raises(AssetError, match=reason):
+            import_head(tmp_path / "exp", "sglang", target, tmp_path / "back")
+    path.write_text(json.dumps(bare))
+    assert import_head(tmp_path / "exp", "sglang", target, tmp_path / "back").config.block_size == 4

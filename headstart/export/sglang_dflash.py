@@ -86,6 +86,9 @@ def write(head: DraftHead, target: LlamaForCausalLM, layer_config: dict[str, Any
 def read(config: dict[str, Any], tensors: dict[str, torch.Tensor],
          target: LlamaForCausalLM) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
     """-> (HeadConfig fields, native state)."""
+    if not isinstance(config.get("dflash_config"), dict):
+        raise AssetError("config.json: no dflash_config object (SGLang's DFlashDraftModel reads its target_layer_ids, "
+                         "block_size and mask_token_id there); is this a DFlash checkpoint of SGLang's layout?")
     dflash = config_dict(config, "dflash_config")
     n = target.config.num_hidden_layers
     trained = dflash.get("num_target_layers", config.get("num_target_layers"))
@@ -104,6 +107,10 @@ def read(config: dict[str, Any], tensors: dict[str, torch.Tensor],
         raise AssetError(f"config.json: dflash_config.target_layer_ids {ids[:8]} are outside this target's layers "
                          f"0..{n - 1}")
     block = dflash.get("block_size", config.get("block_size", 16))  # 16: DFlashDraftModel's default
+    top = config.get("block_size")
+    if "block_size" in dflash and top is not None and top != block:
+        raise AssetError(f"config.json: block_size {str(top)[:20]} and dflash_config.block_size {str(block)[:20]} "
+                         "disagree; SGLang reads dflash_config's, our importer will not guess: make them equal")
     if isinstance(block, bool) or not isinstance(block, int) or block < 2:
         raise AssetError(f"config.json: dflash_config.block_size must be an integer >= 2, got {str(block)[:20]!r}")
     mask = dflash.get("mask_token_id")
