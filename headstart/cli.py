@@ -11,6 +11,17 @@ from headstart import __version__, commands
 from headstart.errors import HeadstartError
 
 
+class _OnOff(argparse.BooleanOptionalAction):
+    """--flag / --no-flag, given at most one way: both on one command line is an error, not the last one winning."""
+
+    def __call__(self, parser, namespace, values, option_string=None):  # noqa: ANN001, ANN204
+        value = not option_string.startswith("--no-")
+        if getattr(namespace, self.dest, None) not in (None, value):
+            name = option_string.removeprefix("--no-").removeprefix("--")
+            parser.error(f"--{name} and --no-{name} contradict each other: give one")
+        setattr(namespace, self.dest, value)
+
+
 def _add_recipe_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("recipe", help="a YAML recipe, e.g. recipes/smollm2-135m-mtp.yaml")
     p.add_argument(
@@ -134,8 +145,8 @@ def build_parser() -> argparse.ArgumentParser:
                        ("fc-norm", "one RMSNorm per aux state before fc (default off)"),
                        ("norm-before-residual", "the first layer's residual is hidden_norm(f) (SGLang: off)"),
                        ("norm-output", "the next draft step is fed the post-norm state")):
-        q.add_argument(f"--{flag}", action=argparse.BooleanOptionalAction, default=None, help=f"eagle3: {what}")
-    q.add_argument("--fc-bias", action=argparse.BooleanOptionalAction, default=None,
+        q.add_argument(f"--{flag}", action=_OnOff, default=None, help=f"eagle3: {what}")
+    q.add_argument("--fc-bias", action=_OnOff, default=None,
                    help="eagle1: a bias on fc (default on, as the original EAGLE and SGLang; vLLM's drafter has none: "
                         "--no-fc-bias)")
     q.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], default="fp32")

@@ -138,6 +138,12 @@ def make_plan(recipe: Recipe, target_cfg: dict[str, Any], *, device: str = "H100
               capacity_gb: float = 80.0, where: str = "config.json", phases: tuple[str, ...] | None = None) -> Plan:
     """The plan of the recipe's phases (default: precompute when training from shards, train,
     validation, eval), or of `phases`."""
+    from headstart.models.loading import fp8_block_size
+
+    try:  # a quantization every loading verb refuses (AWQ, GPTQ, ...) cannot be planned as if it loaded
+        fp8_block_size(target_cfg, where)
+    except HeadstartError as e:
+        raise PlanError(str(e)) from None
     c = target_shape(target_cfg, where)
     tp = recipe.engine.tensor_parallel
     for n, what in ((c.num_attention_heads, "num_attention_heads"), (c.intermediate_size, "intermediate_size")):
@@ -221,7 +227,9 @@ def make_plan(recipe: Recipe, target_cfg: dict[str, Any], *, device: str = "H100
     from headstart.train.losses import loss_chunk_rows
 
     on_gpu = device != "CPU RAM" and recipe.trainer.accelerator != "cpu"
-    chunk = loss_chunk_rows(tr.loss_chunk_tokens, vd, loss_steps, "cuda" if on_gpu else "cpu", tr.batch_tokens)
+    # a chunk holds at most the micro-batch's rows, whatever train.loss_chunk_tokens asks
+    chunk = min(loss_chunk_rows(tr.loss_chunk_tokens, vd, loss_steps, "cuda" if on_gpu else "cpu", tr.batch_tokens),
+                tr.batch_tokens)
     ph.terms = [target_term(tp), opt,
                 Term("head activations", tr.batch_tokens * per_tok * tr.ttt_steps,
                      f"{tr.batch_tokens:,} tokens x {tr.ttt_steps} TTT steps x "

@@ -270,3 +270,12 @@ def test_head_init_sets_the_flags_on_eagle3_heads_only(tmp_path, chat_model_dir,
     assert init("--type", "eagle3", "--norm-before-fc", "--fc-norm", "--out", str(tmp_path / "x")) == 2
     assert "norm_before_fc and fc_norm are exclusive" in capsys.readouterr().err
     assert not (tmp_path / "m").exists() and not (tmp_path / "x").exists()
+    for flag in ("norm-before-fc", "fc-bias"):  # both ways on one line: an error, not the last one winning
+        with pytest.raises(SystemExit) as e:
+            init("--type", "eagle3", f"--{flag}", f"--no-{flag}", "--out", str(tmp_path / "y"))
+        assert e.value.code == 2 and f"--{flag} and --no-{flag} contradict each other" in capsys.readouterr().err
+    assert init("--type", "eagle1", "--no-fc-bias", "--out", str(tmp_path / "e1")) == 0
+    assert read_head_config(tmp_path / "e1").fc_bias is False
+    assert init("--type", "mtp", "--no-fc-bias", "--out", str(tmp_path / "m2")) == 2
+    assert "--no-fc-bias applies to eagle1 heads, not mtp" in capsys.readouterr().err
+    assert not (tmp_path / "y").exists()

@@ -332,10 +332,13 @@ def test_a_non_invariant_engine_keeps_the_row_kernels_for_few_rows_only(kernels,
     monkeypatch.setenv("HEADSTART_FAST_ROWS", "12")
     tuned = Engine(load_llama(kernel_target_dir, "bf16"), batch_invariant=False)
     assert {m._rows for m in tuned.model.modules() if isinstance(m, Linear)} == {12}
-    for bad in ("0", "x", "-3"):
+    from headstart.errors import ConfigError
+
+    for bad in ("0", "x", "-3", "\u00b2"):
         monkeypatch.setenv("HEADSTART_FAST_ROWS", bad)
-        with pytest.raises(ValueError, match="HEADSTART_FAST_ROWS"):
-            Engine(load_llama(kernel_target_dir, "bf16"), batch_invariant=False)
+        for invariant in (False, True):  # named whether or not this engine would read it
+            with pytest.raises(ConfigError, match="HEADSTART_FAST_ROWS"):
+                Engine(load_llama(kernel_target_dir, "bf16"), batch_invariant=invariant)
 
 
 @pytest.mark.parametrize("dtype", ["bf16", "fp32"])

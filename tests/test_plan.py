@@ -237,3 +237,26 @@ def test_a_deepseek_plan_counts_the_latent_cache_and_the_active_experts(capsys):
     with pytest.raises(PlanError, match="DeepSeek targets run unsharded"):
         make_plan(recipe_from_dict({"engine": {"tensor_parallel": 2}}),
                   json.loads((ROOT / "recipes" / "targets" / "deepseek-v2-lite.json").read_text()))
+
+
+def test_a_target_quantised_in_a_way_no_verb_loads_is_not_planned_as_fitting(tiny):
+    """AWQ / GPTQ checkpoints: every loading verb refuses them, so plan must too (not "fits: every phase")."""
+    cfg = json.loads((tiny / "config.json").read_text())
+    recipe = recipe_from_dict({"target": {"model": str(tiny), "dtype": "fp32"}, "head": {"type": "mtp"}})
+    for quant, named in (({"quant_method": "awq", "bits": 4}, "quant_method 'awq'"),
+                         ({"quant_method": "fp8"}, "weight_block_size must be two positive integers")):
+        with pytest.raises(PlanError, match=named):
+            make_plan(recipe, {**cfg, "quantization_config": quant})
+    assert make_plan(recipe, {**cfg, "quantization_config": {"quant_method": "fp8", "weight_block_size": [128, 128]}})
+
+
+def test_a_loss_chunk_larger_than_the_micro_batch_is_counted_as_the_micro_batch(tiny):
+    cfg = json.loads((tiny / "config.json").read_text())
+
+    def loss_bytes(chunk):
+        recipe = recipe_from_dict({"target": {"model": str(tiny), "dtype": "fp32"}, "head": {"type": "mtp"},
+                                   "train": {"batch_tokens": 512, "loss_chunk_tokens": chunk}})
+        train = next(p for p in make_plan(recipe, cfg).phases if p.name == "train")
+        return next(t.bytes for t in train.terms if t.name == "chunked loss")
+
+    assert loss_bytes(10**6) == loss_bytes(512) > loss_bytes(256)

@@ -141,8 +141,8 @@ FAMILIES = {
     "eagle3-norm-before-fc": ("chain", "eagle3", 0.05),
     "eagle3-full-vocab": ("chain", "eagle3", 0.2),
     "eagle1": ("chain", "eagle", 0.1),
-    "medusa": ("medusa", "medusa", None),
-    "dflash": ("block", "dflash", None),
+    "medusa": ("medusa", "medusa", 0.1),
+    "dflash": ("block", "dflash", 0.1),
     "draft-model": ("draft", "draft_model", 0.8),
 }
 
@@ -162,27 +162,28 @@ def _variant(shipped, target, out: Path, **changes):
     return save_head(head, out)
 
 
-def _eagle1(target, prompts, answers):
-    """An EAGLE-1 head as vLLM builds it (no fc bias), trained 30 steps (TTT 2) on the prompts' own greedy
-    answers: every weight moves off its target-copied start, so a swapped, missing or misread tensor
-    shows, and it accepts enough (~0.2 at the first position) for the comparison to have power."""
+def _trained(target, cfg, prompts, answers, steps=30):
+    """A head trained `steps` steps (TTT 2 for chain heads) on the prompts' own greedy answers: every weight
+    moves off its start, so a swapped, missing or misread tensor shows, and it accepts enough for the
+    comparison of the two engines' acceptance to have power."""
     import torch
 
     from headstart.config import recipe_from_dict
-    from headstart.heads import HeadConfig, PackedBatch, build_head
+    from headstart.heads import PackedBatch, build_head
     from headstart.train.module import HeadModule, target_forward
 
     torch.manual_seed(0)
-    head = build_head(HeadConfig(head_type="eagle1", fc_bias=False), target, init_from_target=True)
+    head = build_head(cfg, target, init_from_target=True)
     seqs = [p + a for p, a in zip(prompts, answers)]
     ids = torch.tensor([t for s in seqs for t in s])
     mask = torch.tensor([int(i >= len(p)) for p, s in zip(prompts, seqs) for i in range(len(s))], dtype=torch.uint8)
     recipe = recipe_from_dict({"train": {"ttt_steps": 2, "loss_weights": {"kl": 1.0, "feature": 0.0}},
-                               "head": {"type": "eagle1"}})
+                               "head": {"type": cfg.head_type, "block_size": cfg.block_size}})
     module = HeadModule(recipe, target, head)
-    batch = target_forward(target, PackedBatch(ids, [len(s) for s in seqs], None, None, mask), [])
+    batch = target_forward(target, PackedBatch(ids, [len(s) for s in seqs], None, None, mask),
+                           list(cfg.aux_layer_ids or []))
     opt = torch.optim.Adam(head.trainable_parameters(), lr=2e-3)
-    for _ in range(30):
+    for _ in range(steps):
         loss, _ = module.losses(batch, with_stats=False)
         opt.zero_grad()
         loss.backward()
@@ -195,7 +196,7 @@ def both_engines(tmp_path_factory):
     from headstart.assets import resolve_model
     from headstart.engines.vllm_eval import export_for_vllm
     from headstart.engines.vllm_runner import run_job
-    from headstart.heads import HeadConfig, build_head, load_head, save_head
+    from headstart.heads import HeadConfig, load_head, save_head
     from headstart.inference import Engine, SamplingParams
     from headstart.inference.proposers import SpecConfig
     from headstart.models.llama import load_llama
@@ -216,9 +217,12 @@ def both_engines(tmp_path_factory):
              "eagle3-norm-before-fc": _variant(shipped, target, tmp / "norm-before-fc", fc_norm=False,
                                                norm_before_fc=True, norm_before_residual=True),
              "eagle3-full-vocab": _variant(shipped, target, tmp / "full-vocab", draft_vocab_size=None),
-             "eagle1": save_head(_eagle1(target, prompts, ours["plain"]), tmp / "eagle1"),
-             "medusa": save_head(build_head(HeadConfig(head_type="medusa"), target), tmp / "medusa"),
-             "dflash": save_head(build_head(HeadConfig(head_type="dflash"), target), tmp / "dflash")}
+             "eagle1": save_head(_trained(target, HeadConfig(head_type="eagle1", fc_bias=False), prompts,
+                                          ours["plain"]), tmp / "eagle1"),
+             "medusa": save_head(_trained(target, HeadConfig(head_type="medusa"), prompts, ours["plain"]),
+                                 tmp / "medusa"),
+             "dflash": save_head(_trained(target, HeadConfig(head_type="dflash", block_size=4), prompts,
+                                          ours["plain"]), tmp / "dflash")}
     specs = {"plain": None}
     for name, (method, _, _) in FAMILIES.items():
         if name == "draft-model":  # the target drafting for itself: vLLM's draft_model from its own directory

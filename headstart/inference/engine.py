@@ -116,7 +116,8 @@ class Engine(SpeculativeSteps):
         self._linear_rows = self._max_rows
         self.kernels = "torch"
         if cpu_kernels and self.device.type == "cpu":
-            self._linear_rows = None if batch_invariant else fast_linear_rows(self.model.dtype)
+            rows = fast_linear_rows(self.model.dtype)  # read either way: a bad HEADSTART_FAST_ROWS is named at once
+            self._linear_rows = None if batch_invariant else rows
             got = self.model.enable_cpu_kernels(True, self._linear_rows)
             self.kernels = "rowwise" if "rows" in got else "gemv" if "gemv" in got else "torch"
         cfg = self.model.config

@@ -207,8 +207,10 @@ def fast_linear_rows(dtype: Any) -> int:
 
     env = os.environ.get("HEADSTART_FAST_ROWS", "").strip()
     if env:
-        if not env.isdigit() or int(env) < 1:
-            raise ValueError(f"HEADSTART_FAST_ROWS={env[:20]!r}: expected a row count >= 1")
+        if not (env.isascii() and env.isdigit()) or int(env) < 1:
+            from headstart.errors import ConfigError
+
+            raise ConfigError(f"HEADSTART_FAST_ROWS={env[:20]!r}: expected a row count >= 1")
         return int(env)
     mod = rowwise()
     if dtype != torch.bfloat16 or mod is None:
