@@ -178,3 +178,20 @@ def test_max_context_tokens_stops_a_conversation_where_its_context_would_be_cut(
             assert [t["from"] for t in row["conversations"]] == roles
             assert row["regenerated"]["max_context_tokens"] == cut
             assert len(row["regenerated"]["finish_reasons"]) == replies
+
+
+def test_a_users_file_or_directory_at_the_output_is_refused_without_advice_that_cannot_work(tmp_path, model_dir):
+    """Growing by --resume and a larger limit applies to an earlier regenerate output only: a user's file
+    (or a directory) there is named as not ours, with or without --resume, and left as it was."""
+    import dataclasses
+
+    recipe = _recipe(tmp_path, model_dir, "user")
+    user_file = tmp_path / "mine.jsonl"
+    user_file.write_text('{"hello": 1}\n')
+    (tmp_path / "mydir").mkdir()
+    for target in (user_file, tmp_path / "mydir"):
+        r = dataclasses.replace(recipe, regenerate=dataclasses.replace(recipe.regenerate, output=str(target)))
+        for resume in (False, True):
+            with pytest.raises(DataError, match="is not a regenerate output.*set regenerate.output to a new file"):
+                run_regenerate(r, resume=resume, progress=False)
+    assert user_file.read_text() == '{"hello": 1}\n' and not list((tmp_path / "mydir").iterdir())

@@ -62,6 +62,22 @@ def _done_ids(partial: Path) -> set[str]:
     return ids
 
 
+def _ours(out: Path, run_file: Path) -> bool:
+    """Whether `out` is an earlier regenerate output: a file with a run record beside it, or whose first
+    row carries the `regenerated` provenance regenerate writes into every row."""
+    if not out.is_file():
+        return False
+    if run_file.is_file():
+        return True
+    try:
+        with open(out, encoding="utf-8") as f:
+            first = f.readline()
+        row = json.loads(first) if first.strip() else None
+    except (OSError, UnicodeDecodeError, ValueError):
+        return False
+    return isinstance(row, dict) and isinstance(row.get("regenerated"), dict)
+
+
 def limit_of(recipe: Recipe) -> int | None:
     return recipe.regenerate.limit if recipe.regenerate.limit is not None else recipe.data.limit
 
@@ -92,6 +108,10 @@ def run_regenerate(recipe: Recipe, resume: bool = False, progress: bool = True) 
     if Path(source).resolve() == out.resolve():
         raise DataError(f"regenerate: the source {source} is the output; set regenerate.source to the conversations "
                         "to rewrite")
+    if out.exists() and not _ours(out, run_file):  # a user's file or directory: no advice about growing it
+        raise DataError(f"{out} already exists and is not a regenerate output (a JSONL file whose rows carry "
+                        "`regenerated` provenance); regenerate never writes over it: set regenerate.output to a new "
+                        "file")
     if out.exists():
         if not resume:
             raise DataError(f"{out} already exists; remove it, set regenerate.output, or raise regenerate.limit "
