@@ -46,6 +46,15 @@ done
 
 [ -n "$BUDGET" ] || BUDGET=$([ "$MODE" = gpu ] && echo 480 || echo 0)
 case $BUDGET in ''|*[!0-9]*) echo "gpu_check.sh: --budget takes whole seconds, got '${BUDGET:0:20}'" >&2; exit 2 ;; esac
+if [ "${#BUDGET}" -gt 5 ] || [ "$BUDGET" -gt 86400 ]; then
+    echo "gpu_check.sh: --budget $BUDGET: at most 86400 seconds (a day; the lent device has minutes)" >&2; exit 2
+fi
+if [ -n "$WHEELS" ] && [ ! -d "$WHEELS" ]; then
+    echo "gpu_check.sh: --wheels ${WHEELS:0:80}: no such directory (the wheels to install offline)" >&2; exit 2
+fi
+if [ -n "$PY_GIVEN" ] && ! command -v "$PY_GIVEN" >/dev/null 2>&1; then
+    echo "gpu_check.sh: --python ${PY_GIVEN:0:80}: no such interpreter (give a python that runs headstart)" >&2; exit 2
+fi
 
 # --out is relative to where the script is called from; the default lies inside the repo.
 [ -n "$OUT_BASE" ] || OUT_BASE="$(dirname "${BASH_SOURCE[0]}")/../runs/gpu-check"

@@ -73,3 +73,16 @@ def test_the_table_fails_when_a_measured_peak_exceeds_the_plan(tmp_path, capsys)
     out = capsys.readouterr().out
     assert re.search(r"^eval\s.*OVER PLAN$", out, re.M) and "eval 21.000 GB > planned 20.000 GB" in out
     assert not re.search(r"^train\s.*OVER PLAN", out, re.M)
+
+
+def test_bad_options_are_one_line_before_any_step(tmp_path):
+    """A missing --python / --wheels and an absurd --budget: exit 2 with one line, no step run."""
+    import subprocess
+
+    for args, said in ((["--python", str(tmp_path / "nope")], "--python"), (["--wheels", str(tmp_path / "nope")],
+                       "--wheels"), (["--budget", "99999999999"], "--budget 99999999999: at most 86400"),
+                       (["--budget", "1h"], "--budget takes whole seconds")):
+        p = subprocess.run(["bash", str(SCRIPT), "--cpu", "--out", str(tmp_path / "out"), *args], cwd=tmp_path,
+                           capture_output=True, text=True, timeout=60)
+        assert p.returncode == 2 and said in p.stderr and len(p.stderr.strip().splitlines()) == 1, (args, p.stderr)
+        assert "FAIL" not in p.stdout
