@@ -229,3 +229,27 @@ def test_duplicate_aux_layer_ids_are_refused_before_training_and_on_import(chat_
     (exp / "config.json").write_text(json.dumps({**cfg, "aux_hidden_state_layer_ids": [ids[0]] * len(ids)}))
     _fails(capsys, ["import", str(exp), "--format", "vllm", "--target", str(chat_model_dir), "--out",
                     str(tmp_path / "i")], "distinct")
+
+
+def test_an_output_under_a_directory_that_cannot_be_written_is_refused_before_any_work(tmp_path, monkeypatch,
+                                                                                        capsys):
+    """A read-only file system (root ignores permissions, so it is simulated here): the verb stops at its
+    output check, naming the directory, before loading anything (eval used to fail after the whole run)."""
+    import os
+
+    from headstart import fileio
+    from headstart.errors import OutputError
+
+    ro = tmp_path / "ro"
+    ro.mkdir()
+    real = os.access
+    monkeypatch.setattr(fileio.os, "access", lambda p, mode: False if str(p) == str(ro) else real(p, mode))
+    for out in (ro / "report", ro / "deep" / "er"):
+        with pytest.raises(OutputError, match=f"{ro}: cannot be written"):
+            fileio.check_output_path(out)
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"prompt": "hi"}\n')
+    fails_with_one_line(capsys, ["eval", "recipes/quickstart.yaml", "--head", "assets/heads/smollm2-135m-eagle31",
+                                 "--prompts", str(prompts),
+                                 "--out", str(ro / "report")], f"{ro}: cannot be written")
+    assert list(ro.iterdir()) == []
