@@ -385,3 +385,18 @@ def test_the_loader_pins_every_tensor_of_a_packed_batch(monkeypatch):
     assert len(pinned) == 5 and all(any(p is getattr(batch, f) for p in pinned)
                                     for f in ("input_ids", "hidden", "aux_hidden", "loss_mask", "hidden_scale"))
     assert torch.equal(out.hidden, batch.hidden) and out.hidden is not batch.hidden
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_the_training_loader_hands_over_pinned_batches_on_cuda(target):
+    """The training DataLoader (collate, pin_memory=True as TrainData sets it on CUDA): every tensor of the
+    micro-batch the step receives is page-locked, so its copies to the device do not wait."""
+    from torch.utils.data import DataLoader
+
+    from headstart.train.data import collate
+
+    b = _batch(target)
+    item = {"batch": PackedBatch(b.input_ids, b.seq_lens, b.hidden, b.aux_hidden, b.loss_mask)}
+    got = next(iter(DataLoader([item], batch_size=1, collate_fn=collate, pin_memory=True)))["batch"]
+    assert all(t.is_pinned() for t in (got.input_ids, got.hidden, got.aux_hidden, got.loss_mask))
