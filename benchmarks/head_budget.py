@@ -16,6 +16,10 @@ vocabulary size and schedule shape. An arm's TTT defaults to its recipe's.
     .venv/bin/python benchmarks/head_budget.py --source runs/smollm2-135m-mtp/regenerated.jsonl \\
         --shards runs/smollm2-135m-eagle31/precompute --cost eagle31=1.95 \\
         --arms mtp:4e-3,mtp:8e-3,eagle31:4e-3,eagle31:8e-3
+    # the LK losses against the KL at equal steps and data (issue "A head that reaches tau 2"):
+    .venv/bin/python benchmarks/head_budget.py --source runs/sharegpt-all/regenerated.jsonl \
+        --shards runs/smollm2-135m-eagle31-all/precompute --cost eagle31=1.95 \
+        --arms eagle31:4e-3,eagle31:4e-3:2:lk,eagle31:4e-3:2:lk_alpha
 
 Everything lands under runs/head-budget/ and resumes: rerunning skips what is done.
 """
@@ -87,7 +91,8 @@ def main() -> None:
     ap.add_argument("--cost", action="append", default=[], metavar="FAMILY=X",
                     help="a step of FAMILY's recipe (its TTT) in mtp steps (benchmarks/train.md), repeatable")
     ap.add_argument("--arms", default="mtp:2e-3,eagle3:2e-3",
-                    help="family:lr[:ttt] (ttt: the arm's train.ttt_steps; default the recipe's)")
+                    help="family:lr[:ttt[:loss]] (ttt: the arm's train.ttt_steps, default the recipe's; loss: its "
+                         "train.loss, kl (default), lk, lk_lambda or lk_alpha, at the same steps as kl)")
     ap.add_argument("--ttt-cost", action="append", default=[], metavar="TTT=X",
                     help="a step with train.ttt_steps TTT in TTT-1 steps of its family (repeatable)")
     ap.add_argument("--shards", help="shards precomputed already with the eagle3 aux layers (2, 15, 27) and the last "
@@ -111,10 +116,12 @@ def main() -> None:
         ttt_cost[int(t)] = _positive(x, f"--ttt-cost {c!r}")
     arms = []
     for spec in args.arms.split(","):
-        fam, lr, ttt_text = (spec.split(":") + [""])[:3] if spec.count(":") in (1, 2) else ("", "", "")
-        if fam not in FAMILIES or not (ttt_text == "" or (ttt_text.isdigit() and int(ttt_text) >= 1)):
-            raise SystemExit(f"arm {spec!r}: expected family:lr[:ttt] with family one of {', '.join(FAMILIES)} "
-                             "and ttt a number of TTT steps (>= 1)")
+        fam, lr, ttt_text, loss = (spec.split(":") + ["", ""])[:4] if spec.count(":") in (1, 2, 3) else ("",) * 4
+        loss = loss or "kl"
+        if fam not in FAMILIES or not (ttt_text == "" or (ttt_text.isdigit() and int(ttt_text) >= 1)) \
+                or loss not in ("kl", "lk", "lk_lambda", "lk_alpha"):
+            raise SystemExit(f"arm {spec!r}: expected family:lr[:ttt[:loss]] with family one of {', '.join(FAMILIES)}"
+                             ", ttt a number of TTT steps (>= 1) and loss kl, lk, lk_lambda or lk_alpha")
         rate = _positive(lr, f"arm {spec!r}: the learning rate")
         own = bases[fam]["train"]["ttt_steps"]
         ttt = int(ttt_text) if ttt_text else own
@@ -129,18 +136,20 @@ def main() -> None:
         steps = round(args.mtp_steps / price)
         if steps < 1:
             raise SystemExit(f"arm {spec!r}: {args.mtp_steps} mtp steps buy no step of it (cost {price:g})")
-        arms.append((fam, rate, ttt, steps))
+        arms.append((fam, rate, ttt, steps, loss))
     if args.shards and not (Path(args.shards) / "manifest.json").is_file():
         raise SystemExit(f"--shards {args.shards}: no finished precompute there (no manifest.json)")
     source = str(Path(args.source).resolve())
     OUT.mkdir(parents=True, exist_ok=True)
     shards_dir = Path(args.shards).resolve() if args.shards else shards(bases["eagle3"], source)
     results = {}
-    for fam, lr, ttt, steps in arms:
+    for fam, lr, ttt, steps, loss in arms:
         base = bases[fam]
-        name = f"{fam}-lr{lr:g}-{steps}" + (f"-ttt{ttt}" if ttt != base["train"]["ttt_steps"] else "")
+        name = f"{fam}-lr{lr:g}-{steps}" + (f"-ttt{ttt}" if ttt != base["train"]["ttt_steps"] else "") \
+            + (f"-{loss}" if loss != "kl" else "")
         r = _recipe(base, name, fam, source)
-        r["train"].update(max_steps=steps, lr=lr, ttt_steps=ttt, warmup_steps=min(30, steps // 10), val_every_steps=0,
+        r["train"].update(max_steps=steps, lr=lr, ttt_steps=ttt, loss=loss, warmup_steps=min(30, steps // 10),
+                          val_every_steps=0,
                           val_prompts=args.prompts, val_max_tokens=args.max_tokens,
                           ckpt_every_steps=max(10, steps // 4), shards_dir=str(shards_dir))
         path = OUT / f"{name}.yaml"
@@ -148,7 +157,7 @@ def main() -> None:
         arm = OUT / name
         if not (arm / "head-final").exists():
             _headstart("train", str(path), *(["--resume"] if (arm / "checkpoints" / "last.ckpt").exists() else []))
-        results[name] = arm_result(arm, family=fam, lr=lr, ttt=ttt, steps=steps)
+        results[name] = arm_result(arm, family=fam, lr=lr, ttt=ttt, steps=steps, loss=loss)
     print(f"\nHeads at equal CPU time: a step costs {cost} mtp steps (TTT: {ttt_cost}); {args.prompts} held-out "
           f"prompts x {args.max_tokens} tokens, greedy k = {bases['mtp']['head']['k']}")
     print_arms(results)
