@@ -46,6 +46,7 @@ done
 
 [ -n "$BUDGET" ] || BUDGET=$([ "$MODE" = gpu ] && echo 480 || echo 0)
 case $BUDGET in ''|*[!0-9]*) echo "gpu_check.sh: --budget takes whole seconds, got '${BUDGET:0:20}'" >&2; exit 2 ;; esac
+BUDGET=$(echo "$BUDGET" | sed 's/^0*\([0-9]\)/\1/')  # decimal: a leading 0 would make bash read it as octal
 if [ "${#BUDGET}" -gt 5 ] || [ "$BUDGET" -gt 86400 ]; then
     echo "gpu_check.sh: --budget $BUDGET: at most 86400 seconds (a day; the lent device has minutes)" >&2; exit 2
 fi

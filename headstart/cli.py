@@ -268,14 +268,16 @@ def _main(argv: list[str] | None) -> int:
         print("headstart: interrupted", file=sys.stderr)
         return 130
     except BrokenPipeError:  # `headstart plan RECIPE | head`: the reader left; say nothing more
+        if argv is not None:  # a library call: the caller's streams are not ours to redirect
+            raise
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # the interpreter's last flush too
         return 141
     except OSError as e:  # the file system refused a write this verb made: where and why, in one line
         if not (isinstance(e, PermissionError) or e.errno in _REFUSED_WRITES):
             raise
         where = f"{e.filename}: " if e.filename else ""
-        print(f"headstart: error: {where}{e.strerror or e} (check the output path's permissions and free "
-              "space)", file=sys.stderr)
+        print(f"headstart: error: {where}{e.strerror or e} (check the path's permissions and the free space "
+              "on its file system)", file=sys.stderr)
         return 2
 
 

@@ -83,12 +83,13 @@ def check_output_path(path: str | Path, *, replaces: Callable[[Path], bool] | No
     if final.is_dir() and any(final.iterdir()) and not (replaces is not None and replaces(final)):
         msg = f"{final}: exists and is not empty; refusing to replace a directory this writer did not create"
         raise OutputError(msg + (f" ({hint})" if hint else "; choose a new path"))
-    there = final
+    there = final.parent  # writers create a temporary beside the output, then rename it
     while not there.exists() and there != there.parent:
         there = there.parent
-    if there.is_dir() and not os.access(there, os.W_OK | os.X_OK):  # found now, not after the work
-        raise OutputError(f"{there}: cannot be written (a read-only file system or no permission), so {raw} cannot "
-                          "be created there; choose another output path")
+    for where in ([there] + ([final] if final.is_dir() else [])):  # an existing output is written into too
+        if where.is_dir() and not os.access(where, os.W_OK | os.X_OK):  # found now, not after the work
+            raise OutputError(f"{where}: cannot be written (a read-only file system or no permission), so {raw} "
+                              "cannot be written; choose another output path")
     return final
 
 

@@ -63,7 +63,7 @@ def launch_env() -> tuple[int, int]:
 
     def whole(name: str, default: int) -> int:
         text = env.get(name)
-        if text is None:
+        if text is None or not text.strip() or (name == "LOCAL_RANK" and text.strip() == "-1"):  # unset, as before
             return default
         if not (text.strip().isascii() and text.strip().isdigit()):
             raise ConfigError(f"{name}={text[:20]!r} in the environment: expected a whole number >= 0 (torchrun "

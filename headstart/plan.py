@@ -224,19 +224,23 @@ def make_plan(recipe: Recipe, target_cfg: dict[str, Any], *, device: str = "H100
     per_tok = (d * (22 + 2 * aux + aux_saved) + 6 * hc.intermediate_size) * 2  # one layer's saved bf16 activations
     # A chunk's recompute keeps every TTT step's log q beside the one teacher they share (train.losses).
     loss_steps = tr.ttt_steps if hc.head_type in ("mtp", "eagle1", "deepseek_mtp", "eagle3") else 1
-    from headstart.train.losses import loss_chunk_rows
+    from headstart.train.losses import chunk_row_bytes, loss_chunk_rows
 
     on_gpu = device != "CPU RAM" and recipe.trainer.accelerator != "cpu"
+    lk = tr.loss != "kl"
     # a chunk holds at most the micro-batch's rows, whatever train.loss_chunk_tokens asks
-    chunk = min(loss_chunk_rows(tr.loss_chunk_tokens, vd, loss_steps, "cuda" if on_gpu else "cpu", tr.batch_tokens),
-                tr.batch_tokens)
+    chunk = min(loss_chunk_rows(tr.loss_chunk_tokens, vd, loss_steps, "cuda" if on_gpu else "cpu", tr.batch_tokens,
+                                lk, c.vocab_size), tr.batch_tokens)
     ph.terms = [target_term(tp), opt,
                 Term("head activations", tr.batch_tokens * per_tok * tr.ttt_steps,
                      f"{tr.batch_tokens:,} tokens x {tr.ttt_steps} TTT steps x "
                      f"(({22 + 2 * aux + aux_saved} d + 6 I) x 2 B)"),
-                Term("chunked loss", (loss_steps + 3) * chunk * vd * 4,
+                Term("chunked loss", chunk * chunk_row_bytes(vd, loss_steps, lk, c.vocab_size),
                      f"{chunk:,} rows x {vd:,} logits x fp32 x ({loss_steps} steps' log q + the "
-                     "teacher's log p and p, shared by the steps + a gradient)")]
+                     "teacher's log p and p, shared by the steps + a gradient)" + (
+                         f"; {tr.loss}: + each step's q and the teacher's p on them"
+                         + (f", + the teacher's {c.vocab_size:,}-token logits and softmax" if vd != c.vocab_size
+                            else "") if lk else ""))]
     if hc.head_type == "dflash":  # anchored blocks instead of token rows; every layer's context K/V and scores
         bs = hc.block_size or 8
         q = min(recipe.head.max_anchors, tr.batch_tokens) * bs

@@ -244,9 +244,14 @@ def test_an_output_under_a_directory_that_cannot_be_written_is_refused_before_an
     ro.mkdir()
     real = os.access
     monkeypatch.setattr(fileio.os, "access", lambda p, mode: False if str(p) == str(ro) else real(p, mode))
-    for out in (ro / "report", ro / "deep" / "er"):
+    (ro / "report.json").write_text("{}")
+    (ro / "outdir").mkdir()
+    # new paths, an existing file (its replacement is written beside it) and an existing directory
+    for out in (ro / "report", ro / "deep" / "er", ro / "report.json", ro / "outdir"):
         with pytest.raises(OutputError, match=f"{ro}: cannot be written"):
             fileio.check_output_path(out)
+    (ro / "report.json").unlink()
+    (ro / "outdir").rmdir()
     prompts = tmp_path / "p.jsonl"
     prompts.write_text('{"prompt": "hi"}\n')
     fails_with_one_line(capsys, ["eval", "recipes/quickstart.yaml", "--head", "assets/heads/smollm2-135m-eagle31",

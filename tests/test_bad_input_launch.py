@@ -269,6 +269,10 @@ def test_a_closed_pipe_and_a_refused_write_end_in_one_line(tmp_path, capsys, mon
     monkeypatch.setattr(cli.commands, "cmd_export", lambda args: (_ for _ in ()).throw(FileNotFoundError("bug")))
     with pytest.raises(FileNotFoundError):
         cli.main(["export", "h", "--format", "vllm", "--out", str(tmp_path / "out")])
+    # a library call's broken pipe is the caller's: raised, its streams left as they are
+    monkeypatch.setattr(cli.commands, "cmd_export", lambda args: (_ for _ in ()).throw(BrokenPipeError()))
+    with pytest.raises(BrokenPipeError):
+        cli.main(["export", "h", "--format", "vllm", "--out", str(tmp_path / "out")])
 
 
 @pytest.mark.parametrize("env, named", [
@@ -297,3 +301,7 @@ def test_a_launch_environment_that_cannot_be_is_named_before_any_wait(monkeypatc
     monkeypatch.setenv("WORLD_SIZE", "2")
     monkeypatch.setenv("RANK", "1")
     assert launch_env() == (2, 1)
+    monkeypatch.setenv("LOCAL_RANK", "-1")  # "no local rank", as some launchers write it
+    monkeypatch.setenv("WORLD_SIZE", " ")  # empty: unset, one process
+    monkeypatch.setenv("RANK", "0")
+    assert launch_env() == (1, 0)

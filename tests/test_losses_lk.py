@@ -137,3 +137,47 @@ def test_the_recipe_names_a_bad_loss():
     with pytest.raises(ConfigError, match="kl weighs the distribution loss"):
         recipe_from_dict({"train": {"loss": "lk_alpha", "loss_weights": {"kl": 0, "feature": 1}}})
     assert recipe_from_dict({"train": {"loss": "lk"}}).train.lk_kl_decay == 3.0
+
+
+@pytest.mark.parametrize("vocab", ["full", "draft"])
+@pytest.mark.parametrize("lk", [False, True])
+def test_the_bytes_a_loss_chunk_keeps_for_backward_are_within_what_plan_counts(target, vocab, lk):
+    """What one chunk's loss saves for its backward (every (R, *) tensor the autograd graph keeps, counted by
+    saved_tensors_hooks), for 3 draft steps, is at most chunk_row_bytes per row: the figure that sizes a GPU's
+    chunk and that `headstart plan` adds up (the LK losses keep more than the KL)."""
+    from headstart.train.losses import _chunk_kl, chunk_row_bytes
+
+    if vocab == "full":
+        head, ids = build_head(HeadConfig(head_type="mtp"), target), None
+    else:
+        head, ids = _draft_vocab_head(target)
+    rows, steps = 64, 3
+    b = _batch(target, lens=(40, 30))
+    hh = [torch.randn(rows, 64, requires_grad=True) for _ in range(steps)]
+    saved = {}
+
+    def pack(t):
+        if t.dim() >= 1 and t.shape[0] == rows and t.numel() > rows * 64:  # the chunk's vocabulary-wide tensors
+            saved[t.data_ptr()] = t.numel() * t.element_size()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        _chunk_kl(head, ids, b.hidden[:rows], torch.ones(steps, rows), [None], lk, *hh)
+    v = 96 if ids is not None else target.config.vocab_size
+    assert 0 < sum(saved.values()) <= rows * chunk_row_bytes(v, steps, lk, target.config.vocab_size), (
+        sum(saved.values()) / (rows * v * 4), chunk_row_bytes(v, steps, lk, target.config.vocab_size) / (v * 4))
+
+
+def test_the_module_passes_the_recipes_lk_hyper_parameters(target, monkeypatch):
+    """train.lk_kl_scale / lk_kl_decay reach the objective (a swapped or ignored key changes the loss)."""
+    import headstart.train.module as module_py
+
+    seen = []
+    real = module_py.objective
+    monkeypatch.setattr(module_py, "objective", lambda part, loss, scale, decay: seen.append((loss, scale, decay))
+                        or real(part, loss, scale, decay))
+    b = _batch(target)
+    a, _, _ = _losses(target, b, "lk", "mtp", lk_kl_scale=0.5, lk_kl_decay=1.25)
+    assert seen and set(seen) == {("lk_lambda", 0.5, 1.25)}
+    default, _, _ = _losses(target, b, "lk", "mtp")
+    assert float(a) != float(default)

@@ -195,3 +195,23 @@ def test_a_users_file_or_directory_at_the_output_is_refused_without_advice_that_
             with pytest.raises(DataError, match="is not a regenerate output.*set regenerate.output to a new file"):
                 run_regenerate(r, resume=resume, progress=False)
     assert user_file.read_text() == '{"hello": 1}\n' and not list((tmp_path / "mydir").iterdir())
+
+
+def test_max_context_tokens_stops_exactly_at_a_prompt_of_that_length(tmp_path, model_dir):
+    """The boundary: a second turn whose prompt is exactly max_context_tokens long is not decoded; one token
+    more of room and it is."""
+    import dataclasses
+
+    from headstart.inference import Engine
+
+    recipe = _recipe(tmp_path, model_dir, "edge")
+    full = dataclasses.replace(recipe, output_dir=str(tmp_path / "edge-all"))
+    row = json.loads(run_regenerate(full, progress=False).read_text().splitlines()[0])
+    roles = {"system": "system", "human": "user", "gpt": "assistant"}
+    turns = [{"role": roles[t["from"]], "content": t["value"]} for t in row["conversations"][:4]]
+    second = len(Engine(str(model_dir), dtype="fp32").encode(turns))  # the second turn's prompt
+    for cut, replies in ((second, 1), (second + 1, 2)):
+        r = dataclasses.replace(recipe, output_dir=str(tmp_path / f"edge-{cut}"),
+                                regenerate=dataclasses.replace(recipe.regenerate, max_context_tokens=cut))
+        got = json.loads(run_regenerate(r, progress=False).read_text().splitlines()[0])
+        assert got["id"] == row["id"] and len(got["regenerated"]["finish_reasons"]) == replies, (cut, second)

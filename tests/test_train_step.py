@@ -183,8 +183,12 @@ def test_train_compile_gives_the_eager_loss_and_falls_back_naming_what_failed(ta
 
 
 def test_an_error_of_the_compiled_call_is_raised_and_compile_stays_on(capsys):
-    """Out of memory (or any error of the computation) in the compiled call is not a compile failure: it
-    is raised as it is, nothing says "did not compile", and the next call runs compiled again."""
+    """Out of memory in the compiled call is raised at once; an error of the computation itself (a bad
+    batch: under dynamo a TorchRuntimeError, which a real compile failure can be too) is told apart by
+    the eager run of the same call failing as well: its error is raised, nothing says "did not compile",
+    and the next call runs compiled again. Only a call that runs eagerly switches compile off."""
+    from torch._dynamo.exc import TorchRuntimeError
+
     from headstart.train.module import Compiled
 
     calls = []
@@ -193,18 +197,26 @@ def test_an_error_of_the_compiled_call_is_raised_and_compile_stays_on(capsys):
         calls.append("compiled")
         if x == "oom":
             raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB")
-        if x == "bad":
-            raise ValueError("a bad batch")
+        if x in ("bad", "unsupported"):
+            raise TorchRuntimeError("Dynamo failed to run FX node with fake tensors")
         return "ok"
 
-    c = Compiled(lambda x: calls.append("eager") or "eager", "mtp.forward_hidden")
+    def eager(x):
+        calls.append("eager")
+        if x == "bad":
+            raise ValueError("a bad batch")
+        return "eager"
+
+    c = Compiled(eager, "mtp.forward_hidden")
     c.compiled = compiled
     with pytest.raises(torch.OutOfMemoryError):
         c("oom")
     with pytest.raises(ValueError, match="a bad batch"):
         c("bad")
-    assert c("fine") == "ok" and calls == ["compiled"] * 3
+    assert c("fine") == "ok" and calls == ["compiled", "compiled", "eager", "compiled"]
     assert "did not compile" not in capsys.readouterr().err
+    assert c("unsupported") == "eager" and c("fine") == "eager"  # compiled no more
+    assert "mtp.forward_hidden runs eagerly: it did not compile (TorchRuntimeError" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("kind", ["mtp", "eagle3", "deepseek_mtp"])

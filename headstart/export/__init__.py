@@ -190,8 +190,9 @@ def _dequantised(tensors: dict[str, torch.Tensor], config: dict[str, Any], src: 
     where = str(src / "config.json")
     block = fp8_block_size(config, where)
     if block is None:
-        raise AssetError(f"{where}: the weights are FP8 but there is no quantization_config giving their "
-                         "weight_block_size; add it (DeepSeek-V3's is [128, 128]) or dequantise first")
+        raise AssetError(f"{src}: {fp8[0]} has dtype {tensors[fp8[0]].dtype} and {where} has no quantization_config "
+                         "giving its weight_block_size; import takes fp32, bf16 or fp16 weights, or block-scaled "
+                         "FP8 ones with their _scale_inv and that config (as DeepSeek-V3 ships its MTP layer)")
     out = dict(tensors)
     for name in fp8:
         scale = out.pop(name + SCALE_SUFFIX, None)

@@ -65,25 +65,19 @@ def group_target_forward(target: LlamaForCausalLM, batch: PackedBatch, aux_layer
     return PackedBatch(mine.input_ids, mine.seq_lens, mine.hidden, mine.aux_hidden, batch.loss_mask)
 
 
-def compiler_failure(e: BaseException) -> bool:
-    """Whether `e` is torch.compile failing (dynamo / inductor / a backend), not the computation: an out of
-    memory, a bad batch or an error of the head itself is raised as it is, compiled or not."""
-    from torch._dynamo.exc import BackendCompilerFailed, TorchDynamoException
-
-    if isinstance(e, torch.OutOfMemoryError) or isinstance(getattr(e, "inner_exception", None),
-                                                           torch.OutOfMemoryError):
-        return False
-    if isinstance(e, (TorchDynamoException, BackendCompilerFailed)):
-        return True
-    return (type(e).__module__ or "").startswith(("torch._dynamo", "torch._inductor"))
+def out_of_memory(e: BaseException) -> bool:
+    """A CUDA out of memory, raised as it is or wrapped by a compiler backend."""
+    return isinstance(e, torch.OutOfMemoryError) or isinstance(getattr(e, "inner_exception", None),
+                                                               torch.OutOfMemoryError)
 
 
 class Compiled:
     """A head method run through torch.compile, or eagerly from the first call that fails to compile: the
-    failure is reported once (which method, why) and training goes on. Any other error of the compiled
-    call (CUDA out of memory, a bad batch) is raised as it is and compile stays on: an eager retry would
-    fail the same way and a compile failure would be reported that never happened. Train-time only: the
-    engine and saving read the module's own method."""
+    failure is reported once (which method, why) and training goes on. Whether it was the compiler's is
+    decided by the eager run of the same call: when that fails too, the error is the computation's (a bad
+    batch reaches here from dynamo as a TorchRuntimeError), so the eager error is raised and compile stays
+    on. An out of memory is raised at once (an eager retry would report a compile failure that never
+    happened, or run out as well). Train-time only: the engine and saving read the module's own method."""
 
     def __init__(self, fn: Any, what: str) -> None:
         self.eager, self.what = fn, what
@@ -95,13 +89,14 @@ class Compiled:
         try:
             return self.compiled(*args, **kwargs)
         except Exception as e:  # noqa: BLE001 - a compiler failure: fall back, say which and why
-            if not compiler_failure(e):
+            if out_of_memory(e):
                 raise
+            out = self.eager(*args, **kwargs)  # raises the computation's own error, compile kept, if it fails too
             self.compiled = None
             reason = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
             print(f"train.compile: {self.what} runs eagerly: it did not compile ({type(e).__name__}: {reason})",
                   file=sys.stderr)
-            return self.eager(*args, **kwargs)
+            return out
 
 
 def compile_head(head: DraftHead) -> list[str]:
@@ -298,7 +293,7 @@ class HeadModule(L.LightningModule):
         steps = self.cfg.ttt_steps if head.config.head_type in CHAIN_HEADS else 1
         vocab = head.config.draft_vocab_size or head.target.vocab_size
         return loss_chunk_rows(self.cfg.loss_chunk_tokens, vocab, steps, batch.hidden.device.type,
-                               int(batch.input_ids.numel()))
+                               int(batch.input_ids.numel()), self.cfg.loss != "kl", head.target.vocab_size)
 
     def _block_losses(self, head: DraftHead, batch: PackedBatch, with_stats: bool,
                       heldout: bool) -> tuple[torch.Tensor, dict[str, Any]]:
