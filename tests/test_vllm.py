@@ -181,7 +181,7 @@ def _trained(target, cfg, prompts, answers, steps=30):
                                "head": {"type": cfg.head_type, "block_size": cfg.block_size}})
     module = HeadModule(recipe, target, head)
     batch = target_forward(target, PackedBatch(ids, [len(s) for s in seqs], None, None, mask),
-                           list(cfg.aux_layer_ids or []))
+                           list(head.config.aux_layer_ids or []))  # resolved: the family's default ids
     opt = torch.optim.Adam(head.trainable_parameters(), lr=2e-3)
     for _ in range(steps):
         loss, _ = module.losses(batch, with_stats=False)
