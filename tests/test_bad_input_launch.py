@@ -200,7 +200,7 @@ def test_the_command_line_ends_a_rank_without_the_teardown(tmp_path):
         for world, teardown in (("2", False), ("1", True)):
             # stdout is a pipe, block-buffered: what the exit handler prints is kept only if end_rank flushes it
             env = {k: v for k, v in os.environ.items() if k != "PYTHONUNBUFFERED"}
-            env = {**env, "PYTHONPATH": str(ROOT), "WORLD_SIZE": world, "RANK": "1"}
+            env = {**env, "PYTHONPATH": str(ROOT), "WORLD_SIZE": world, "RANK": str(int(world) - 1)}
             p = subprocess.run([sys.executable, "-c", script], env=env, text=True, capture_output=True,
                                timeout=120, stdin=subprocess.DEVNULL)
             assert p.returncode == code and said in p.stderr, (how, world, p.returncode, p.stderr)

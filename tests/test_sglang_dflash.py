@@ -128,7 +128,8 @@ def test_block_size_is_read_from_dflash_config_first_then_the_top_level(bare):
     dflash = {k: v for k, v in config["dflash_config"].items() if k != "block_size"}
     assert read({k: v for k, v in config.items() if k != "block_size"}, "a").config.block_size == 4
     assert read(config | {"dflash_config": dflash}, "b").config.block_size == 4
-    assert read(config | {"block_size": 6}, "c").config.block_size == 4  # dflash_config's wins
+    with pytest.raises(AssetError, match="block_size 6 and dflash_config.block_size 4 disagree"):
+        read(config | {"block_size": 6}, "c")  # SGLang would read dflash_config's; a contradiction is not guessed at
     neither = {k: v for k, v in config.items() if k != "block_size"} | {"dflash_config": dflash}
     assert read(neither, "d").config.block_size == 16  # DFlashDraftModel's default
 

@@ -15,6 +15,7 @@ from typing import Any
 
 import lightning as L
 import torch
+import torch.nn.functional as F
 
 from headstart.config import Recipe
 from headstart.errors import HeadstartError
@@ -54,8 +55,21 @@ def group_target_forward(target: LlamaForCausalLM, batch: PackedBatch, aux_layer
     parallelism, with 1/tp of the weights per rank."""
     import torch.distributed as dist
 
-    everyone: list[Any] = [None] * tp.size
-    dist.all_gather_object(everyone, (batch.input_ids.cpu(), list(batch.seq_lens)), group=tp.group)
+    # Tensor collectives, not all_gather_object (a pickle and two collectives per micro-batch): the sizes,
+    # then every member's token ids and sequence lengths padded to the longest. The lengths are read on
+    # the host (the forward's metadata needs them there): one small read per micro-batch.
+    device = target.model.embed_tokens.weight.device
+    ids, lens = batch.input_ids.to(device), torch.tensor(list(batch.seq_lens), dtype=torch.long, device=device)
+    size = torch.tensor([ids.numel(), lens.numel()], dtype=torch.long, device=device)
+    sizes = [torch.empty_like(size) for _ in range(tp.size)]
+    dist.all_gather(sizes, size, group=tp.group)
+    sizes_host = torch.stack(sizes).cpu().tolist()
+    most_ids, most_lens = max(s[0] for s in sizes_host), max(s[1] for s in sizes_host)
+    got_ids = [torch.empty(most_ids, dtype=ids.dtype, device=device) for _ in range(tp.size)]
+    got_lens = [torch.empty(most_lens, dtype=torch.long, device=device) for _ in range(tp.size)]
+    dist.all_gather(got_ids, F.pad(ids, (0, most_ids - ids.numel())), group=tp.group)
+    dist.all_gather(got_lens, F.pad(lens, (0, most_lens - lens.numel())), group=tp.group)
+    everyone = [(got_ids[r][:n], got_lens[r][:m].cpu().tolist()) for r, (n, m) in enumerate(sizes_host)]
     mine = None
     for r, (ids, lens) in enumerate(everyone):
         out = target_forward(target, PackedBatch(ids, lens, None, None, None), aux_layers)
