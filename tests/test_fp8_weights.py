@@ -186,12 +186,17 @@ def _edit_config(d: Path, **quantization) -> None:
     (d / "config.json").write_text(json.dumps(cfg))
 
 
-def _as_fnuz(d: Path) -> None:
-    """The weights in e4m3fnuz (other exponent bias, other scale semantics): not ours to read."""
-    tensors = load_file(d / "model.safetensors")
-    name = "model.layers.1.self_attn.kv_b_proj.weight"
-    tensors[name] = tensors[name].float().to(torch.float8_e4m3fnuz)
-    save_file(tensors, d / "model.safetensors")
+def _stored_as(dtype: torch.dtype):
+    """One weight re-stored in another FP8 format than the checkpoint declares."""
+    def damage(d: Path) -> None:
+        tensors = load_file(d / "model.safetensors")
+        name = "model.layers.1.self_attn.kv_b_proj.weight"
+        tensors[name] = tensors[name].float().to(dtype)
+        save_file(tensors, d / "model.safetensors")
+    return damage
+
+
+_as_fnuz = _stored_as(torch.float8_e4m3fnuz)  # other exponent bias, other scale semantics: not ours to read
 
 
 @pytest.mark.parametrize("damage, named", [
@@ -245,11 +250,7 @@ def _edit_scale(value):
     return damage
 
 
-def _as_e5m2(d: Path) -> None:
-    tensors = load_file(d / "model.safetensors")
-    name = "model.layers.1.self_attn.kv_b_proj.weight"
-    tensors[name] = tensors[name].float().to(torch.float8_e5m2)
-    save_file(tensors, d / "model.safetensors")
+_as_e5m2 = _stored_as(torch.float8_e5m2)
 
 
 @pytest.mark.parametrize("damage, named", [

@@ -6,28 +6,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+from test_train_parts import _batch, target  # noqa: F401 - the tiny target fixture and its batches
 
 from headstart.config import ConfigError, recipe_from_dict
-from headstart.heads import HeadConfig, PackedBatch, build_head, build_vocab_maps
-from headstart.models.llama import load_llama
+from headstart.heads import HeadConfig, build_head, build_vocab_maps
 from headstart.train.losses import LossParts, distill, objective, target_logits
-from headstart.train.module import target_forward
-
-
-@pytest.fixture(scope="module")
-def target(tmp_path_factory):
-    from tiny_models import make_hf_model
-
-    d = tmp_path_factory.mktemp("target")
-    make_hf_model("llama", d, seed=5, vocab_size=512)
-    return load_llama(d, "fp32")
-
-
-def _batch(target, lens=(11, 7, 14), seed=0):
-    g = torch.Generator().manual_seed(seed)
-    ids = torch.randint(2, target.config.vocab_size, (sum(lens),), generator=g)
-    mask = (torch.rand(sum(lens), generator=g) > 0.3).to(torch.uint8)
-    return target_forward(target, PackedBatch(ids, list(lens), None, None, mask), [0, 1, 2])
 
 
 def _draft_vocab_head(target):

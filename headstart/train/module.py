@@ -56,8 +56,8 @@ def group_target_forward(target: LlamaForCausalLM, batch: PackedBatch, aux_layer
     import torch.distributed as dist
 
     # Tensor collectives, not all_gather_object (a pickle and two collectives per micro-batch): the sizes,
-    # then every member's token ids and sequence lengths padded to the longest. The lengths are read on
-    # the host (the forward's metadata needs them there): one small read per micro-batch.
+    # then every member's token ids and sequence lengths padded to the longest. The sizes and the lengths
+    # are read on the host (the forward's metadata needs them there): two small reads per micro-batch.
     device = target.model.embed_tokens.weight.device
     ids, lens = batch.input_ids.to(device), torch.tensor(list(batch.seq_lens), dtype=torch.long, device=device)
     size = torch.tensor([ids.numel(), lens.numel()], dtype=torch.long, device=device)
@@ -69,7 +69,8 @@ def group_target_forward(target: LlamaForCausalLM, batch: PackedBatch, aux_layer
     got_lens = [torch.empty(most_lens, dtype=torch.long, device=device) for _ in range(tp.size)]
     dist.all_gather(got_ids, F.pad(ids, (0, most_ids - ids.numel())), group=tp.group)
     dist.all_gather(got_lens, F.pad(lens, (0, most_lens - lens.numel())), group=tp.group)
-    everyone = [(got_ids[r][:n], got_lens[r][:m].cpu().tolist()) for r, (n, m) in enumerate(sizes_host)]
+    lens_host = torch.stack(got_lens).cpu().tolist()  # every member's lengths in one read
+    everyone = [(got_ids[r][:n], lens_host[r][:m]) for r, (n, m) in enumerate(sizes_host)]
     mine = None
     for r, (ids, lens) in enumerate(everyone):
         out = target_forward(target, PackedBatch(ids, lens, None, None, None), aux_layers)
