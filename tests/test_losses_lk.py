@@ -5,12 +5,14 @@ computation by autograd, with and without a draft vocabulary, and the module's c
 from __future__ import annotations
 
 import pytest
+import test_train_parts as parts
 import torch
-from test_train_parts import _batch, target  # noqa: F401 - the tiny target fixture and its batches
 
 from headstart.config import ConfigError, recipe_from_dict
 from headstart.heads import HeadConfig, build_head, build_vocab_maps
 from headstart.train.losses import LossParts, distill, objective, target_logits
+
+target, _batch = parts.target, parts._batch  # test_train_parts' tiny target (a fixture) and its batches
 
 
 def _draft_vocab_head(target):
