@@ -215,3 +215,33 @@ def test_max_context_tokens_stops_exactly_at_a_prompt_of_that_length(tmp_path, m
                                 regenerate=dataclasses.replace(recipe.regenerate, max_context_tokens=cut))
         got = json.loads(run_regenerate(r, progress=False).read_text().splitlines()[0])
         assert got["id"] == row["id"] and len(got["regenerated"]["finish_reasons"]) == replies, (cut, second)
+
+
+def test_a_run_killed_mid_way_keeps_every_conversation_that_finished(tmp_path, model_dir, monkeypatch):
+    """Each conversation reaches the partial file the moment its last reply is in (not at the end of a
+    chunk of batch_size x 4), so a kill loses only the conversations in flight; the resumed run writes
+    the rows in source order, with the same text as an uninterrupted one, and counts its tokens."""
+    from headstart.inference import Engine
+
+    full = run_regenerate(_recipe(tmp_path, model_dir, "full", temperature=0.8), progress=False).read_text()
+    recipe = _recipe(tmp_path, model_dir, "killed", temperature=0.8)
+    step, steps = Engine.step, []
+
+    def killed_after_20_steps(self):
+        steps.append(1)
+        if len(steps) > 20:
+            raise KeyboardInterrupt
+        return step(self)
+
+    monkeypatch.setattr(Engine, "step", killed_after_20_steps)
+    with pytest.raises(KeyboardInterrupt):
+        run_regenerate(recipe, progress=False)
+    monkeypatch.setattr(Engine, "step", step)
+    partial = tmp_path / "killed" / "regenerated.jsonl.partial"
+    kept = [json.loads(x)["id"] for x in partial.read_text().splitlines()]
+    assert 2 <= len(kept) < 9  # 20 steps of 6 tokens at batch 2 finish a few two-turn conversations
+    out = run_regenerate(recipe, resume=True, progress=False)
+    assert out.read_text() == full and not partial.exists()
+    rows = [json.loads(x) for x in full.splitlines()]
+    assert [r["id"] for r in rows] == [f"c{i}" for i in range(9)]
+    assert all(len(r["regenerated"]["tokens"]) == 2 and 1 <= min(r["regenerated"]["tokens"]) for r in rows)

@@ -2,9 +2,10 @@
 
 User and system turns are kept; assistant turn k is regenerated from the conversation so far (with
 the earlier turns already regenerated), so heads learn the target's own distribution. Conversations
-run through the engine together (continuous batching), turn by turn. Finished conversations are
-appended to `<output>.partial` (flushed per chunk); `--resume` keeps its complete lines and skips
-those ids; the file is renamed to `<output>` when everything is done. Sampling seeds derive from
+stream through the engine (continuous batching): a conversation's next turn, or the next
+conversation, takes a slot the moment a reply finishes. Each finished conversation is appended to
+`<output>.partial` at once (flushed and synced); `--resume` keeps its complete lines and skips those
+ids; when everything is done the rows are written to `<output>` in source order. Sampling seeds derive from
 the recipe seed and the conversation id, so a resumed run writes what an uninterrupted one would.
 A finished run grows with a larger `regenerate.limit` and `--resume`: the next source rows are
 added to it.
@@ -211,54 +212,121 @@ def _run(recipe: Recipe, engine: Any, out: Path, partial: Path, run_file: Path, 
     todo = [c for c in read.conversations if c["id"] not in done]
     bar = tqdm(total=len(read.conversations), initial=len(read.conversations) - len(todo), unit="conv",
                desc="regenerate", disable=not progress)
-    chunk = cfg.batch_size * 4
+    feed = _StepFeed(engine) if hasattr(engine, "step") else _BatchFeed(engine)
+    pool = cfg.batch_size + cfg.batch_size // 2 if isinstance(feed, _StepFeed) else cfg.batch_size * 4
     with open(partial, "a", encoding="utf-8") as f:
-        for i in range(0, len(todo), chunk):
-            rows = _regenerate_chunk(engine, todo[i:i + chunk], cfg, recipe.seed, provenance, SamplingParams)
-            for row in rows:
-                f.write(json.dumps(row, ensure_ascii=False) + "\n")
+        def finished(row: dict[str, Any]) -> None:  # on disk as soon as its last reply is in
+            f.write(json.dumps(row, ensure_ascii=False) + "\n")
             f.flush()
             os.fsync(f.fileno())
-            bar.update(len(rows))
+            bar.update(1)
+
+        _converse(feed, todo, pool, cfg, recipe.seed, provenance, SamplingParams, engine.encode, finished)
     bar.close()
-    os.replace(partial, out)
+    totals = _in_source_order(partial, out, [c["id"] for c in read.conversations])
     if progress:
-        status(f"regenerate: {len(read.conversations):,} conversations -> {out} "
-              f"({sum(read.skipped.values())} source rows skipped)")
+        status(f"regenerate: {totals['conversations']:,} conversations, {totals['turns']:,} assistant turns, "
+               f"{totals['tokens']:,} answer tokens -> {out} ({sum(read.skipped.values())} source rows skipped)")
     return out
 
 
-def _regenerate_chunk(engine: Any, convs: list[dict[str, Any]], cfg: Any, seed: int, provenance: dict[str, Any],
-                      sampling_params: Any) -> list[dict[str, Any]]:
-    """Regenerate a chunk of conversations, all turn-k replies of the chunk in one engine call."""
-    state = [{"conv": c, "out": [], "pos": 0, "reasons": []} for c in convs]
-    while True:
-        pending, prompts, params = [], [], []
-        for st in state:
-            msgs = st["conv"]["messages"]
-            while st["pos"] < len(msgs) and msgs[st["pos"]]["role"] != "assistant":
-                st["out"].append(msgs[st["pos"]])
-                st["pos"] += 1
-            turn = sum(m["role"] == "assistant" for m in st["out"])
-            too_long = (cfg.max_context_tokens is not None and turn > 0 and st["pos"] < len(msgs)
-                        and len(engine.encode(st["out"])) >= cfg.max_context_tokens)
-            if (cfg.max_turns is not None and turn >= cfg.max_turns) or too_long:
-                st["pos"] = len(msgs)  # the rest of the conversation is dropped, not kept stale
-                while st["out"] and st["out"][-1]["role"] != "assistant":
-                    st["out"].pop()
-            if st["pos"] < len(msgs):
-                pending.append(st)
-                prompts.append(list(st["out"]))
-                params.append(sampling_params(max_tokens=cfg.max_tokens, temperature=cfg.temperature, top_p=cfg.top_p,
-                                              seed=_seed(seed, st["conv"]["id"], turn)))
-        if not pending:
-            break
-        for st, res in zip(pending, engine.generate(prompts, params)):
+def _in_source_order(partial: Path, out: Path, ids: list[str]) -> dict[str, int]:
+    """Write the finished rows to `out` in source order (they reach the partial file in the order they
+    finish, which depends on batching and on where a run was resumed), atomically; count what they hold."""
+    data = partial.read_bytes().decode("utf-8")
+    rows = {}
+    for line in data.split("\n")[:-1]:  # not splitlines(): U+2028 etc. occur inside JSON strings
+        rows[json.loads(line)["id"]] = line
+    order = [i for i in ids if i in rows]
+    order += [i for i in rows if i not in set(order)]  # none expected: kept rather than dropped
+    totals = {"conversations": len(order), "turns": 0, "tokens": 0}
+    tmp = out.with_name(out.name + ".tmp")
+    with open(tmp, "w", encoding="utf-8") as f:
+        for i in order:
+            f.write(rows[i] + "\n")
+            made = json.loads(rows[i])["regenerated"]
+            totals["turns"] += len(made.get("finish_reasons", []))
+            totals["tokens"] += sum(made.get("tokens", []))
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, out)
+    partial.unlink()
+    return totals
+
+
+class _StepFeed:
+    """Our engine, request by request: each reply comes back the step it finishes, and the next turn
+    (or the next conversation) takes its slot at once."""
+
+    def __init__(self, engine: Any) -> None:
+        self.engine = engine
+
+    def submit(self, key: str, prompt: list[dict[str, str]], params: Any) -> None:
+        self.engine.add_request(prompt, params, request_id=key)
+
+    def collect(self) -> list[tuple[str, Any]]:
+        return [(o.id, o) for o in self.engine.step() if o.finished]
+
+
+class _BatchFeed:
+    """An engine with only a blocking `generate` (vLLM's worker): what was submitted runs as one batch."""
+
+    def __init__(self, engine: Any) -> None:
+        self.engine = engine
+        self.queue: list[tuple[str, list[dict[str, str]], Any]] = []
+
+    def submit(self, key: str, prompt: list[dict[str, str]], params: Any) -> None:
+        self.queue.append((key, prompt, params))
+
+    def collect(self) -> list[tuple[str, Any]]:
+        queue, self.queue = self.queue, []
+        return list(zip([q[0] for q in queue], self.engine.generate([q[1] for q in queue], [q[2] for q in queue])))
+
+
+def _converse(feed: Any, todo: list[dict[str, Any]], pool: int, cfg: Any, seed: int, provenance: dict[str, Any],
+              sampling_params: Any, encode: Any, finished: Any) -> None:
+    """Regenerate `todo`'s assistant turns, up to `pool` conversations in flight: turn k of a
+    conversation is asked once its turn k-1 is answered; `finished(row)` gets each conversation the
+    moment its last reply is in, so an interrupted run loses only the conversations in flight."""
+    active: dict[str, dict[str, Any]] = {}
+    waiting = iter(todo)
+
+    def advance(st: dict[str, Any]) -> None:
+        msgs = st["conv"]["messages"]
+        while st["pos"] < len(msgs) and msgs[st["pos"]]["role"] != "assistant":
+            st["out"].append(msgs[st["pos"]])
+            st["pos"] += 1
+        turn = len(st["reasons"])
+        too_long = (cfg.max_context_tokens is not None and turn > 0 and st["pos"] < len(msgs)
+                    and len(encode(st["out"])) >= cfg.max_context_tokens)
+        if (cfg.max_turns is not None and turn >= cfg.max_turns) or too_long:
+            st["pos"] = len(msgs)  # the rest of the conversation is dropped, not kept stale
+            while st["out"] and st["out"][-1]["role"] != "assistant":
+                st["out"].pop()
+        if st["pos"] >= len(msgs):
+            finished({"id": st["conv"]["id"],
+                      "conversations": [{"from": _ROLE_OUT[m["role"]], "value": m["content"]} for m in st["out"]],
+                      "regenerated": {**provenance, "finish_reasons": st["reasons"], "tokens": st["tokens"]}})
+            return
+        key = f"{st['conv']['id']}\x00{turn}"
+        active[key] = st
+        feed.submit(key, list(st["out"]), sampling_params(max_tokens=cfg.max_tokens, temperature=cfg.temperature,
+                                                          top_p=cfg.top_p, seed=_seed(seed, st["conv"]["id"], turn)))
+
+    def refill() -> None:
+        while len(active) < pool:
+            conv = next(waiting, None)
+            if conv is None:
+                return
+            advance({"conv": conv, "out": [], "pos": 0, "reasons": [], "tokens": []})
+
+    refill()
+    while active:
+        for key, res in feed.collect():
+            st = active.pop(key)
             st["out"].append({"role": "assistant", "content": res.text})
             st["reasons"].append(res.finish_reason)
+            st["tokens"].append(len(res.token_ids))
             st["pos"] += 1
-    return [{
-        "id": st["conv"]["id"],
-        "conversations": [{"from": _ROLE_OUT[m["role"]], "value": m["content"]} for m in st["out"]],
-        "regenerated": {**provenance, "finish_reasons": st["reasons"]},
-    } for st in state]
+            advance(st)
+        refill()
