@@ -6,6 +6,11 @@ default: the commit before the issue-32 work), each in its own process, in one r
 
     .venv/bin/python benchmarks/train_ops.py                  # baseline 91e691a
     .venv/bin/python benchmarks/train_ops.py --baseline HEAD~3 --tokens 512
+    .venv/bin/python benchmarks/train_ops.py --saved --baseline d3b35db --tokens 2048   # bytes kept, not ops
+
+`--saved`: what one micro-batch keeps for backward instead (autograd's saved tensors, distinct storages,
+parameters left out), for the rows packed as one long sequence with many short ones (half the rows in one
+sequence, the rest in 16-token ones: what packing makes of a realistic length mix) and as two even ones.
 
 The models are random, tiny in width (the op count does not depend on width) and built here; nothing is
 downloaded. Host syncs are not in this table: on CPU a host-side mask and a device mask are the same
@@ -92,11 +97,81 @@ def measure(model_dirs: dict[str, str], tokens: int, chunk: int = 256) -> dict[s
     return out
 
 
+def measure_saved(model_dirs: dict[str, str], tokens: int, chunk: int = 256) -> dict[str, dict[str, int]]:
+    """Runs inside the tree under test: bytes autograd saves for HeadModule.losses, per case and length mix."""
+    import torch
+
+    from headstart.config import recipe_from_dict
+    from headstart.heads import HeadConfig, PackedBatch, build_head
+    from headstart.models import load_target
+    from headstart.train.module import HeadModule, target_forward
+
+    torch.manual_seed(0)
+    out: dict[str, dict[str, int]] = {}
+    targets = {k: load_target(v, "fp32") for k, v in model_dirs.items()}
+    mixes = {"mixed": [tokens // 2] + [16] * (tokens // 32), "even": [tokens // 2] * 2}
+    for name, (kind, ttt, extra, family) in CASES.items():
+        target = targets[family]
+        head = build_head(HeadConfig(head_type=kind, **extra), target)
+        recipe = recipe_from_dict({"head": {"type": kind, **extra},
+                                   "train": {"ttt_steps": ttt, "loss_chunk_tokens": chunk}})
+        module = HeadModule(recipe, target, head)
+        params = {p.untyped_storage().data_ptr() for m in (head, target) for p in m.parameters()}
+        for mix, lens in mixes.items():
+            g = torch.Generator().manual_seed(0)
+            ids = torch.randint(2, 500, (sum(lens),), generator=g)
+            mask = (torch.rand(sum(lens), generator=g) > 0.3).long()
+            batch = target_forward(target, PackedBatch(ids, lens, None, None, mask), list(extra.get("aux_layer_ids",
+                                                                                                    [])))
+            seen: dict[int, int] = {}
+
+            def pack(t: torch.Tensor, params: set[int] = params, seen: dict[int, int] = seen) -> torch.Tensor:
+                st = t.untyped_storage()
+                if st.data_ptr() not in params:
+                    seen[st.data_ptr()] = st.nbytes()
+                return t
+
+            with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+                loss, _ = module.losses(batch, with_stats=False)
+            out[f"{name} | {mix}"] = {"bytes": sum(seen.values())}
+            del loss
+    return out
+
+
+def main_saved(args: argparse.Namespace) -> None:
+    from common import baseline_tree, measure_in_tree
+
+    with tempfile.TemporaryDirectory(prefix="headstart-train-saved-") as tmp:
+        models = {k: str(v) for k, v in _models(Path(tmp) / "models").items()}
+
+        def run(tree: Path) -> dict[str, dict[str, int]]:
+            return measure_in_tree(tree, f"train_ops.measure_saved({models!r}, {args.tokens})", 1800,
+                                   OMP_NUM_THREADS="1")
+
+        with baseline_tree(args.baseline) as base:
+            before = run(base)
+        after = run(ROOT)
+    print(f"bytes kept for backward per micro-batch ({args.tokens} rows; mixed: one {args.tokens // 2}-token "
+          f"sequence + {args.tokens // 32} of 16 tokens; even: two of {args.tokens // 2}), fp32, baseline "
+          f"{args.baseline} vs this tree")
+    print("| case | mix | saved MB before | after | before / after |")
+    print("|---|---|---|---|---|")
+    for key, b in before.items():
+        name, mix = key.split(" | ")
+        a = after[key]["bytes"]
+        print(f"| {name} | {mix} | {b['bytes'] / 1e6:,.1f} | {a / 1e6:,.1f} | {b['bytes'] / max(a, 1):.1f}x |",
+              flush=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--baseline", default="91e691a", help="git revision of the baseline tree")
     ap.add_argument("--tokens", type=int, default=256, help="rows per micro-batch (split into 1 or 8 sequences)")
+    ap.add_argument("--saved", action="store_true", help="bytes kept for backward instead of ops (module docstring)")
     args = ap.parse_args()
+    if args.saved:
+        main_saved(args)
+        return
     from common import baseline_tree, measure_in_tree
 
     sys.path.insert(0, str(ROOT))

@@ -221,12 +221,15 @@ def make_plan(recipe: Recipe, target_cfg: dict[str, Any], *, device: str = "H100
         opt = Term("head weights + grads + AdamW", 16 * head_params,
                    f"{head_params / 1e6:.1f} M trainable parameters x 16 B (fp32 weight, grad, 2 moments)")
     seq = min(recipe.data.max_length, tr.batch_tokens)
-    per_tok = (d * (22 + 2 * aux + aux_saved) + 6 * hc.intermediate_size) * 2  # one layer's saved bf16 activations
+    on_gpu = device != "CPU RAM" and recipe.trainer.accelerator != "cpu"
+    # the head's compute dtype: bf16 under bf16 precision (auto: on GPUs); fp32 otherwise
+    gb = 2 if recipe.trainer.precision in ("bf16-mixed", "bf16-true") or (recipe.trainer.precision == "auto"
+                                                                           and on_gpu) else 4
+    per_tok = (d * (22 + 2 * aux + aux_saved) + 6 * hc.intermediate_size) * gb  # one layer's saved activations
     # A chunk's recompute keeps every TTT step's log q beside the one teacher they share (train.losses).
     loss_steps = tr.ttt_steps if hc.head_type in ("mtp", "eagle1", "deepseek_mtp", "eagle3") else 1
     from headstart.train.losses import chunk_row_bytes, loss_chunk_rows
 
-    on_gpu = device != "CPU RAM" and recipe.trainer.accelerator != "cpu"
     lk = tr.loss != "kl"
     # a chunk holds at most the micro-batch's rows, whatever train.loss_chunk_tokens asks
     chunk = min(loss_chunk_rows(tr.loss_chunk_tokens, vd, loss_steps, "cuda" if on_gpu else "cpu", tr.batch_tokens,
@@ -234,7 +237,7 @@ def make_plan(recipe: Recipe, target_cfg: dict[str, Any], *, device: str = "H100
     ph.terms = [target_term(tp), opt,
                 Term("head activations", tr.batch_tokens * per_tok * tr.ttt_steps,
                      f"{tr.batch_tokens:,} tokens x {tr.ttt_steps} TTT steps x "
-                     f"(({22 + 2 * aux + aux_saved} d + 6 I) x 2 B)"),
+                     f"(({22 + 2 * aux + aux_saved} d + 6 I) x {gb} B)"),
                 Term("chunked loss", chunk * chunk_row_bytes(vd, loss_steps, lk, c.vocab_size),
                      f"{chunk:,} rows x {vd:,} logits x fp32 x ({loss_steps} steps' log q + the "
                      "teacher's log p and p, shared by the steps + a gradient)" + (
@@ -245,22 +248,29 @@ def make_plan(recipe: Recipe, target_cfg: dict[str, Any], *, device: str = "H100
         bs = hc.block_size or 8
         q = min(recipe.head.max_anchors, tr.batch_tokens) * bs
         kv = 2 * hc.num_key_value_heads * hc.head_dim
-        ph.terms[2] = Term("head activations", q * per_tok * hc.num_layers + tr.batch_tokens * (d + kv * hc.num_layers)
-                           * act, f"{q:,} block rows x {hc.num_layers} layers x (({22 + 2 * aux} d + 6 I) x 2 B), + "
-                                  f"{tr.batch_tokens:,} context rows x (d + {hc.num_layers} x 2 KV)")
-        # heads.dflash: one fused SDPA call per layer over the padded blocks keeps no scores, only the
-        # (queries x (context + block keys)) mask shared by the layers (bool, and one copy in the compute dtype).
-        ph.terms.append(Term("block attention mask", (1 + act) * q * (seq + q),
-                             f"{q:,} block queries x ({seq:,} context + {q:,} block keys) x (1 + {act}) B, shared by "
-                             "the layers (fused kernels keep no scores)"))
-    if tr.ttt_steps > 1:
-        # headstart.train.ttt runs each unrolled step as one fused SDPA call over the padded sequences: no
-        # scores are kept, but step j keeps its additive (L, L (j + 1)) mask for the backward pass (one per
-        # step, shared by the layers and sequences).
-        cells = sum(seq * seq * (j + 1) for j in range(1, tr.ttt_steps))
-        ph.terms.append(Term("TTT attention masks", cells * act,
-                             f"{seq:,} x {seq:,} positions x (2 + ... + {tr.ttt_steps}) key copies x {act} B "
-                             "(steps 1..; fused kernels keep no scores)"))
+        # heads.dflash: per layer and bucket (sequences bucketed by length, then by block rows: under 2x padding
+        # of each) one fused SDPA call over the context and block keys; the padded K/V copies are kept, no scores,
+        # and the (block queries x (context + block keys)) masks shared by the layers (bool, and one copy in the
+        # compute dtype): at most 2 q padded queries, each seeing at most seq + q keys.
+        ph.terms[2] = Term("head activations", q * per_tok * hc.num_layers
+                           + tr.batch_tokens * d * gb + 2 * (tr.batch_tokens + q) * kv * hc.num_layers * gb,
+                           f"{q:,} block rows x {hc.num_layers} layers x (({22 + 2 * aux} d + 6 I) x {gb} B), + "
+                           f"{tr.batch_tokens:,} context rows x d, + 2 x ({tr.batch_tokens:,} context + {q:,} block) "
+                           f"padded rows x {hc.num_layers} x 2 KV")
+        ph.terms.append(Term("block attention mask", (1 + gb) * 2 * q * (seq + q),
+                             f"2 x {q:,} padded block queries x ({seq:,} context + {q:,} block keys) x (1 + {gb}) B, "
+                             "shared by the layers (fused kernels keep no scores)"))
+    if hc.head_type in ("mtp", "eagle1", "deepseek_mtp", "eagle3", "draft_lm"):
+        ph.terms.append(_padded_attention_term(recipe, c, hc, gb, on_gpu))
+    if tr.ttt_steps > 1 and hc.head_type in ("mtp", "eagle1", "deepseek_mtp", "eagle3"):
+        # headstart.train.ttt runs each unrolled step as one fused SDPA call per length bucket: no scores
+        # are kept, but step j keeps its additive (L_b, L_b (j + 1)) mask per bucket length for the backward
+        # pass (shared by the layers and sequences). Bucket lengths at least halve from one to the next, so
+        # their squares sum to under 4/3 of the longest's.
+        cells = sum(seq * seq * (j + 1) for j in range(1, tr.ttt_steps)) * 4 / 3
+        ph.terms.append(Term("TTT attention masks", cells * gb,
+                             f"4/3 x {seq:,} x {seq:,} positions x (2 + ... + {tr.ttt_steps}) key copies x {gb} B "
+                             "(steps 1..; per bucket length; fused kernels keep no scores)"))
     if hc.draft_vocab_size and hc.head_type in ("mtp", "eagle1", "deepseek_mtp", "dflash"):
         ph.terms.append(Term("restricted lm_head", vd * d * act, f"{vd:,} target rows gathered once"))
     parts_term = None
@@ -333,6 +343,37 @@ def make_plan(recipe: Recipe, target_cfg: dict[str, Any], *, device: str = "H100
     ]
     return Plan(recipe=recipe.name or "", device=device, capacity=capacity_gb * GB, phases=phases_made,
                 disk_bytes_per_token=disk, assumptions=assumptions, serving=serving)
+
+
+def _padded_attention_term(recipe: Recipe, c: Any, hc: Any, act: int, on_gpu: bool) -> Term:
+    """What a head's training attention keeps for backward over the padded rows of its length buckets
+    (nn.attention.PaddedLayout: under 2 x the micro-batch's tokens whatever the mix of lengths). TTT
+    (train.ttt): per layer each step's queries and own K/V (the later steps' copies of them are rebuilt
+    in the backward pass), plus the largest rebuild in flight: the last step's T copies and their
+    gradients, expanded to the query heads on CUDA when heads are grouped (the memory-efficient kernel
+    takes a mask but not groups). draft_lm (PackedCausalAttention): q, K, V (expanded likewise) and the
+    output per layer."""
+    tr = recipe.train
+    heads = hc.num_attention_heads
+    if hc.head_type == "deepseek_mtp" and _is_deepseek(c):  # MLA runs expanded in training: MHA of qk_head_dim keys
+        kv_heads, k_dim, v_dim = heads, c.qk_nope_head_dim + c.qk_rope_head_dim, c.v_head_dim
+    else:
+        kv_heads, k_dim, v_dim = hc.num_key_value_heads, hc.head_dim, hc.head_dim
+    wide = heads if on_gpu and kv_heads != heads else kv_heads
+    rows = 2 * tr.batch_tokens
+    layers = hc.num_layers if hc.head_type != "deepseek_mtp" else 1
+    if hc.head_type == "draft_lm":
+        per_row = layers * (heads * (k_dim + v_dim) + wide * (k_dim + v_dim))
+        how = f"{layers} layer(s) x (q and output x {heads} heads + K/V x {wide} heads)"
+        name = "attention (padded rows)"
+    else:
+        t = tr.ttt_steps
+        per_row = layers * t * (kv_heads * (k_dim + v_dim) + heads * k_dim) + 2 * t * wide * (k_dim + v_dim)
+        how = (f"({layers} layer(s) x {t} steps x (own K/V x {kv_heads} heads + q x {heads} heads), + the last step's "
+               f"{t} K/V copies x {wide} heads and their gradients, rebuilt in backward)")
+        name = "TTT attention (padded rows)"
+    return Term(name, rows * per_row * act,
+                f"2 x {tr.batch_tokens:,} padded rows (length buckets) x {how} x ({k_dim} + {v_dim}) x {act} B")
 
 
 def render(plan: Plan) -> str:

@@ -166,7 +166,8 @@ def test_a_recipe_that_would_not_fit_is_refused_by_its_largest_term():
     (refusal,) = plan.refusals()
     assert refusal.startswith("train: needs") and "'head activations'" in refusal
     ttt = next(t for t in plan.phases[1].terms if t.name == "TTT attention masks")
-    assert ttt.bytes == 4096 * 4096 * (2 + 3 + 4 + 5 + 6 + 7) * 2  # a bf16 mask per step, no (H, n, n) scores
+    # a bf16 mask per step and bucket length (their squares under 4/3 of the longest's), no (H, n, n) scores
+    assert ttt.bytes == 4096 * 4096 * (2 + 3 + 4 + 5 + 6 + 7) * 2 * 4 / 3
     raw["train"]["batch_tokens"] = 8192
     assert make_plan(recipe_from_dict(raw), cfg).refusals() == []
 

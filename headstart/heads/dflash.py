@@ -33,7 +33,6 @@ from headstart.nn.attention import (
     additive_mask,
     fused_kv,
     packed_metadata,
-    padded_layout,
 )
 from headstart.nn.decoder import DecoderLayer
 from headstart.nn.linear import Linear
@@ -93,48 +92,59 @@ def choose_anchors(batch: PackedBatch, block_size: int, max_anchors: int, genera
 
 @dataclass
 class _BlockLayout:
-    """A micro-batch's blocks laid out for one attention call per layer: the context rows padded per
-    sequence (B, L), each sequence's block rows padded (B, Q), and one additive mask (B, 1, Q, L + Q)
-    shared by the layers: a block query sees the context before its anchor and its own block. Padding
-    queries see only themselves (a fully masked row would give NaN to the backward pass)."""
+    """A micro-batch's blocks laid out for one attention call per layer and bucket (the sequences holding
+    blocks, bucketed by length and then by block rows as `PaddedLayout` does: under 2x padding of each): per bucket
+    the context rows padded (B_b, L_b), each sequence's block rows padded (B_b, Q_b), and one additive
+    mask (B_b, 1, Q_b, L_b + Q_b) shared by the layers: a block query sees the context before its anchor
+    and its own block. Padding queries see only themselves (a fully masked row would give NaN to the
+    backward pass). Sequences without a block are left out."""
 
     context: PaddedLayout
     blocks: PaddedLayout
-    allowed: torch.Tensor  # (B, Q, L + Q) bool
+    allowed: list[torch.Tensor]  # per bucket (B_b, Q_b, L_b + Q_b) bool
     masks: dict
 
-    def mask(self, dtype: torch.dtype) -> torch.Tensor:
+    def mask(self, dtype: torch.dtype) -> list[torch.Tensor]:
         if dtype not in self.masks:
-            self.masks[dtype] = additive_mask(self.allowed, dtype).unsqueeze(1)  # (B, 1, Q, L + Q)
+            self.masks[dtype] = [additive_mask(a, dtype).unsqueeze(1) for a in self.allowed]  # (B_b, 1, Q_b, .)
         return self.masks[dtype]
 
 
 def _block_layout(batch: PackedBatch, blocks: AnchoredBlocks, device: torch.device) -> _BlockLayout:
     """Built on the host from the lengths and anchors (no loop over sequences, no device sync)."""
-    bs, n_seq = blocks.block_size, len(batch.seq_lens)
-    context = padded_layout(packed_metadata(batch.seq_lens, device=device))
-    counts = torch.bincount(blocks.seq_of, minlength=n_seq) * bs  # (B,) block rows per sequence
-    block_rows = PaddedLayout.of(counts.tolist(), device)
-    q_max = block_rows.length
-    col = torch.arange(q_max)
-    inside = col[None, :] < counts[:, None]  # (B, Q)
+    bs, lens = blocks.block_size, list(batch.seq_lens)
+    counts = torch.bincount(blocks.seq_of, minlength=len(lens)) * bs  # (B,) block rows per sequence
+    # Buckets of the sequences with blocks by length, each split by block rows: within a bucket both the
+    # contexts and the block rows pad to under twice their own size.
+    rows = counts.tolist()
+    groups = [sub for group in PaddedLayout.buckets([n if c else 0 for n, c in zip(lens, rows)])
+              for sub in PaddedLayout.buckets([rows[i] if i in group else 0 for i in range(len(lens))])]
+    context = PaddedLayout.of(lens, device, groups=groups)
+    block_rows = PaddedLayout.of(counts.tolist(), device, groups=groups)
     first = torch.cumsum(counts, 0) - counts  # (B,) first block row of each sequence
-    starts = torch.tensor([0] + list(batch.seq_lens[:-1])).cumsum(0)
+    starts = torch.tensor([0] + lens[:-1]).cumsum(0)
     anchor_pos = torch.repeat_interleave(blocks.anchors - starts[blocks.seq_of], bs)  # (A * bs,) per block row
-    row = torch.where(inside, first[:, None] + col[None, :], anchor_pos.numel())  # (B, Q) block row, or padding
-    pos_q = torch.cat([anchor_pos, torch.zeros(1, dtype=torch.long)])[row]  # (B, Q) the anchor each query sees
-    ctx = torch.arange(context.length)[None, None, :] < pos_q[:, :, None]  # (B, Q, L): before the anchor
-    blk = torch.where(inside, col[None, :] // bs, -1)
-    own = (blk[:, :, None] == blk[:, None, :]) & inside[:, :, None]  # (B, Q, Q): its own block
-    own |= torch.eye(q_max, dtype=torch.bool)[None] & ~inside[:, :, None]  # padding sees itself
-    allowed = torch.cat([ctx, own], dim=2).to(device, non_blocking=True)
+    anchor_pos = torch.cat([anchor_pos, torch.zeros(1, dtype=torch.long)])  # + padding's
+    allowed = []
+    for group, length in zip(groups, context.lengths):
+        seqs = torch.tensor(group)
+        n_q = counts[seqs]
+        col = torch.arange(int(n_q.max()))
+        inside = col[None, :] < n_q[:, None]  # (B_b, Q_b)
+        row = torch.where(inside, first[seqs][:, None] + col[None, :], anchor_pos.numel() - 1)  # block row, or padding
+        ctx = torch.arange(length)[None, None, :] < anchor_pos[row][:, :, None]  # (B_b, Q_b, L_b): before the anchor
+        blk = torch.where(inside, col[None, :] // bs, -1)
+        own = (blk[:, :, None] == blk[:, None, :]) & inside[:, :, None]  # (B_b, Q_b, Q_b): its own block
+        own |= torch.eye(col.numel(), dtype=torch.bool)[None] & ~inside[:, :, None]  # padding sees itself
+        allowed.append(torch.cat([ctx, own], dim=2).to(device, non_blocking=True))
     return _BlockLayout(context, block_rows, allowed, {})
 
 
 class _BlockTrainingAttention:
-    """Training backend of one drafter layer: every sequence's block queries in one attention call, over
-    that layer's context keys (positions before the block's anchor) and their own block's keys. The
-    context K/V are computed here, inside the layer's forward, where FSDP has gathered its weights."""
+    """Training backend of one drafter layer: the block queries of each length bucket in one attention
+    call, over that layer's context keys (positions before the block's anchor) and their own block's
+    keys. The context K/V are computed here, inside the layer's forward, where FSDP has gathered its
+    weights."""
 
     name = "dflash-train"
 
@@ -145,13 +155,15 @@ class _BlockTrainingAttention:
                 meta: AttentionMetadata, scale: float) -> torch.Tensor:
         ctx_k, ctx_v = context_kv(self.attn, self.states, self.positions)  # (N, Hkv, Dh)
         lay = self.layout
-        keys = torch.cat([lay.context.pad(ctx_k), lay.blocks.pad(k)], dim=1)  # (B, L + Q, Hkv, Dh)
-        values = torch.cat([lay.context.pad(ctx_v), lay.blocks.pad(v)], dim=1)
-        keys, values, gqa = fused_kv(q, keys, values)
-        o = torch.nn.functional.scaled_dot_product_attention(
-            lay.blocks.pad(q).transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2),
-            attn_mask=lay.mask(q.dtype), scale=scale, enable_gqa=gqa)  # (B, H, Q, Dh)
-        return lay.blocks.unpad(o.transpose(1, 2))  # (A * bs, H, Dh)
+        outs = []
+        for ck, cv, bk, bv, bq, mask in zip(lay.context.pad(ctx_k), lay.context.pad(ctx_v), lay.blocks.pad(k),
+                                            lay.blocks.pad(v), lay.blocks.pad(q), lay.mask(q.dtype)):
+            # keys (B_b, L_b + Q_b, Hkv or Hq, Dh): the context, then the bucket's block rows
+            keys, values, gqa = fused_kv(q, torch.cat([ck, bk], dim=1), torch.cat([cv, bv], dim=1))
+            outs.append(torch.nn.functional.scaled_dot_product_attention(
+                bq.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2), attn_mask=mask, scale=scale,
+                enable_gqa=gqa).transpose(1, 2))  # (B_b, Q_b, H, Dh)
+        return lay.blocks.unpad(outs)  # (A * bs, H, Dh)
 
 
 class DFlashHead(SharedVocabHead):

@@ -121,36 +121,78 @@ def fused_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.T
 
 @dataclass
 class PaddedLayout:
-    """Packed rows (N, ...) laid out as a padded batch (B, L, ...), L the longest sequence: one attention call
-    runs every sequence, whatever their number. Built once per micro-batch (`padded_layout`)."""
+    """Packed rows (N, ...) laid out as padded batches (B_b, L_b, ...), one per *bucket* of sequences: one
+    attention call per bucket runs every sequence in it, whatever their number.
 
-    gather: torch.Tensor  # (B, L) packed row of each padded slot; N (a zero row appended) for padding
-    scatter: torch.Tensor  # (N,) flat padded slot of each packed row
-    batch: int
-    length: int
+    Bucketed (the default): sequences sorted longest first, each bucket holding those at least half as
+    long as its longest, so every sequence is padded to under twice its length: at most 2N padded slots
+    whatever the mix of lengths (one 4k-token conversation packed with 200 short ones pads them to their
+    own bucket's length, not to 4k), in at most log2(longest) + 1 buckets. Unbucketed: one padded batch
+    of every sequence (empty ones included) in their order, L the longest. Built once per micro-batch
+    (`padded_layout`)."""
 
-    def pad(self, x: torch.Tensor) -> torch.Tensor:
-        """(N, ...) -> (B, L, ...); padding slots hold zeros."""
-        return torch.cat([x, x.new_zeros(1, *x.shape[1:])])[self.gather]
+    gathers: list[torch.Tensor]  # per bucket (B_b, L_b): packed row of each padded slot; N (a zero row) for padding
+    scatter: torch.Tensor  # (N,) each packed row's slot in the buckets' flattened slots, laid end to end
 
-    def unpad(self, y: torch.Tensor) -> torch.Tensor:
-        """(B, L, ...) -> (N, ...)."""
-        return y.reshape(self.batch * self.length, *y.shape[2:])[self.scatter]
+    @property
+    def lengths(self) -> list[int]:
+        return [g.shape[1] for g in self.gathers]
+
+    @property
+    def slots(self) -> int:
+        """Padded slots of all buckets (what one padded activation holds per head and channel)."""
+        return sum(g.numel() for g in self.gathers)
+
+    def pad(self, x: torch.Tensor) -> list[torch.Tensor]:
+        """(N, ...) -> one (B_b, L_b, ...) per bucket; padding slots hold zeros."""
+        ext = torch.cat([x, x.new_zeros(1, *x.shape[1:])])
+        return [ext[g] for g in self.gathers]
+
+    def unpad(self, ys: list[torch.Tensor]) -> torch.Tensor:
+        """One (B_b, L_b, ...) per bucket -> (N, ...)."""
+        flat = [y.reshape(y.shape[0] * y.shape[1], *y.shape[2:]) for y in ys]
+        return (flat[0] if len(flat) == 1 else torch.cat(flat))[self.scatter]
+
+    @staticmethod
+    def buckets(lens: list[int]) -> list[list[int]]:
+        """Sequence indices per bucket: non-empty sequences longest first, a new bucket wherever a sequence
+        is shorter than half its bucket's longest (each pads to under twice its length)."""
+        out: list[list[int]] = []
+        for i in sorted((i for i, n in enumerate(lens) if n > 0), key=lambda i: -lens[i]):
+            if out and 2 * lens[i] >= lens[out[-1][0]]:
+                out[-1].append(i)
+            else:
+                out.append([i])
+        return out
 
     @classmethod
-    def of(cls, lens: list[int], device: torch.device | str) -> PaddedLayout:
-        """The layout of rows packed in sequences of `lens` (some may be empty). Built on the host from the
-        lengths and copied without waiting: no device sync (a blocking copy to a GPU waits for its queue)."""
-        n_rows = torch.tensor(list(lens), dtype=torch.long)
-        b, n, length = n_rows.numel(), int(sum(lens)), max(max(lens, default=1), 1)
-        starts = torch.cumsum(n_rows, 0) - n_rows  # (B,)
-        col = torch.arange(length)
-        inside = col[None, :] < n_rows[:, None]  # (B, L)
-        gather = torch.where(inside, starts[:, None] + col[None, :], torch.full_like(inside, n, dtype=torch.long))
-        seq = torch.repeat_interleave(torch.arange(b), n_rows, output_size=n)
-        local = torch.arange(n) - starts[seq]
-        return cls(gather.to(device, non_blocking=True), (seq * length + local).to(device, non_blocking=True), b,
-                   length)
+    def of(cls, lens: list[int], device: torch.device | str, bucketed: bool = True,
+           groups: list[list[int]] | None = None) -> PaddedLayout:
+        """The layout of rows packed in sequences of `lens` (some may be empty); `groups`: the sequences of
+        each bucket, given (the rows of a sequence in none are only padded from, never unpadded to). Built
+        on the host from the lengths and copied without waiting: no device sync (a blocking copy to a GPU
+        waits for its queue)."""
+        lens = [int(n) for n in lens]
+        n = sum(lens)
+        starts = [0] * len(lens)
+        for i in range(1, len(lens)):
+            starts[i] = starts[i - 1] + lens[i - 1]
+        if groups is None:
+            groups = cls.buckets(lens) if bucketed else [list(range(len(lens)))]
+        scatter = torch.full((n,), -1, dtype=torch.long)
+        gathers, offset = [], 0
+        for group in groups or [[]]:
+            n_rows = torch.tensor([lens[i] for i in group], dtype=torch.long)
+            first = torch.tensor([starts[i] for i in group], dtype=torch.long)
+            length = max(int(n_rows.max()) if group else 1, 1)
+            col = torch.arange(length)
+            inside = col[None, :] < n_rows[:, None]  # (B_b, L_b)
+            gather = torch.where(inside, first[:, None] + col[None, :], n)
+            slot = offset + torch.arange(gather.numel()).reshape(gather.shape)
+            scatter[gather[inside]] = slot[inside]
+            gathers.append(gather.to(device, non_blocking=True))
+            offset += gather.numel()
+        return cls(gathers, scatter.to(device, non_blocking=True))
 
 
 def additive_mask(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -172,8 +214,9 @@ class PackedCausalAttention:
 
     The metadata is the same object the engine builds (qo_indptr, q_lens_cpu); slots and pages are
     ignored. Heads run their training forward through it, so training and serving share every line
-    of the layer code and differ only in where keys come from. The sequences run as one padded batch
-    (one causal SDPA call, no mask tensor), so the ops do not grow with the number of sequences.
+    of the layer code and differ only in where keys come from. The sequences run as padded batches, one
+    per length bucket (`PaddedLayout`: one causal SDPA call each, no mask tensor, under 2N padded rows),
+    so the ops grow with the log of the longest length, not with the number of sequences.
     """
 
     name = "packed"
@@ -187,10 +230,10 @@ class PackedCausalAttention:
                 meta: AttentionMetadata, scale: float) -> torch.Tensor:
         lay = padded_layout(meta)
         k, v, gqa = fused_kv(q, k, v)
-        qs, ks, vs = (lay.pad(t).transpose(1, 2) for t in (q, k, v))  # (B, H, L, Dh)
-        o = torch.nn.functional.scaled_dot_product_attention(qs, ks, vs, is_causal=lay.length > 1, scale=scale,
-                                                             enable_gqa=gqa)
-        return lay.unpad(o.transpose(1, 2))  # (N, Hq, Dh)
+        outs = [torch.nn.functional.scaled_dot_product_attention(  # per bucket (B_b, L_b, H, Dh)
+            qb.transpose(1, 2), kb.transpose(1, 2), vb.transpose(1, 2), is_causal=qb.shape[1] > 1, scale=scale,
+            enable_gqa=gqa).transpose(1, 2) for qb, kb, vb in zip(lay.pad(q), lay.pad(k), lay.pad(v))]
+        return lay.unpad(outs)  # (N, Hq, Dh)
 
 
 def packed_metadata(seq_lens: list[int], device: torch.device | str = "cpu") -> AttentionMetadata:

@@ -22,22 +22,66 @@ from headstart.heads.base import DraftHead, PackedBatch, Shifted, shift_for_head
 from headstart.nn.attention import AttentionMetadata, additive_mask, fused_kv, packed_metadata, padded_layout
 
 
+def _step_attention(q: torch.Tensor, kvs: tuple[torch.Tensor, ...], mask: torch.Tensor | None, j: int,
+                    scale: float) -> torch.Tensor:
+    """Step j's attention over one bucket: q (B, L, Hq, D); kvs = (K_0, V_0, ..., K_j, V_j), each step's own
+    (B, L, Hkv, D) -> (B, L, Hq, D). Position p of step j''s copy holds that step's key at p - (j - j');
+    positions rolled in are masked (UnrolledAttention)."""
+    keys = torch.cat([kvs[0]] + [torch.roll(kvs[2 * jp], j - jp, dims=1) for jp in range(1, j + 1)], dim=1)
+    values = torch.cat([kvs[1]] + [torch.roll(kvs[2 * jp + 1], j - jp, dims=1) for jp in range(1, j + 1)], dim=1)
+    keys, values, gqa = fused_kv(q, keys, values)  # (B, L (j + 1), Hkv or Hq, D)
+    return F.scaled_dot_product_attention(q.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2),
+                                          attn_mask=mask, is_causal=mask is None and q.shape[1] > 1, scale=scale,
+                                          enable_gqa=gqa).transpose(1, 2)
+
+
+class _RecomputedStep(torch.autograd.Function):
+    """`_step_attention` keeping only its inputs for backward: the queries and every step's own K/V, which
+    later steps share (T copies over T steps), not the (j + 1) concatenated copies of each step (T (T + 1)
+    / 2, expanded to the query heads on CUDA): the backward pass rebuilds them and reruns the step's
+    forward (one more fused attention call per step), under the autocast state of the forward."""
+
+    @staticmethod
+    def forward(ctx, q: torch.Tensor, mask: torch.Tensor | None, j: int, scale: float,  # noqa: ANN001
+                *kvs: torch.Tensor) -> torch.Tensor:
+        kind = q.device.type
+        ctx.j, ctx.scale = j, scale
+        ctx.autocast = (kind, torch.is_autocast_enabled(kind), torch.get_autocast_dtype(kind))
+        ctx.save_for_backward(q, mask, *kvs)
+        return _step_attention(q, kvs, mask, j, scale)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple:  # noqa: ANN001
+        q, mask, *kvs = ctx.saved_tensors
+        inputs = [t.detach().requires_grad_(need) for t, need in zip([q, *kvs], [ctx.needs_input_grad[0],
+                                                                                 *ctx.needs_input_grad[4:]])]
+        kind, enabled, dtype = ctx.autocast
+        with torch.enable_grad(), torch.autocast(kind, dtype=dtype, enabled=enabled):
+            out = _step_attention(inputs[0], tuple(inputs[1:]), mask, ctx.j, ctx.scale)
+        wanted = [t for t in inputs if t.requires_grad]
+        got = iter(torch.autograd.grad(out, wanted, grad) if wanted else ())
+        grads = [next(got) if t.requires_grad else None for t in inputs]
+        return (grads[0], None, None, None, *grads[1:])
+
+
 class UnrolledAttention:
     """Attention backend for the unroll: each layer's `cache` is a list collecting its K/V per step.
 
-    Step j is one attention call over every sequence at once, laid out as a padded batch (B, L). Its keys
-    are step 0's K (positions 0..L-1) and, for each j' = 1..j, step j''s K moved down by j - j' positions
-    within each sequence, so that position p of that copy holds the key at p - j + j'. An additive mask
-    of (L, L * (j + 1)), which depends on positions only and is built once per step for every layer and
-    sequence, lets query p see step-0 keys at positions <= p - j and in each copy only its own position,
-    where p - j + j' >= 0. SDPA then runs its fused kernel (flash on CPU, memory-efficient on CUDA), which
-    keeps no (H, n, n) scores for backward; what is kept per step is the mask, L^2 (j + 1) elements."""
+    Step j is one attention call per length bucket of the sequences (`PaddedLayout`: padded batches
+    (B_b, L_b) holding under 2N rows in all). Its keys are step 0's K (positions 0..L_b-1) and, for each
+    j' = 1..j, step j''s K moved down by j - j' positions within each sequence, so that position p of that
+    copy holds the key at p - j + j'. An additive mask of (L_b, L_b (j + 1)), which depends on positions
+    only and is built once per step and bucket length for every layer and sequence, lets query p see
+    step-0 keys at positions <= p - j and in each copy only its own position, where p - j + j' >= 0. SDPA
+    then runs its fused kernel (flash on CPU, memory-efficient on CUDA), which keeps no (H, n, n) scores
+    for backward. What a layer keeps for backward (`_RecomputedStep`) is each step's padded queries and
+    own K/V (shared by the later steps) and per step and bucket length the mask; `plan` counts them."""
 
     name = "unrolled"
     expands_mla = True  # MLA heads run expanded here (models.deepseek.MLAttention._expanded)
 
     def __init__(self) -> None:
-        self.masks: dict[tuple[int, torch.dtype], torch.Tensor] = {}
+        self.masks: dict[tuple[int, int, torch.dtype], torch.Tensor] = {}
 
     def plan(self, meta: AttentionMetadata, num_q_heads: int, num_kv_heads: int, head_dim: int,
              dtype: torch.dtype) -> None:
@@ -45,7 +89,7 @@ class UnrolledAttention:
 
     def mask(self, j: int, length: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         """(L, L * (j + 1)) additive mask of step j (class docstring)."""
-        key = (j, dtype)
+        key = (j, length, dtype)
         if key not in self.masks:
             pos = torch.arange(length, device=device)
             allowed = [pos[None, :] <= pos[:, None] - j]  # step-0 keys
@@ -57,19 +101,14 @@ class UnrolledAttention:
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: list,
                 meta: AttentionMetadata, scale: float) -> torch.Tensor:
         lay = padded_layout(meta)
-        cache.append((lay.pad(k), lay.pad(v)))  # (B, L, Hkv, D)
+        cache.append((lay.pad(k), lay.pad(v)))  # per bucket (B_b, L_b, Hkv, D)
         j = len(cache) - 1
-        # Position p of step j''s copy holds that step's key at p - (j - j'); positions rolled in are masked.
-        keys = torch.cat([cache[0][0]] + [torch.roll(kc, j - jp, dims=1) for jp, (kc, _) in enumerate(cache[1:], 1)],
-                         dim=1)
-        values = torch.cat([cache[0][1]] + [torch.roll(vc, j - jp, dims=1) for jp, (_, vc) in enumerate(cache[1:], 1)],
-                           dim=1)  # (B, L (j + 1), Hkv, D)
-        keys, values, gqa = fused_kv(q, keys, values)
-        o = F.scaled_dot_product_attention(lay.pad(q).transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2),
-                                           attn_mask=None if j == 0 else self.mask(j, lay.length, q.dtype, q.device),
-                                           is_causal=j == 0 and lay.length > 1, scale=scale,
-                                           enable_gqa=gqa)  # (B, H, L, D)
-        return lay.unpad(o.transpose(1, 2))  # (N, H, D)
+        outs = []
+        for b, qb in enumerate(lay.pad(q)):
+            mask = None if j == 0 else self.mask(j, qb.shape[1], q.dtype, q.device)
+            kvs = [t for kc, vc in cache for t in (kc[b], vc[b])]
+            outs.append(_RecomputedStep.apply(qb, mask, j, scale, *kvs))  # (B_b, L_b, H, D)
+        return lay.unpad(outs)  # (N, H, D)
 
 
 def unroll(head: DraftHead, batch: PackedBatch, steps: int) -> tuple[list[torch.Tensor], list[torch.Tensor], Shifted]:

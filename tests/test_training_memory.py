@@ -1,0 +1,113 @@
+"""What one training micro-batch keeps for backward (autograd's saved tensors, counted by storage): it
+grows with the micro-batch's rows, not with its sequences padded to the longest one, and `plan`'s terms
+for it are at least what is measured, for every head family, on a mix of lengths that packing allows."""
+
+import pytest
+import torch
+from test_train_parts import _batch
+
+from headstart.config import recipe_from_dict
+from headstart.heads import HeadConfig, build_head, head_config_from_recipe
+from headstart.nn.attention import PaddedLayout
+from headstart.plan import make_plan
+from headstart.train.module import HeadModule
+from headstart.train.ttt import unroll
+
+# One long conversation packed with many short ones, and the same rows as two even sequences.
+MIXED = (129,) + (5,) * 32
+EVEN = (145, 144)
+ACTIVATION_TERMS = ("head activations", "chunked loss", "TTT attention (padded rows)", "attention (padded rows)",
+                    "TTT attention masks", "block attention mask")
+
+
+@pytest.fixture(scope="module")
+def targets(tmp_path_factory):
+    """{"llama", "deepseek"}: (the tiny target, its config.json as a dict)."""
+    import json
+
+    from test_deepseek import CONFIGS, _hf_model
+    from tiny_models import make_hf_model
+
+    from headstart.models import load_target
+
+    out = {}
+    d = tmp_path_factory.mktemp("llama")
+    make_hf_model("llama", d, seed=5, vocab_size=512)
+    out["llama"] = d
+    d = tmp_path_factory.mktemp("deepseek")
+    kind, overrides = CONFIGS["v2-lite"]
+    _hf_model(kind, overrides).save_pretrained(d)
+    out["deepseek"] = d
+    return {k: (load_target(d, "fp32"), json.loads((d / "config.json").read_text())) for k, d in out.items()}
+
+
+def saved_bytes(fn, *modules):
+    """Bytes of the distinct storages autograd saves while `fn` runs, parameters left out."""
+    params = {p.untyped_storage().data_ptr() for m in modules for p in m.parameters()}
+    seen = {}
+
+    def pack(t):
+        st = t.untyped_storage()
+        if st.data_ptr() not in params:
+            seen[st.data_ptr()] = st.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = fn()
+    return sum(seen.values()), out
+
+
+def test_the_layout_pads_each_sequence_to_under_twice_its_length_in_few_buckets():
+    lens = [1000, 3, 0, 501, 499, 7, 250, 1, 2]
+    lay = PaddedLayout.of(lens, "cpu")
+    assert lay.slots < 2 * sum(lens)
+    assert lay.lengths == [1000, 499, 7, 3, 1]  # a new bucket below half the bucket's longest
+    x = torch.arange(sum(lens), dtype=torch.float32)[:, None] * torch.ones(1, 3)
+    padded = lay.pad(x)
+    assert [tuple(p.shape) for p in padded] == [(2, 1000, 3), (2, 499, 3), (1, 7, 3), (2, 3, 3), (1, 1, 3)]
+    assert torch.equal(lay.unpad(padded), x)
+    one = PaddedLayout.of(lens, "cpu", bucketed=False)  # every sequence in order, empty ones included
+    assert one.lengths == [1000] and one.slots == 9000 and torch.equal(one.unpad(one.pad(x)), x)
+    assert PaddedLayout.of([0, 0], "cpu").slots == 0
+
+
+@pytest.mark.parametrize("kind", ["mtp", "eagle3", "deepseek_mtp"])
+def test_a_ttt_micro_batch_keeps_bytes_in_proportion_to_its_rows_not_its_padding(targets, kind):
+    """A long sequence packed with 32 short ones keeps about what the same rows as two even sequences
+    keep; padded to the longest (one batch of 33 x 128 slots), its K/V copies were ~14x larger."""
+    model = targets["deepseek" if kind == "deepseek_mtp" else "llama"][0]
+    head = build_head(HeadConfig(head_type=kind, **({"aux_layer_ids": [0, 1, 2]} if kind == "eagle3" else {})),
+                      model)
+    assert sum(MIXED) == sum(EVEN)
+
+    def kept(lens):
+        b = _batch(model, lens=lens)
+        return saved_bytes(lambda: unroll(head, b, 4), head, model)[0]
+
+    mixed, even = kept(MIXED), kept(EVEN)
+    assert mixed <= 1.2 * even, (mixed, even)
+
+
+FAMILIES = [("mtp", {}), ("eagle1", {}), ("eagle3", {"aux_layer_ids": [0, 1, 2], "draft_vocab_size": 96}),
+            ("deepseek_mtp", {}), ("draft_lm", {"num_layers": 2}), ("medusa", {}),
+            ("dflash", {"aux_layer_ids": [0, 1, 2], "num_layers": 2, "block_size": 4, "max_anchors": 16})]
+
+
+@pytest.mark.parametrize(("kind", "head_kw"), FAMILIES, ids=[f[0] for f in FAMILIES])
+@pytest.mark.parametrize("lens", [MIXED, EVEN], ids=["mixed", "even"])
+def test_plan_counts_at_least_what_a_micro_batch_keeps(targets, kind, head_kw, lens):
+    """plan's activation terms for a micro-batch of train.batch_tokens rows (the longest sequence
+    data.max_length) against autograd's saved bytes for the head's losses on such a batch, fp32."""
+    model, cfg = targets["deepseek" if kind == "deepseek_mtp" else "llama"]
+    tr = {"ttt_steps": 3, "batch_tokens": sum(lens), "loss_chunk_tokens": 64}
+    recipe = recipe_from_dict({"target": {"model": "unused", "dtype": "fp32"},
+                               "head": {"type": kind, "init_from_target": False, **head_kw}, "train": tr,
+                               "data": {"max_length": max(lens)}, "trainer": {"accelerator": "cpu"}})
+    planned = sum(t.bytes for p in make_plan(recipe, cfg, device="CPU RAM").phases if p.name == "train"
+                  for t in p.terms if t.name in ACTIVATION_TERMS)
+    head = build_head(head_config_from_recipe(recipe.head), model, init_from_target=False)
+    module = HeadModule(recipe, model, head)
+    b = _batch(model, lens=lens)
+    measured, _ = saved_bytes(lambda: module.losses(b, with_stats=False), head, model)
+    assert measured <= planned, (measured, planned)
+    print(f"{kind} {len(lens)} sequences: measured {measured:,} B, planned {planned:,.0f} B")
