@@ -184,10 +184,16 @@ def make_plan(recipe: Recipe, target_cfg: dict[str, Any], *, device: str = "H100
         return Term("target weights", held * act, f"{held / 1e9:.2f} B parameters ({how})")
 
     def forward_terms(tokens: int) -> list[Term]:
-        # The widest transient of a no-grad layer: the fused gate/up output (2I/tp) beside qkv and
-        # the residual; captured states are kept for the batch.
-        wide = tokens * (2 * c.intermediate_size / tp + 4 * d) * act
-        return [Term("target activations", wide, f"{tokens:,} tokens x (2 I/tp + 4 d) x {act} B"),
+        # The widest transient of a no-grad layer: the fused gate/up output (2I/tp) beside qkv and the residual,
+        # or the attention: q, K, V and the output padded per length bucket (under 2x the rows) beside their
+        # unpadded forms, K/V expanded to the query heads (on CUDA) and MLA expanded; captured states are kept.
+        hd = (c.qk_nope_head_dim + c.qk_rope_head_dim) if _is_deepseek(c) else c.head_dim
+        attn = 12 * c.num_attention_heads / tp * hd
+        per = max(2 * c.intermediate_size / tp + 4 * d, attn + 2 * d)
+        how = "2 I/tp + 4 d" if per == 2 * c.intermediate_size / tp + 4 * d else \
+            f"12 x {c.num_attention_heads // tp} heads x {hd} (attention, padded per length bucket) + 2 d"
+        wide = tokens * per * act
+        return [Term("target activations", wide, f"{tokens:,} tokens x ({how}) x {act} B"),
                 Term("captured hidden states", tokens * d * (1 + aux) * act,
                      f"{tokens:,} tokens x d x (1 + {aux} aux layers)")]
 
