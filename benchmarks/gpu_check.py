@@ -7,6 +7,10 @@ wrapper that runs one `headstart` verb and records its peak memory, and the memo
     python benchmarks/gpu_check.py describe train|eval|generate FILE   # one line for the summary
     python benchmarks/gpu_check.py table RUN_DIR                   # measured peaks beside `headstart plan`
 
+`measure` also records the most bytes one training micro-batch keeps for backward (autograd's saved
+tensors of `HeadModule.losses`, distinct storages, parameters left out): on CPU, where there is no
+device peak, `table` compares that with the plan's activation terms.
+
 Nothing is downloaded: the tokenizer is a byte-level BPE built here, the weights are random.
 """
 
@@ -179,6 +183,39 @@ def cmd_chats(args: argparse.Namespace) -> int:
     return 0
 
 
+# plan's train terms for what a micro-batch keeps for backward (what `measure` counts as saved bytes)
+ACTIVATION_TERMS = ("head activations", "chunked loss", "TTT attention (padded rows)", "attention (padded rows)",
+                    "TTT attention masks", "block attention mask")
+
+
+def _count_saved_bytes(peak: dict[str, float]) -> None:
+    """Wrap HeadModule.losses so that each call's saved-tensor bytes raise peak["saved"] (bytes)."""
+    import torch
+
+    from headstart.train import module
+
+    losses = module.HeadModule.losses
+
+    def counted(self, *a, **kw):  # noqa: ANN001, ANN202
+        if not torch.is_grad_enabled():
+            return losses(self, *a, **kw)
+        params = {p.untyped_storage().data_ptr() for m in (self.head, self.target) for p in m.parameters()}
+        seen: dict[int, int] = {}
+
+        def pack(t: torch.Tensor) -> torch.Tensor:
+            st = t.untyped_storage()
+            if st.data_ptr() not in params:
+                seen[st.data_ptr()] = st.nbytes()
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            out = losses(self, *a, **kw)
+        peak["saved"] = max(peak.get("saved", 0), sum(seen.values()))
+        return out
+
+    module.HeadModule.losses = counted
+
+
 def cmd_measure(args: argparse.Namespace) -> int:
     """Run `headstart ARGS` in this process and write its peak memory to PEAK.json at exit: torch's
     peak allocated / reserved CUDA memory (what `headstart plan` adds up) and the host's peak RSS."""
@@ -187,6 +224,7 @@ def cmd_measure(args: argparse.Namespace) -> int:
     import signal
 
     pid, peak_path = os.getpid(), Path(args.peak)
+    saved: dict[str, float] = {}
 
     def record() -> None:
         if os.getpid() != pid:  # a forked DataLoader / datasets worker
@@ -196,6 +234,8 @@ def cmd_measure(args: argparse.Namespace) -> int:
         if torch is not None and torch.cuda.is_available() and torch.cuda.is_initialized():
             rec["gpu_max_allocated_gb"] = torch.cuda.max_memory_allocated() / GB
             rec["gpu_max_reserved_gb"] = torch.cuda.max_memory_reserved() / GB
+        if "saved" in saved:
+            rec["saved_max_gb"] = saved["saved"] / GB
         peak_path.write_text(json.dumps(rec) + "\n")
 
     atexit.register(record)
@@ -203,6 +243,8 @@ def cmd_measure(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
     from headstart.cli import main as headstart_main
 
+    if args.argv[:1] == ["train"]:
+        _count_saved_bytes(saved)
     return headstart_main(args.argv)
 
 
@@ -241,11 +283,14 @@ def cmd_table(args: argparse.Namespace) -> int:
     OVER_PLAN when a phase's measured peak (torch's max allocated, what the plan adds up) exceeds it."""
     run = Path(args.run)
     plan_file = run / "plan.json"
-    plan = {}
+    plan, activations = {}, None
     if plan_file.is_file():
         try:
             raw = json.loads(plan_file.read_text())
             plan = {p["name"]: p["total"] / GB for p in raw["phases"]}
+            train = next((p for p in raw["phases"] if p["name"] == "train" and "terms" in p), None)
+            if train is not None:
+                activations = sum(t["bytes"] for t in train["terms"] if t["name"] in ACTIVATION_TERMS) / GB
             print(f"plan: {raw['recipe']} (per rank, device {raw['device']}); "
                   f"shards {raw.get('disk_bytes_per_token') or 0:,.0f} bytes/token planned")
         except (ValueError, KeyError) as e:
@@ -274,6 +319,14 @@ def cmd_table(args: argparse.Namespace) -> int:
               f"  {what}" + ("  OVER PLAN" if exceeds else ""))
         if exceeds:
             over.append(f"{name} {alloc:.3f} GB > planned {max(planned):.3f} GB")
+        kept = m.get("saved_max_gb")
+        if name == "train" and isinstance(kept, (int, float)) and activations is not None:
+            exceeds = kept > activations
+            print(f"{'train saved':<16}{_fmt(kept):>10}{'-':>10}{'-':>11}{'-':>10}{_fmt(activations):>9}"
+                  "  train activation terms (bytes one micro-batch keeps for backward)"
+                  + ("  OVER PLAN" if exceeds else ""))
+            if exceeds:
+                over.append(f"train saved {kept:.3f} GB > planned activations {activations:.3f} GB")
     shards = run / "llama" / "precompute"
     if shards.is_dir():
         tokens = 0

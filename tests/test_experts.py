@@ -246,3 +246,41 @@ def test_grouped_experts_on_cuda_equal_one_matmul_per_expert():
     want = _per_expert_reference(m, x.detach(), weights, ids)
     torch.testing.assert_close(got.float(), want.float(), rtol=2e-2, atol=2e-2)
     assert m.gate_up_proj.weight.grad is not None
+
+
+def test_under_autocast_the_grouped_matmuls_take_autocasts_dtype(monkeypatch):
+    """bf16-mixed training with fp32 master weights (DDP) and fp32 activations: the grouped matmuls get
+    bf16 operands, as autocast gives F.linear (on CUDA an fp32 _grouped_mm does not run and the experts
+    fell back to the per-expert loop with its host read), and the result is autocast's per-expert one."""
+    calls = []
+    real = torch._grouped_mm
+    monkeypatch.setattr(torch, "_grouped_mm", lambda a, b, **kw: calls.append((a.dtype, b.dtype)) or real(a, b, **kw))
+    m = _experts()
+    weights, ids = _routing(12)
+    x = torch.randn(12, D, requires_grad=True)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        got = m(x, weights, ids)
+        want = _per_expert_reference(m, x, weights, ids)
+    assert calls == [(torch.bfloat16, torch.bfloat16)] * 2 and got.dtype == torch.float32
+    torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-2)
+    got.square().sum().backward()
+    assert m.gate_up_proj.weight.grad.dtype == torch.float32 and m.gate_up_proj.weight.grad.abs().sum() > 0
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_fp32_master_weights_under_autocast_on_cuda_take_the_grouped_path_without_a_sync():
+    if not grouped_mm_runs(torch.zeros(1, device="cuda", dtype=torch.bfloat16)):
+        pytest.skip("_grouped_mm needs sm90+")
+    m = _experts().cuda()  # fp32 weights, as DDP's master copy
+    weights, ids = (t.cuda() for t in _routing(64))
+    x = torch.randn(64, D, device="cuda", requires_grad=True)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            y = m(x, weights, ids)
+        y.float().square().sum().backward()
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    assert m.down_proj.weight.grad is not None

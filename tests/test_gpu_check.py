@@ -35,6 +35,9 @@ def test_the_cpu_dry_run_passes_every_step(tmp_path):
     assert re.search(r"^PASS\s+train\s+\d+\s+step 20,", p.stdout, re.M), p.stdout[-3000:]
     assert re.search(r"^train\s.*train [\d.]+ / validation [\d.]+$", p.stdout, re.M), p.stdout[-3000:]
     assert re.search(r"^eval\s.*eval [\d.]+$", p.stdout, re.M), p.stdout[-3000:]
+    # on CPU the bytes a micro-batch keeps for backward, beside the plan's activation terms, within them
+    assert re.search(r"^train saved\s+[\d.]+\s.*\(bytes one micro-batch keeps for backward\)$", p.stdout, re.M), \
+        p.stdout[-3000:]
     assert "bytes/token measured" in p.stdout
     runs = list((tmp_path / "out").glob("cpu-*"))
     assert len(runs) == 1 and (runs[0] / "llama" / "head-final" / "config.json").is_file()
@@ -73,6 +76,16 @@ def test_the_table_fails_when_a_measured_peak_exceeds_the_plan(tmp_path, capsys)
     out = capsys.readouterr().out
     assert re.search(r"^eval\s.*OVER PLAN$", out, re.M) and "eval 21.000 GB > planned 20.000 GB" in out
     assert not re.search(r"^train\s.*OVER PLAN", out, re.M)
+    # the CPU dry run's measure: the bytes one micro-batch keeps against the plan's activation terms
+    (tmp_path / "peaks" / "eval.json").write_text(json.dumps({"gpu_max_allocated_gb": 19.5}))
+    terms = [{"name": "target weights", "bytes": 30e9}, {"name": "head activations", "bytes": 2e9},
+             {"name": "TTT attention (padded rows)", "bytes": 1e9}]
+    (tmp_path / "plan.json").write_text(json.dumps({"recipe": "r", "device": "CPU RAM", "phases": [
+        {"name": "train", "total": 40e9, "terms": terms}]}))
+    for kept, status in ((2.9, 0), (3.1, gpu_check.OVER_PLAN)):
+        (tmp_path / "peaks" / "train.json").write_text(json.dumps({"saved_max_gb": kept}))
+        assert gpu_check.main(["table", str(tmp_path)]) == status
+    assert "train saved 3.100 GB > planned activations 3.000 GB" in capsys.readouterr().out
 
 
 def test_bad_options_are_one_line_before_any_step(tmp_path):

@@ -60,12 +60,13 @@ def test_the_teacher_runs_once_per_chunk_for_every_ttt_step(target, draft_vocab,
         torch.testing.assert_close(x, y, rtol=1e-4, atol=1e-6)
 
 
-@pytest.mark.parametrize("kind", ["mtp", "eagle3", "dflash"])
-def test_a_training_step_waits_for_the_device_once(target, kind, tmp_path):
+@pytest.mark.parametrize("kind", ["mtp", "eagle1", "eagle3", "deepseek_mtp", "medusa", "draft_lm", "dflash"])
+def test_a_training_step_waits_for_the_device_once(target, deepseek_target, kind, tmp_path):
     """The real training_step (Lightning, manual optimisation, TTT 3 / a dflash block) on micro-batches
-    that are not logged: its one host sync is the non-finite check every rank agrees on. On CPU a tensor
-    made from a host value with device=... looks like host data, so this sees syncs on computed values
-    (a float(loss) per step, nonzero of a computed mask: headstart.train.syncs); the CUDA test below sees
+    that are not logged, for every head family (deepseek_mtp on an MLA + MoE target): its one host sync is
+    the non-finite check every rank agrees on. On CPU a tensor made from a host value with device=... looks
+    like host data, so this sees syncs on computed values (a float(loss) per step, nonzero of a computed
+    mask, and the ops whose CUDA kernels read back: headstart.train.syncs); the CUDA test below sees
     every one."""
     import lightning as L
 
@@ -78,9 +79,10 @@ def test_a_training_step_waits_for_the_device_once(target, kind, tmp_path):
         extra["block_size"] = 4
     recipe = recipe_from_dict({"head": {"type": kind, **extra}, "logging": {"wandb": False, "every_steps": 100},
                                "train": {"ttt_steps": 3, "grad_accum": 2, "warmup_steps": 0, "max_steps": 2}})
-    head = build_head(HeadConfig(head_type=kind, **extra), target)
-    module = HeadModule(recipe, target, head)
-    batches = [_batch(target, lens=(21, 9, 30), seed=i) for i in range(4)]
+    model = deepseek_target if kind == "deepseek_mtp" else target
+    head = build_head(HeadConfig(head_type=kind, **extra), model)
+    module = HeadModule(recipe, model, head)
+    batches = [_batch(model, lens=(21, 9, 30), seed=i) for i in range(4)]
     counts = []
     real_step = module.training_step
 
@@ -101,8 +103,10 @@ def test_a_training_step_waits_for_the_device_once(target, kind, tmp_path):
 
 
 @pytest.mark.cuda
-def test_a_cuda_training_step_waits_for_the_device_once(tmp_path):
-    """torch's own sync detector on a GPU: one warning per micro-batch (the non-finite check)."""
+@pytest.mark.parametrize("kind", ["mtp", "eagle1", "eagle3", "deepseek_mtp", "medusa", "draft_lm", "dflash"])
+def test_a_cuda_training_step_waits_for_the_device_once(tmp_path, kind):
+    """torch's own sync detector on a GPU: one warning per micro-batch (the non-finite check), every family
+    (deepseek_mtp here on a Llama target: its block is then a Llama layer)."""
     import warnings
 
     import lightning as L
@@ -115,9 +119,12 @@ def test_a_cuda_training_step_waits_for_the_device_once(tmp_path):
         pytest.skip("needs a CUDA GPU")
     make_hf_model("llama", tmp_path / "m")
     target = load_llama(tmp_path / "m", "fp32").cuda()
-    recipe = recipe_from_dict({"logging": {"wandb": False, "every_steps": 100},
+    extra = {"aux_layer_ids": [0, 1, 2]} if kind in ("eagle3", "dflash") else {}
+    if kind == "dflash":
+        extra["block_size"] = 4
+    recipe = recipe_from_dict({"head": {"type": kind, **extra}, "logging": {"wandb": False, "every_steps": 100},
                                "train": {"ttt_steps": 3, "warmup_steps": 0, "max_steps": 3}})
-    head = build_head(HeadConfig(head_type="mtp"), target)
+    head = build_head(HeadConfig(head_type=kind, **extra), target)
     module = HeadModule(recipe, target, head)
     batches = [_batch(target, lens=(21, 9, 30), seed=i) for i in range(3)]
     counts = []

@@ -7,7 +7,9 @@ expert ids and weights and returns the weighted sum of its experts' outputs:
 
 - **grouped** (training, and inference without the CPU kernels): the (token, slot) pairs sorted by expert,
   one `torch._grouped_mm` per projection over the sorted rows with the group ends computed on the device
-  (no host sync, a fixed number of kernels whatever the routing), one `index_add_` back to the tokens.
+  (no host sync, a fixed number of kernels whatever the routing), one `index_add_` back to the tokens. Under
+  autocast (bf16-mixed training, fp32 master weights under DDP) the operands are cast to autocast's dtype,
+  as autocast casts a Linear's, so the grouped form runs there too.
   Every expert takes part in the graph, an idle one on no rows, so every rank's backward reaches every
   expert weight (DDP's reducer, FSDP's reduce-scatter) whichever experts its tokens chose. Where
   `_grouped_mm` does not run (CUDA before sm90, or not bf16 there) the same sums are made one expert
@@ -42,15 +44,24 @@ class StackedWeight(nn.Module):
             nn.init.uniform_(self.weight, -bound, bound)
 
 
-def grouped_mm_runs(x: torch.Tensor) -> bool:
-    """Whether `torch._grouped_mm` runs for these activations: on CPU at any float dtype, on CUDA in bf16
-    from sm90 (Hopper) on."""
+def compute_dtype(x: torch.Tensor) -> torch.dtype:
+    """The dtype the experts' matmuls run in: autocast's where it is on for x's device (bf16-mixed training
+    keeps fp32 master weights and may hand fp32 activations in), else x's."""
+    kind = x.device.type
+    if kind in ("cpu", "cuda") and torch.is_autocast_enabled(kind):
+        return torch.get_autocast_dtype(kind)
+    return x.dtype
+
+
+def grouped_mm_runs(x: torch.Tensor, dtype: torch.dtype | None = None) -> bool:
+    """Whether `torch._grouped_mm` runs for these activations computed in `dtype` (default x's): on CPU at
+    any float dtype, on CUDA in bf16 from sm90 (Hopper) on."""
     if not hasattr(torch, "_grouped_mm"):
         return False
     if x.device.type == "cpu":
         return True
     if x.device.type == "cuda":
-        return x.dtype == torch.bfloat16 and torch.cuda.get_device_capability(x.device) >= (9, 0)
+        return (dtype or x.dtype) == torch.bfloat16 and torch.cuda.get_device_capability(x.device) >= (9, 0)
     return False
 
 
@@ -95,11 +106,14 @@ class RoutedExperts(nn.Module):
         counts = torch.zeros(self.num_experts, dtype=torch.long, device=flat.device).scatter_add_(
             0, flat, torch.ones_like(flat))
         kernels = self._kernels()
-        if kernels is None and grouped_mm_runs(x):
+        dtype = compute_dtype(x)
+        if kernels is None and grouped_mm_runs(x, dtype):
+            # _grouped_mm is not an autocast op: the operands are cast here as autocast casts F.linear's
             ends = counts.cumsum(0).to(torch.int32)
-            h = torch._grouped_mm(x[tokens], self.gate_up_proj.weight.transpose(-2, -1), offs=ends)
+            gu, down = (p.weight.to(dtype).transpose(-2, -1) for p in (self.gate_up_proj, self.down_proj))
+            h = torch._grouped_mm(x[tokens].to(dtype), gu, offs=ends)
             gate, up = h.split(self.intermediate, dim=-1)
-            y = torch._grouped_mm(self.act(gate) * up, self.down_proj.weight.transpose(-2, -1), offs=ends)
+            y = torch._grouped_mm((self.act(gate) * up).to(dtype), down, offs=ends)
             return torch.zeros_like(x).index_add_(0, tokens, (y * w[:, None]).to(x.dtype))
         out = torch.zeros_like(x)
         start = 0

@@ -1,12 +1,14 @@
 """Count the host syncs of a piece of training code without a GPU.
 
 A GPU step is paid in host syncs as much as in kernels: a scalar read (`.item()`, `float()`, `bool()`)
-or a data-dependent shape (`nonzero`) makes the host wait for every queued kernel. On CPU nothing
-waits, so this counts the ops that would: those whose input was computed on the device, i.e. derived,
-op by op, from `roots` (a head's parameters, a batch's token ids and hidden states). Host-side index
-work (loss masks, sequence lengths) is not counted. Limits: a tensor made from a host value with
-`device=...` looks like host data here, and `Tensor.tolist` does not dispatch on CPU; on a GPU,
-`torch.cuda.set_sync_debug_mode("warn")` sees every sync.
+or a data-dependent shape (`nonzero`) makes the host wait for every queued kernel, and so do ops whose
+CUDA kernels read a value back before they can size their output: `bincount` (min and max), boolean-mask
+indexing and `masked_select` (a nonzero), `unique`, `repeat_interleave` without `output_size`, `equal`.
+On CPU nothing waits, so this counts the ops that would: those whose input was computed on the device,
+i.e. derived, op by op, from `roots` (a head's parameters, a batch's token ids and hidden states).
+Host-side index work (loss masks, sequence lengths) is not counted. Limits: a tensor made from a host
+value with `device=...` looks like host data here, and `Tensor.tolist` does not dispatch on CPU; on a
+GPU, `torch.cuda.set_sync_debug_mode("warn")` sees every sync.
 
     counter = DeviceSyncCounter([*head.parameters(), batch.hidden])
     with counter:
@@ -24,7 +26,25 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-_WAITS = {torch.ops.aten._local_scalar_dense.default, torch.ops.aten.nonzero.default, torch.ops.aten.item.default}
+_aten = torch.ops.aten
+# ops that wait for the device whatever their arguments
+_WAITS = {_aten._local_scalar_dense.default, _aten.nonzero.default, _aten.item.default, _aten.is_nonzero.default,
+          _aten.bincount.default, _aten.masked_select.default, _aten.equal.default, _aten._unique.default,
+          _aten._unique2.default, _aten.unique_dim.default, _aten.unique_consecutive.default, _aten.allclose.default}
+_REPEAT_INTERLEAVE = {_aten.repeat_interleave.Tensor, _aten.repeat_interleave.self_Tensor}
+_INDEXED = {_aten.index.Tensor, _aten.index_put.default, _aten.index_put_.default, _aten._index_put_impl_.default}
+
+
+def _waits(func: Any, args: tuple, kwargs: dict) -> bool:
+    """Whether this call reads a device value back on CUDA (module docstring)."""
+    if func in _WAITS:
+        return True
+    if func in _REPEAT_INTERLEAVE:  # sized by the repeats' sum unless output_size is given
+        return kwargs.get("output_size") is None and not (len(args) > 3 and args[3] is not None)
+    if func in _INDEXED:  # a boolean mask index is a nonzero
+        indices = args[1] if len(args) > 1 else kwargs.get("indices", ())
+        return any(isinstance(t, torch.Tensor) and t.dtype in (torch.bool, torch.uint8) for t in indices or ())
+    return False
 
 
 class DeviceSyncCounter(TorchDispatchMode):
@@ -44,9 +64,10 @@ class DeviceSyncCounter(TorchDispatchMode):
         return ref is not None and ref() is t
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
-        out = func(*args, **(kwargs or {}))
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
         if any(self._on_device(t) for t in tree_leaves((args, kwargs))):
-            if func in _WAITS:
+            if _waits(func, args, kwargs):
                 self.syncs.append(str(func))
             for t in tree_leaves(out):
                 self._mark(t)
