@@ -17,6 +17,8 @@ vocabulary size and schedule shape. An arm's TTT defaults to its recipe's.
         --shards runs/smollm2-135m-eagle31/precompute --cost eagle31=1.95 \\
         --arms mtp:4e-3,mtp:8e-3,eagle31:4e-3,eagle31:8e-3
     # the LK losses against the KL at equal steps and data (issue "A head that reaches tau 2"):
+    .venv/bin/python benchmarks/head_budget.py --source sharegpt --limit 1000 --mtp-steps 150 --cost eagle31=1 \
+        --prompts 32 --max-tokens 128 --arms eagle31:4e-3,eagle31:4e-3:2:lk
     .venv/bin/python benchmarks/head_budget.py --source runs/sharegpt-all/regenerated.jsonl \
         --shards runs/smollm2-135m-eagle31-all/precompute --cost eagle31=1.95 \
         --arms eagle31:4e-3,eagle31:4e-3:2:lk,eagle31:4e-3:2:lk_alpha
@@ -86,7 +88,9 @@ def shards(base: dict, source: str) -> Path:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--source", required=True, help="the conversations to train on (the shipped recipe's data)")
+    ap.add_argument("--source", required=True, help="the conversations to train on (the shipped recipe's data), a "
+                                                    "file or an embedded dataset's name (sharegpt)")
+    ap.add_argument("--limit", type=int, help="data.limit: read only the first N conversations of --source")
     ap.add_argument("--mtp-steps", type=int, default=394, help="steps of an mtp arm (others: mtp-steps / cost)")
     ap.add_argument("--cost", action="append", default=[], metavar="FAMILY=X",
                     help="a step of FAMILY's recipe (its TTT) in mtp steps (benchmarks/train.md), repeatable")
@@ -139,7 +143,12 @@ def main() -> None:
         arms.append((fam, rate, ttt, steps, loss))
     if args.shards and not (Path(args.shards) / "manifest.json").is_file():
         raise SystemExit(f"--shards {args.shards}: no finished precompute there (no manifest.json)")
-    source = str(Path(args.source).resolve())
+    from headstart.assets import DATASETS
+
+    source = args.source if args.source in DATASETS else str(Path(args.source).resolve())
+    if args.limit is not None:
+        for base in bases.values():
+            base["data"]["limit"] = args.limit
     OUT.mkdir(parents=True, exist_ok=True)
     shards_dir = Path(args.shards).resolve() if args.shards else shards(bases["eagle3"], source)
     results = {}
