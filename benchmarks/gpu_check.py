@@ -183,9 +183,8 @@ def cmd_chats(args: argparse.Namespace) -> int:
     return 0
 
 
-# plan's train terms for what a micro-batch keeps for backward (what `measure` counts as saved bytes)
-ACTIVATION_TERMS = ("head activations", "chunked loss", "TTT attention (padded rows)", "attention (padded rows)",
-                    "TTT attention masks", "block attention mask")
+sys.path.insert(0, str(ROOT))
+from headstart.plan import ACTIVATION_TERMS  # noqa: E402 - plan's terms for what a micro-batch keeps
 
 
 def _count_saved_bytes(peak: dict[str, float]) -> None:

@@ -85,6 +85,12 @@ class Plan:
         return d
 
 
+# The train terms for what one micro-batch keeps for backward (tests/test_training_memory.py and
+# benchmarks/gpu_check.py compare autograd's saved bytes with their sum).
+ACTIVATION_TERMS = ("head activations", "chunked loss", "TTT attention (padded rows)", "attention (padded rows)",
+                    "TTT attention masks", "block attention mask")
+
+
 def _dtype_bytes(dtype: str) -> int:
     return 4 if dtype == "fp32" else 2
 
@@ -228,7 +234,7 @@ def make_plan(recipe: Recipe, target_cfg: dict[str, Any], *, device: str = "H100
                    f"{head_params / 1e6:.1f} M trainable parameters x 16 B (fp32 weight, grad, 2 moments)")
     seq = min(recipe.data.max_length, tr.batch_tokens)
     on_gpu = device != "CPU RAM" and recipe.trainer.accelerator != "cpu"
-    # the head's compute dtype: bf16 under bf16 precision (auto: on GPUs); fp32 otherwise
+    # the head's compute dtype: bf16 under bf16 precision (auto: on GPUs); 4 B otherwise (16-mixed over-counted)
     gb = 2 if recipe.trainer.precision in ("bf16-mixed", "bf16-true") or (recipe.trainer.precision == "auto"
                                                                            and on_gpu) else 4
     per_tok = (d * (22 + 2 * aux + aux_saved) + 6 * hc.intermediate_size) * gb  # one layer's saved activations
@@ -370,16 +376,16 @@ def _padded_attention_term(recipe: Recipe, c: Any, hc: Any, act: int, on_gpu: bo
     layers = hc.num_layers if hc.head_type != "deepseek_mtp" else 1
     if hc.head_type == "draft_lm":
         per_row = layers * (heads * (k_dim + v_dim) + wide * (k_dim + v_dim))
-        how = f"{layers} layer(s) x (q and output x {heads} heads + K/V x {wide} heads)"
+        how = f"{layers} layer(s) x (q and output x {heads} heads + K/V x {wide} heads) x (k + v)"
         name = "attention (padded rows)"
     else:
         t = tr.ttt_steps
         per_row = layers * t * (kv_heads * (k_dim + v_dim) + heads * k_dim) + 2 * t * wide * (k_dim + v_dim)
-        how = (f"({layers} layer(s) x {t} steps x (own K/V x {kv_heads} heads + q x {heads} heads), + the last step's "
-               f"{t} K/V copies x {wide} heads and their gradients, rebuilt in backward)")
+        how = (f"({layers} layer(s) x {t} steps x (own K/V x {kv_heads} heads x (k + v) + q x {heads} heads x k), "
+               f"+ the last step's {t} K/V copies x {wide} heads x (k + v) and their gradients, rebuilt in backward)")
         name = "TTT attention (padded rows)"
     return Term(name, rows * per_row * act,
-                f"2 x {tr.batch_tokens:,} padded rows (length buckets) x {how} x ({k_dim} + {v_dim}) x {act} B")
+                f"2 x {tr.batch_tokens:,} padded rows (length buckets) x {how}, k = {k_dim}, v = {v_dim}, x {act} B")
 
 
 def render(plan: Plan) -> str:

@@ -348,3 +348,28 @@ def test_a_chain_heads_loss_chunk_on_a_gpu_is_the_one_plan_counts(target):  # no
         loss_chunk_rows(None, vocab, 1, "cuda", rows)
     cpu = PackedBatch(batch.input_ids, [rows], torch.empty(rows, 8), None, None)
     assert module._loss_chunk(head, cpu) == 256
+
+
+def test_the_sync_counter_flags_the_ops_whose_cuda_kernels_read_back():
+    """On device-derived tensors: bincount, a boolean-mask index, repeat_interleave without output_size,
+    unique, masked_select, equal and a scalar read are counted; an integer index, repeat_interleave with
+    output_size and host-side work are not."""
+    from headstart.train.syncs import DeviceSyncCounter
+
+    x = torch.randn(10)
+    counter = DeviceSyncCounter([x])
+    with counter:
+        y = x * 2
+        torch.bincount((y > 0).long())
+        _ = y[y > 0]
+        torch.repeat_interleave(torch.arange(3), (y[:3] > -99).long())
+        torch.unique(y)
+        y.masked_select(y > 0)
+        torch.equal(y, y)
+        float(y.sum())
+        _ = y[torch.tensor([1, 2])]
+        torch.repeat_interleave(torch.arange(3), (y[:3] > -99).long(), output_size=3)
+        torch.bincount(torch.tensor([1, 2, 2]))  # host data
+    assert counter.syncs == ["aten.bincount.default", "aten.index.Tensor", "aten.repeat_interleave.Tensor",
+                             "aten._unique2.default", "aten.masked_select.default", "aten.equal.default",
+                             "aten._local_scalar_dense.default"], counter.syncs

@@ -111,7 +111,7 @@ class _BlockLayout:
 
 
 def _block_layout(batch: PackedBatch, blocks: AnchoredBlocks, device: torch.device) -> _BlockLayout:
-    """Built on the host from the lengths and anchors (no loop over sequences, no device sync)."""
+    """Built on the host from the lengths and anchors (no device sync; host loops over the buckets' members)."""
     bs, lens = blocks.block_size, list(batch.seq_lens)
     counts = torch.bincount(blocks.seq_of, minlength=len(lens)) * bs  # (B,) block rows per sequence
     # Buckets of the sequences with blocks by length, each split by block rows: within a bucket both the
@@ -151,6 +151,7 @@ class _BlockTrainingAttention:
     def __init__(self, attn: Attention, states: torch.Tensor, positions: torch.Tensor, layout: _BlockLayout) -> None:
         self.attn, self.states, self.positions, self.layout = attn, states, positions, layout
 
+    @torch.compiler.disable  # bucket shapes change with every micro-batch: one graph break, not a recompile each
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: KVPages | None,
                 meta: AttentionMetadata, scale: float) -> torch.Tensor:
         ctx_k, ctx_v = context_kv(self.attn, self.states, self.positions)  # (N, Hkv, Dh)

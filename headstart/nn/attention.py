@@ -125,9 +125,10 @@ class PaddedLayout:
     attention call per bucket runs every sequence in it, whatever their number.
 
     Bucketed (the default): sequences sorted longest first, each bucket holding those at least half as
-    long as its longest, so every sequence is padded to under twice its length: at most 2N padded slots
+    long as its longest, so every sequence is padded to at most twice its length: under 2N padded slots
     whatever the mix of lengths (one 4k-token conversation packed with 200 short ones pads them to their
-    own bucket's length, not to 4k), in at most log2(longest) + 1 buckets. Unbucketed: one padded batch
+    own bucket's length, not to 4k), in at most log2(longest) + 1 buckets (a sequence of exactly half its
+    bucket's longest pads to twice its length; total slots stay under 2N). Unbucketed: one padded batch
     of every sequence (empty ones included) in their order, L the longest. Built once per micro-batch
     (`padded_layout`)."""
 
@@ -156,7 +157,7 @@ class PaddedLayout:
     @staticmethod
     def buckets(lens: list[int]) -> list[list[int]]:
         """Sequence indices per bucket: non-empty sequences longest first, a new bucket wherever a sequence
-        is shorter than half its bucket's longest (each pads to under twice its length)."""
+        is shorter than half its bucket's longest (each pads to at most twice its length)."""
         out: list[list[int]] = []
         for i in sorted((i for i, n in enumerate(lens) if n > 0), key=lambda i: -lens[i]):
             if out and 2 * lens[i] >= lens[out[-1][0]]:
@@ -184,7 +185,7 @@ class PaddedLayout:
         for group in groups or [[]]:
             n_rows = torch.tensor([lens[i] for i in group], dtype=torch.long)
             first = torch.tensor([starts[i] for i in group], dtype=torch.long)
-            length = max(int(n_rows.max()) if group else 1, 1)
+            length = max([lens[i] for i in group] + [1])  # from the host list: no tensor read
             col = torch.arange(length)
             inside = col[None, :] < n_rows[:, None]  # (B_b, L_b)
             gather = torch.where(inside, first[:, None] + col[None, :], n)
@@ -226,6 +227,7 @@ class PackedCausalAttention:
              dtype: torch.dtype) -> None:
         return None
 
+    @torch.compiler.disable  # bucket shapes change with every length mix: one graph break, not a recompile each
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: KVPages | None,
                 meta: AttentionMetadata, scale: float) -> torch.Tensor:
         lay = padded_layout(meta)

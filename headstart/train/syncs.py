@@ -39,9 +39,9 @@ def _waits(func: Any, args: tuple, kwargs: dict) -> bool:
     """Whether this call reads a device value back on CUDA (module docstring)."""
     if func in _WAITS:
         return True
-    if func in _REPEAT_INTERLEAVE:  # sized by the repeats' sum unless output_size is given
-        return kwargs.get("output_size") is None and not (len(args) > 3 and args[3] is not None)
-    if func in _INDEXED:  # a boolean mask index is a nonzero
+    if func in _REPEAT_INTERLEAVE:  # sized by the repeats' sum unless output_size (keyword-only) is given
+        return kwargs.get("output_size") is None
+    if func in _INDEXED:  # a boolean mask index is a nonzero (over-counts `x[mask] = scalar`: CUDA masked_fill_s it)
         indices = args[1] if len(args) > 1 else kwargs.get("indices", ())
         return any(isinstance(t, torch.Tensor) and t.dtype in (torch.bool, torch.uint8) for t in indices or ())
     return False

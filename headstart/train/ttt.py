@@ -98,6 +98,9 @@ class UnrolledAttention:
             self.masks[key] = additive_mask(torch.cat(allowed, dim=1), dtype)
         return self.masks[key]
 
+    # Under train.compile this runs eagerly: bucket shapes change with every length mix (a recompile each) and
+    # _RecomputedStep's backward calls autograd.grad, which does not trace; one graph break per layer and step.
+    @torch.compiler.disable
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: list,
                 meta: AttentionMetadata, scale: float) -> torch.Tensor:
         lay = padded_layout(meta)
