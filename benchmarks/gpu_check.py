@@ -192,24 +192,16 @@ def _count_saved_bytes(peak: dict[str, float]) -> None:
     import torch
 
     from headstart.train import module
+    from headstart.train.saved import SavedBytes
 
     losses = module.HeadModule.losses
 
     def counted(self, *a, **kw):  # noqa: ANN001, ANN202
         if not torch.is_grad_enabled():
             return losses(self, *a, **kw)
-        params = {p.untyped_storage().data_ptr() for m in (self.head, self.target) for p in m.parameters()}
-        seen: dict[int, int] = {}
-
-        def pack(t: torch.Tensor) -> torch.Tensor:
-            st = t.untyped_storage()
-            if st.data_ptr() not in params:
-                seen[st.data_ptr()] = st.nbytes()
-            return t
-
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        with SavedBytes(self.head, self.target) as kept:
             out = losses(self, *a, **kw)
-        peak["saved"] = max(peak.get("saved", 0), sum(seen.values()))
+        peak["saved"] = max(peak.get("saved", 0), kept.bytes)
         return out
 
     module.HeadModule.losses = counted

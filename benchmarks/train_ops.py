@@ -57,10 +57,10 @@ def _models(root: Path) -> dict[str, Path]:
     return dirs
 
 
-def measure(model_dirs: dict[str, str], tokens: int, chunk: int = 256) -> dict[str, dict[str, int]]:
-    """Runs inside the tree under test (its headstart is on sys.path)."""
+def _cases(model_dirs: dict[str, str], chunk: int):  # noqa: ANN202 - yields (name, head, target, module, batch_of)
+    """Each case's head, target and HeadModule, and a builder of its micro-batch from sequence lengths.
+    Runs inside the tree under test, so it uses only what the baseline tree has too."""
     import torch
-    from torch.profiler import profile
 
     from headstart.config import recipe_from_dict
     from headstart.heads import HeadConfig, PackedBatch, build_head
@@ -68,22 +68,33 @@ def measure(model_dirs: dict[str, str], tokens: int, chunk: int = 256) -> dict[s
     from headstart.train.module import HeadModule, target_forward
 
     torch.manual_seed(0)
-    torch.set_num_threads(1)
-    out: dict[str, dict[str, int]] = {}
     targets = {k: load_target(v, "fp32") for k, v in model_dirs.items()}
     for name, (kind, ttt, extra, family) in CASES.items():
         target = targets[family]
         head = build_head(HeadConfig(head_type=kind, **extra), target)
         recipe = recipe_from_dict({"head": {"type": kind, **extra},
                                    "train": {"ttt_steps": ttt, "loss_chunk_tokens": chunk}})
-        module = HeadModule(recipe, target, head)
+
+        def batch_of(lens: list[int], seed: int, target=target, extra=extra):  # noqa: ANN001, ANN202
+            g = torch.Generator().manual_seed(seed)
+            ids = torch.randint(2, 500, (sum(lens),), generator=g)
+            mask = (torch.rand(sum(lens), generator=g) > 0.3).long()
+            return target_forward(target, PackedBatch(ids, lens, None, None, mask),
+                                  list(extra.get("aux_layer_ids", [])))
+
+        yield name, head, target, HeadModule(recipe, target, head), batch_of
+
+
+def measure(model_dirs: dict[str, str], tokens: int, chunk: int = 256) -> dict[str, dict[str, int]]:
+    """Runs inside the tree under test (its headstart is on sys.path)."""
+    import torch
+    from torch.profiler import profile
+
+    torch.set_num_threads(1)
+    out: dict[str, dict[str, int]] = {}
+    for name, head, _, module, batch_of in _cases(model_dirs, chunk):
         for seqs in (1, 8):
-            lens = [tokens // seqs] * seqs
-            g = torch.Generator().manual_seed(seqs)
-            ids = torch.randint(2, 500, (tokens,), generator=g)
-            mask = (torch.rand(tokens, generator=g) > 0.3).long()
-            aux = list(extra.get("aux_layer_ids", []))
-            batch = target_forward(target, PackedBatch(ids, lens, None, None, mask), aux)
+            batch = batch_of([tokens // seqs] * seqs, seqs)
             loss, _ = module.losses(batch, with_stats=False)  # warm-up: caches, lazy inits
             loss.backward()
             head.zero_grad(set_to_none=True)
@@ -98,31 +109,16 @@ def measure(model_dirs: dict[str, str], tokens: int, chunk: int = 256) -> dict[s
 
 
 def measure_saved(model_dirs: dict[str, str], tokens: int, chunk: int = 256) -> dict[str, dict[str, int]]:
-    """Runs inside the tree under test: bytes autograd saves for HeadModule.losses, per case and length mix."""
+    """Runs inside the tree under test: bytes autograd saves for HeadModule.losses, per case and length mix
+    (headstart.train.saved counts the same; the baseline tree predates it, so it is written out here)."""
     import torch
 
-    from headstart.config import recipe_from_dict
-    from headstart.heads import HeadConfig, PackedBatch, build_head
-    from headstart.models import load_target
-    from headstart.train.module import HeadModule, target_forward
-
-    torch.manual_seed(0)
     out: dict[str, dict[str, int]] = {}
-    targets = {k: load_target(v, "fp32") for k, v in model_dirs.items()}
     mixes = {"mixed": [tokens // 2] + [16] * (tokens // 32), "even": [tokens // 2] * 2}
-    for name, (kind, ttt, extra, family) in CASES.items():
-        target = targets[family]
-        head = build_head(HeadConfig(head_type=kind, **extra), target)
-        recipe = recipe_from_dict({"head": {"type": kind, **extra},
-                                   "train": {"ttt_steps": ttt, "loss_chunk_tokens": chunk}})
-        module = HeadModule(recipe, target, head)
+    for name, head, target, module, batch_of in _cases(model_dirs, chunk):
         params = {p.untyped_storage().data_ptr() for m in (head, target) for p in m.parameters()}
         for mix, lens in mixes.items():
-            g = torch.Generator().manual_seed(0)
-            ids = torch.randint(2, 500, (sum(lens),), generator=g)
-            mask = (torch.rand(sum(lens), generator=g) > 0.3).long()
-            batch = target_forward(target, PackedBatch(ids, lens, None, None, mask), list(extra.get("aux_layer_ids",
-                                                                                                    [])))
+            batch = batch_of(lens, 0)
             seen: dict[int, int] = {}
 
             def pack(t: torch.Tensor, params: set[int] = params, seen: dict[int, int] = seen) -> torch.Tensor:

@@ -113,14 +113,14 @@ class _BlockLayout:
 def _block_layout(batch: PackedBatch, blocks: AnchoredBlocks, device: torch.device) -> _BlockLayout:
     """Built on the host from the lengths and anchors (no device sync; host loops over the buckets' members)."""
     bs, lens = blocks.block_size, list(batch.seq_lens)
-    counts = torch.bincount(blocks.seq_of, minlength=len(lens)) * bs  # (B,) block rows per sequence
+    counts = torch.bincount(blocks.seq_of, minlength=len(lens)) * bs  # (B,) block rows per sequence (host)
     # Buckets of the sequences with blocks by length, each split by block rows: within a bucket both the
     # contexts and the block rows pad to under twice their own size.
     rows = counts.tolist()
     groups = [sub for group in PaddedLayout.buckets([n if c else 0 for n, c in zip(lens, rows)])
               for sub in PaddedLayout.buckets([rows[i] if i in group else 0 for i in range(len(lens))])]
     context = PaddedLayout.of(lens, device, groups=groups)
-    block_rows = PaddedLayout.of(counts.tolist(), device, groups=groups)
+    block_rows = PaddedLayout.of(rows, device, groups=groups)
     first = torch.cumsum(counts, 0) - counts  # (B,) first block row of each sequence
     starts = torch.tensor([0] + lens[:-1]).cumsum(0)
     anchor_pos = torch.repeat_interleave(blocks.anchors - starts[blocks.seq_of], bs)  # (A * bs,) per block row

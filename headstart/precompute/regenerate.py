@@ -22,7 +22,7 @@ from typing import Any
 from headstart.config import Recipe
 from headstart.console import status
 from headstart.errors import DataError
-from headstart.fileio import atomic_write_text, read_json_object
+from headstart.fileio import atomic_path, atomic_write_text, read_json_object
 
 _ROLE_OUT = {"user": "human", "assistant": "gpt", "system": "system"}
 
@@ -240,8 +240,7 @@ def _in_source_order(partial: Path, out: Path, ids: list[str]) -> dict[str, int]
     order = [i for i in ids if i in rows]
     order += [i for i in rows if i not in set(order)]  # none expected: kept rather than dropped
     totals = {"conversations": len(order), "turns": 0, "tokens": 0}
-    tmp = out.with_name(out.name + ".tmp")
-    with open(tmp, "w", encoding="utf-8") as f:
+    with atomic_path(out) as tmp, open(tmp, "w", encoding="utf-8") as f:
         for i in order:
             f.write(rows[i] + "\n")
             made = json.loads(rows[i])["regenerated"]
@@ -249,8 +248,7 @@ def _in_source_order(partial: Path, out: Path, ids: list[str]) -> dict[str, int]
             totals["tokens"] += sum(made.get("tokens", []))
         f.flush()
         os.fsync(f.fileno())
-    os.replace(tmp, out)
-    partial.unlink()
+    partial.unlink()  # regenerate's own <output>.partial, now in <output>
     return totals
 
 
