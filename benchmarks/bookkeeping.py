@@ -18,7 +18,7 @@ from transformers import AutoTokenizer
 from headstart.assets import resolve_model
 from headstart.hardware import describe
 from headstart.inference.detok import IncrementalText
-from headstart.inference.proposers import SpecMetrics
+from headstart.inference.speculation import SpecMetrics
 
 
 def full_decode_per_token(tok, ids):  # noqa: ANN001, ANN201

@@ -171,7 +171,7 @@ def main() -> None:
     from common import baseline_tree, measure_in_tree
 
     sys.path.insert(0, str(ROOT))
-    from headstart.train.losses import loss_chunk_rows
+    from headstart.sizing import loss_chunk_rows
 
     # This tree also runs at the loss chunk a GPU takes by default (train.loss_chunk_tokens null) for a
     # 32,000-row draft vocabulary and TTT 3 (the eagle3 recipes' vocabulary); the baseline's was 256 everywhere.

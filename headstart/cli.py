@@ -7,7 +7,7 @@ import errno
 import os
 import sys
 
-from headstart import __version__, commands
+from headstart import __version__, commands, commands_engine
 from headstart.errors import HeadstartError
 
 
@@ -99,7 +99,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tree-depth", type=int, default=5, help="--spec tree: draft depth")
     p.add_argument("--allow-other-target", action="store_true",
                    help="use a head trained for a same-shaped target with other weights (warns)")
-    p.set_defaults(func=commands.cmd_generate)
+    p.set_defaults(func=commands_engine.cmd_generate)
 
     p = verbs.add_parser(
         "precompute", help="store the target's hidden states for a recipe (or: precompute verify|inspect DIR)",
@@ -198,7 +198,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "interpreter: make vllm-env, or $HEADSTART_VLLM_PYTHON)")
     p.add_argument("--vllm-threads", choices=["all", "default"], default="all",
                    help="vLLM's CPU threads: all cores, as our engine, or vLLM's own binding (one core reserved)")
-    p.set_defaults(func=commands.cmd_eval)
+    p.set_defaults(func=commands_engine.cmd_eval)
 
     p = verbs.add_parser("export", help="write a head in a serving engine's layout (checked by reading it back)")
     p.add_argument("head", help="a native head checkpoint directory")

@@ -250,7 +250,7 @@ class TrainConfig:
     ttt_decay: float = 0.8  # step j's loss is weighted by ttt_decay ** j
     block_decay_gamma: float = 4.0  # dflash: draft slot i's loss is weighted exp(-(i - 1) / gamma) (speculators')
     # Rows per vocabulary-sized chunk of the loss (no [tokens x vocab] tensor is kept). null: by device
-    # (train.losses.loss_chunk_rows): 256 on CPU; on a GPU as many as fit LOSS_CHUNK_GPU_BYTES (fewer launches).
+    # (headstart.sizing.loss_chunk_rows): 256 on CPU; on a GPU as many as fit LOSS_CHUNK_GPU_BYTES (fewer launches).
     loss_chunk_tokens: int | None = None
     val_every_steps: int = 200  # engine validation interval (0: only at the end)
     val_prompts: int = 16  # held-out prompts (first user turns) decoded by the engine at each validation

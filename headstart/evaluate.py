@@ -131,7 +131,7 @@ class _Setting:
     k: int
 
     def spec(self, plan: EvalPlan) -> Any:
-        from headstart.inference.proposers import SpecConfig
+        from headstart.inference.speculation import SpecConfig
 
         if self.method == "ngram":
             return SpecConfig(method="ngram", k=self.k)
@@ -143,7 +143,7 @@ class _Setting:
 
 
 def _settings(heads: dict[str, Any], labels: dict[str, str], plan: EvalPlan) -> list[_Setting]:
-    from headstart.train.validate import spec_method
+    from headstart.inference.speculation import spec_method
 
     out = []
     for path, head in heads.items():
@@ -166,7 +166,7 @@ def _timed_setting(ar_engine: Any, engine: Any, prompts: list[list[int]], temp: 
     b = plan.batch_size
     outs, ar_outs, ratios = [], [], []
     ar_tok = ar_sec = sp_tok = sp_sec = 0.0
-    from headstart.inference.proposers import SpecMetrics
+    from headstart.inference.speculation import SpecMetrics
 
     m = getattr(engine, "spec_metrics", None) or SpecMetrics()  # a stand-in engine may keep none
     d0, v0, n0 = m.draft_seconds, m.verify_seconds, m.steps
@@ -300,7 +300,7 @@ def _sha(path: str) -> str | None:
 
 
 def _methods(head: Any, plan: EvalPlan) -> list[str]:
-    from headstart.train.validate import spec_method
+    from headstart.inference.speculation import spec_method
 
     kind = spec_method(head.config.head_type)
     if kind == "chain":
@@ -326,7 +326,7 @@ def _cpu_flag() -> bool:
 
 def _summarise(st: _Setting, temp: float, timed: dict[str, Any], categories: list[str | None],
                ar: dict[str, Any]) -> dict[str, Any]:
-    from headstart.inference.proposers import SpecMetrics
+    from headstart.inference.speculation import SpecMetrics
 
     k, outs = st.k, timed["outputs"]
     pooled = SpecMetrics(positions=k)  # tree: k is the depth, the longest acceptable run

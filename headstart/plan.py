@@ -21,6 +21,7 @@ from typing import Any
 
 from headstart.config import Recipe
 from headstart.errors import HeadstartError
+from headstart.sizing import chunk_row_bytes, loss_chunk_rows
 
 GB = 1e9
 # Headroom kept free on a device: the CUDA context, the caching allocator's fragmentation, NCCL buffers.
@@ -238,10 +239,10 @@ def make_plan(recipe: Recipe, target_cfg: dict[str, Any], *, device: str = "H100
     gb = 2 if recipe.trainer.precision in ("bf16-mixed", "bf16-true") or (recipe.trainer.precision == "auto"
                                                                            and on_gpu) else 4
     per_tok = (d * (22 + 2 * aux + aux_saved) + 6 * hc.intermediate_size) * gb  # one layer's saved activations
-    # A chunk's recompute keeps every TTT step's log q beside the one teacher they share (train.losses).
-    loss_steps = tr.ttt_steps if hc.head_type in ("mtp", "eagle1", "deepseek_mtp", "eagle3") else 1
-    from headstart.train.losses import chunk_row_bytes, loss_chunk_rows
+    from headstart.heads.config import CHAIN_HEADS
 
+    # A chunk's recompute keeps every TTT step's log q beside the one teacher they share (train.losses).
+    loss_steps = tr.ttt_steps if hc.head_type in CHAIN_HEADS else 1
     lk = tr.loss != "kl"
     # a chunk holds at most the micro-batch's rows, whatever train.loss_chunk_tokens asks
     chunk = min(loss_chunk_rows(tr.loss_chunk_tokens, vd, loss_steps, "cuda" if on_gpu else "cpu", tr.batch_tokens,
@@ -272,9 +273,9 @@ def make_plan(recipe: Recipe, target_cfg: dict[str, Any], *, device: str = "H100
         ph.terms.append(Term("block attention mask", (1 + gb) * 2 * q * (seq + q),
                              f"2 x {q:,} padded block queries x ({seq:,} context + {q:,} block keys) x (1 + {gb}) B, "
                              "shared by the layers (fused kernels keep no scores)"))
-    if hc.head_type in ("mtp", "eagle1", "deepseek_mtp", "eagle3", "draft_lm"):
+    if hc.head_type in (*CHAIN_HEADS, "draft_lm"):
         ph.terms.append(_padded_attention_term(recipe, c, hc, gb, on_gpu))
-    if tr.ttt_steps > 1 and hc.head_type in ("mtp", "eagle1", "deepseek_mtp", "eagle3"):
+    if tr.ttt_steps > 1 and hc.head_type in CHAIN_HEADS:
         # headstart.train.ttt runs each unrolled step as one fused SDPA call per length bucket: no scores
         # are kept, but step j keeps its additive (L_b, L_b (j + 1)) mask per bucket length for the backward
         # pass (shared by the layers and sequences). Bucket lengths at least halve from one to the next, so

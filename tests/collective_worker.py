@@ -69,7 +69,7 @@ def main() -> None:
 
     from headstart.config import recipe_from_dict
     from headstart.heads import build_head
-    from headstart.heads.base import HeadConfig
+    from headstart.heads.config import HeadConfig
     from headstart.models import load_target
     from headstart.train.module import HeadModule
 

@@ -13,7 +13,7 @@ from headstart.config import ConfigError, recipe_from_dict
 from headstart.heads import HeadConfig, PackedBatch, build_head, load_head, save_head
 from headstart.heads.dflash import AnchoredBlocks, choose_anchors
 from headstart.inference import Engine, SamplingParams
-from headstart.inference.proposers import SpecConfig
+from headstart.inference.speculation import SpecConfig
 from headstart.models.llama import load_llama
 from headstart.train.module import HeadModule, target_forward
 

@@ -17,7 +17,7 @@ from headstart.errors import AssetError
 from headstart.export import export_head, import_head
 from headstart.fileio import sha256_file
 from headstart.heads import HeadConfig, PackedBatch, build_head, build_vocab_maps, load_head, save_head
-from headstart.heads.base import EAGLE31_DEFAULTS, EAGLE31_FLAGS
+from headstart.heads.config import EAGLE31_DEFAULTS, EAGLE31_FLAGS
 from headstart.heads.checkpoint import CONFIG_RECORD
 from headstart.models.llama import load_llama
 
@@ -245,7 +245,7 @@ def test_head_init_sets_the_flags_on_eagle3_heads_only(tmp_path, chat_model_dir,
     """`head init --type eagle3` takes the trainer's defaults unless told: --no-norm-before-fc
     --no-norm-before-residual makes a head SGLang serves."""
     from headstart.cli import main
-    from headstart.export.formats import SGLANG_MISSING_FLAGS
+    from headstart.export.sglang import SGLANG_MISSING_FLAGS
     from headstart.heads import read_head_config
 
     def init(*argv):

@@ -17,7 +17,7 @@ from headstart.heads import (
     save_head,
     shift_for_head,
 )
-from headstart.heads.base import EAGLE_FLAGS, default_aux_layers
+from headstart.heads.config import EAGLE_FLAGS, default_aux_layers
 from headstart.inference.backends import TorchAttention
 from headstart.inference.kv_cache import KVCache, KVCacheSpec, PageAllocator
 from headstart.inference.runner import build_metadata

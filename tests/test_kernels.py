@@ -13,7 +13,7 @@ from test_spec import _prompts, _spec
 
 from headstart.inference import Engine, SamplingParams
 from headstart.inference.backends import TorchAttention
-from headstart.inference.proposers import SpecConfig
+from headstart.inference.speculation import SpecConfig
 from headstart.kernels import mask_key_sets
 from headstart.models.llama import load_llama
 from headstart.nn.attention import AttentionMetadata

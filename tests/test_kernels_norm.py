@@ -10,7 +10,7 @@ from test_kernels import DTYPES
 from test_spec import _prompts
 
 from headstart.inference import Engine, SamplingParams
-from headstart.inference.proposers import SpecConfig
+from headstart.inference.speculation import SpecConfig
 from headstart.models.llama import load_llama
 from headstart.nn.linear import cpu_kernels_restored
 from headstart.nn.norm import RMSNorm

@@ -4,7 +4,7 @@ every rule; the biased 'mixed' rule is caught by the same check. Plus the metric
 import pytest
 import torch
 
-from headstart.inference.proposers import SpecMetrics
+from headstart.inference.speculation import SpecMetrics
 from headstart.inference.rejection import (
     verify_chain,
     verify_full_q,

@@ -73,7 +73,7 @@ def test_speculators_computes_our_eagle31_heads_for_every_flag_combination(tmp_p
     ours. One speculators process checks every export."""
     import itertools
 
-    from headstart.heads.base import EAGLE31_FLAGS
+    from headstart.heads.config import EAGLE31_FLAGS
     from headstart.train.ttt import unroll
 
     make_hf_model("llama", tmp_path / "target", seed=4)

@@ -9,7 +9,8 @@ from tiny_models import make_hf_model
 
 from headstart.heads import HeadConfig, build_head
 from headstart.inference import Engine, SamplingParams
-from headstart.inference.proposers import Proposal, SpecConfig, _Proposer
+from headstart.inference.proposers import Proposal, _Proposer
+from headstart.inference.speculation import SpecConfig
 from headstart.models.llama import load_llama
 
 KINDS = ["mtp", "eagle1", "deepseek_mtp", "eagle3", "medusa", "draft_lm", "dflash"]

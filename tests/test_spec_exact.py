@@ -11,7 +11,7 @@ from tiny_models import make_hf_model
 
 from headstart.heads import HeadConfig, build_head
 from headstart.inference import Engine, SamplingParams
-from headstart.inference.proposers import SpecConfig
+from headstart.inference.speculation import SpecConfig
 from headstart.models.llama import load_llama
 
 

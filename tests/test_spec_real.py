@@ -33,7 +33,7 @@ def setup():
 def test_untrained_proposers_are_lossless_on_smollm2(setup, method):
     from headstart.heads import HeadConfig, build_head
     from headstart.inference import Engine, SamplingParams
-    from headstart.inference.proposers import SpecConfig
+    from headstart.inference.speculation import SpecConfig
 
     target, prompts, ref = setup
     kind = {"chain": "mtp", "tree": "mtp", "draft": "draft_lm", "medusa": "medusa"}[method]
@@ -64,7 +64,7 @@ def test_the_shipped_head_speculates_losslessly():
     """assets/heads/smollm2-135m-mtp loads on the embedded target (fingerprint and weights checked)
     and drafts tokens the engine accepts, with output identical to plain decoding."""
     from headstart.inference import Engine, SamplingParams
-    from headstart.inference.proposers import SpecConfig
+    from headstart.inference.speculation import SpecConfig
 
     head = Path(__file__).resolve().parents[1] / "assets" / "heads" / "smollm2-135m-mtp"
     dtype = "fp32"  # exact equality with plain decoding: bf16 verify rows may round a near-tie differently

@@ -314,7 +314,7 @@ def test_the_loss_chunk_is_256_rows_on_cpu_and_what_fits_two_gib_on_a_gpu():
     larger chunks are fewer launches; `headstart plan` counts the chunk the device will use."""
     from headstart.config import recipe_from_dict
     from headstart.plan import make_plan
-    from headstart.train.losses import loss_chunk_rows
+    from headstart.sizing import loss_chunk_rows
 
     assert loss_chunk_rows(None, 32000, 7, "cpu", 16384) == 256
     assert loss_chunk_rows(None, 32000, 7, "cuda", 16384) == 1536  # 2 GiB / (10 x 32,000 x 4 B) = 1,677 rows
@@ -335,7 +335,7 @@ def test_a_chain_heads_loss_chunk_on_a_gpu_is_the_one_plan_counts(target):  # no
     stands for a GPU's here)."""
     from headstart.config import recipe_from_dict
     from headstart.heads import PackedBatch
-    from headstart.train.losses import loss_chunk_rows
+    from headstart.sizing import loss_chunk_rows
     from headstart.train.module import HeadModule
 
     recipe = recipe_from_dict({"head": {"type": "mtp"}, "train": {"ttt_steps": 7, "batch_tokens": 262144}})

@@ -198,7 +198,7 @@ def both_engines(tmp_path_factory):
     from headstart.engines.vllm_runner import run_job
     from headstart.heads import HeadConfig, load_head, save_head
     from headstart.inference import Engine, SamplingParams
-    from headstart.inference.proposers import SpecConfig
+    from headstart.inference.speculation import SpecConfig
     from headstart.models.llama import load_llama
 
     tmp = tmp_path_factory.mktemp("vllm")

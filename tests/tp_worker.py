@@ -25,7 +25,7 @@ def main() -> None:
 
     from headstart.heads import load_head
     from headstart.inference import Engine, SamplingParams
-    from headstart.inference.proposers import SpecConfig
+    from headstart.inference.speculation import SpecConfig
     from headstart.models.llama import load_llama
     from headstart.nn.attention import PackedCausalAttention, packed_metadata
     from headstart.nn.parallel import init_tensor_parallel

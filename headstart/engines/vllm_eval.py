@@ -61,7 +61,7 @@ def vllm_eval(target: Any, prompts: list[list[int]], categories: list[str | None
               stop_ids: list[int], threads: Threads | None = None) -> dict[str, Any]:
     """-> {"runs": rows, "ar": {T: {...}}, "skipped": [{head, reason}], "vllm": {...}}."""
     from headstart.eval_report import quantile as _quantile
-    from headstart.train.validate import spec_method  # the method our rows name, so both engines' rows pair up
+    from headstart.inference.speculation import spec_method  # the method our rows name, so both engines' rows pair up
 
     engines: dict[str, Any] = {"plain": None}
     settings = []  # (engine name, head path, k)

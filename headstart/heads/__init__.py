@@ -17,16 +17,7 @@ from pathlib import Path
 
 from headstart.config import HeadSection
 from headstart.errors import AssetError
-from headstart.heads.base import (
-    HEAD_TYPES,
-    DraftHead,
-    HeadConfig,
-    PackedBatch,
-    Shifted,
-    check_compatible,
-    shift_for_head,
-    zero_output_projections,
-)
+from headstart.heads.base import DraftHead, PackedBatch, Shifted, shift_for_head, zero_output_projections
 from headstart.heads.checkpoint import (
     _read_head_config,
     check_head_files,
@@ -35,6 +26,7 @@ from headstart.heads.checkpoint import (
     read_head_config,
     save_head,
 )
+from headstart.heads.config import HEAD_TYPES, HeadConfig, check_compatible
 from headstart.heads.deepseek_mtp import DeepSeekMTPHead
 from headstart.heads.dflash import DFlashHead
 from headstart.heads.draft_lm import DraftLM

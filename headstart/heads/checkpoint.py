@@ -13,7 +13,8 @@ from safetensors.torch import load_file, save_file
 
 from headstart.errors import AssetError
 from headstart.fileio import apply_umask, atomic_path, check_output_path, read_json_object, sha256_file
-from headstart.heads.base import EAGLE31_FLAGS, HIDDEN_STATE_CONVENTION, DraftHead, HeadConfig, saved_without
+from headstart.heads.base import DraftHead
+from headstart.heads.config import EAGLE31_FLAGS, HIDDEN_STATE_CONVENTION, HeadConfig, saved_without
 
 
 def save_head(head: DraftHead, path: str | Path, *, overwrite: bool = False) -> Path:

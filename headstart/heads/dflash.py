@@ -22,7 +22,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from headstart.heads.base import TEMPER, HeadConfig, PackedBatch, SharedVocabHead, copy_layer
+from headstart.heads.base import TEMPER, PackedBatch, SharedVocabHead, copy_layer
+from headstart.heads.config import HeadConfig
 from headstart.models.llama import LlamaForCausalLM
 from headstart.nn.attention import (
     Attention,

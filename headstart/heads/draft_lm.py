@@ -10,7 +10,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from headstart.heads.base import TEMPER, DraftHead, HeadConfig, PackedBatch, Shifted, copy_layer
+from headstart.heads.base import TEMPER, DraftHead, PackedBatch, Shifted, copy_layer
+from headstart.heads.config import HeadConfig
 from headstart.models.llama import LlamaForCausalLM
 from headstart.nn.attention import AttentionBackend, AttentionMetadata, KVPages
 from headstart.nn.decoder import DecoderLayer

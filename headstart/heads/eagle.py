@@ -16,13 +16,13 @@ from torch import nn
 
 from headstart.heads.base import (
     DraftHead,
-    HeadConfig,
     SharedVocabHead,
     init_from_last_layers,
     init_fusion_as_identity,
     target_state_rms,
     zero_output_projections,
 )
+from headstart.heads.config import HeadConfig
 from headstart.models.llama import LlamaForCausalLM
 from headstart.nn.attention import AttentionBackend, AttentionMetadata, KVPages
 from headstart.nn.decoder import DecoderLayer

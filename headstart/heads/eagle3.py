@@ -21,7 +21,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from headstart.heads.base import TEMPER, DraftHead, HeadConfig, copy_layer
+from headstart.heads.base import TEMPER, DraftHead, copy_layer
+from headstart.heads.config import HeadConfig
 from headstart.heads.vocab import draft_to_target
 from headstart.models.llama import LlamaForCausalLM
 from headstart.nn.attention import AttentionBackend, AttentionMetadata, KVPages

@@ -12,7 +12,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from headstart.heads.base import TEMPER, DraftHead, HeadConfig, PackedBatch, Shifted
+from headstart.heads.base import TEMPER, DraftHead, PackedBatch, Shifted
+from headstart.heads.config import HeadConfig
 from headstart.heads.vocab import draft_to_target
 from headstart.models.llama import LlamaForCausalLM
 from headstart.nn.linear import Linear

@@ -12,7 +12,6 @@ import dataclasses
 import itertools
 import time
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -22,19 +21,19 @@ from headstart.inference.backends import make_backend
 from headstart.inference.detok import IncrementalText
 from headstart.inference.kv_cache import KVCache, KVCacheSpec, PageAllocator, pages_for_budget
 from headstart.inference.ngram import NgramProposer
+from headstart.inference.outputs import EngineStats, RequestOutput
 from headstart.inference.proposers import (
     BlockProposer,
     DraftModelProposer,
     HeadChainProposer,
     MedusaProposer,
-    SpecConfig,
-    SpecMetrics,
     draft_kv_spec,
 )
 from headstart.inference.runner import ModelRunner
 from headstart.inference.sampler import SamplingParams, sample, token_logprobs
 from headstart.inference.scheduler import Scheduler, Sequence, Status
-from headstart.inference.spec_step import SpeculativeSteps
+from headstart.inference.spec_step import SpeculativeStep, resolve_draft
+from headstart.inference.speculation import SpecConfig, SpecMetrics
 from headstart.inference.tree import TreeProposer
 from headstart.kernels import FAST_ROWS, fast_linear_rows
 from headstart.models import CausalLM, load_target
@@ -43,29 +42,7 @@ from headstart.nn.linear import enable_cpu_kernels
 Prompt = str | list[dict[str, str]] | list[int]
 
 
-@dataclass
-class RequestOutput:
-    id: str
-    prompt_ids: list[int]
-    token_ids: list[int]  # generated ids only
-    text: str
-    finished: bool
-    finish_reason: str | None
-    new_token_ids: list[int] = field(default_factory=list)  # produced by the last step
-    logprobs: list[dict] = field(default_factory=list)
-    spec_metrics: dict[str, Any] | None = None  # acceptance metrics of this request (speculation on)
-
-
-@dataclass
-class EngineStats:
-    steps: int = 0
-    prefill_tokens: int = 0
-    decode_tokens: int = 0
-    preemptions: int = 0
-    seconds: float = 0.0
-
-
-class Engine(SpeculativeSteps):
+class Engine:
     def __init__(
         self,
         model: str | Path | CausalLM,
@@ -123,7 +100,9 @@ class Engine(SpeculativeSteps):
         cfg = self.model.config
         self.max_model_len = min(cfg.max_position_embeddings, cfg.sliding_window or cfg.max_position_embeddings)
         kv_spec = KVCacheSpec.of(self.model)
-        draft = self._resolve_draft(spec, dtype) if spec is not None and spec.method != "ngram" else None
+        draft = None
+        if spec is not None and spec.method != "ngram":
+            draft = resolve_draft(spec, self.model, dtype, self.device)
         if spec is not None and spec.method == "block":  # the lookahead is the head's block: keep the head, not a path
             spec = dataclasses.replace(spec, head=draft)
         self.spec = spec
@@ -167,6 +146,7 @@ class Engine(SpeculativeSteps):
         self._unseeded = itertools.count()
         self._seqs: dict[str, Sequence] = {}
         self.stats = EngineStats()
+        self.speculation = SpeculativeStep(self) if spec is not None else None
 
     # ------------------------------------------------------------------------------ requests
 
@@ -248,10 +228,10 @@ class Engine(SpeculativeSteps):
     @torch.inference_mode()
     def _step(self) -> list[RequestOutput]:
         t0 = time.perf_counter()
-        if self.proposer is not None:
-            seqs = self._spec_ready()
+        if self.speculation is not None:
+            seqs = self.speculation.ready()
             if seqs:
-                outputs = self._spec_step(seqs)
+                outputs = self.speculation.step(seqs)
                 self.stats.steps += 1
                 self.stats.preemptions = self.scheduler.num_preemptions
                 self.stats.seconds += time.perf_counter() - t0
@@ -284,9 +264,9 @@ class Engine(SpeculativeSteps):
                     seq.logprobs.append(entry)
                 self._check_stop(seq, tok)
                 outputs.append(self._output(seq, [tok]))
-        if self.proposer is not None:
+        if self.speculation is not None:
             t1 = time.perf_counter()
-            self._absorb_normal(batch, h, aux)
+            self.speculation.absorb_normal(batch, h, aux)
             self.spec_metrics.draft_seconds += time.perf_counter() - t1
         self.stats.steps += 1
         self.stats.prefill_tokens += sum(n for n in batch.num_tokens if n > 1)

@@ -13,8 +13,9 @@ measured beside this one, so a report says what the training added.
 
 from __future__ import annotations
 
-from headstart.inference.proposers import Proposal, SpecConfig, _Proposer
+from headstart.inference.proposers import Proposal, _Proposer
 from headstart.inference.scheduler import Sequence
+from headstart.inference.speculation import SpecConfig
 
 
 def lookup(tokens: list[int], k: int, ngram_min: int, ngram_max: int) -> list[int]:

@@ -18,12 +18,7 @@ import torch
 
 from headstart.inference.kv_cache import PageAllocator
 from headstart.inference.sampler import SamplingParams
-
-
-def _new_metrics() -> Any:
-    from headstart.inference.proposers import SpecMetrics
-
-    return SpecMetrics()
+from headstart.inference.speculation import SpecMetrics
 
 
 class Status(enum.Enum):
@@ -55,7 +50,7 @@ class Sequence:
     text: str = ""  # detokenised output, cut at a stop string
     logprobs: list[dict] = field(default_factory=list)
     num_preemptions: int = 0
-    spec_metrics: Any = field(default_factory=lambda: _new_metrics())
+    spec_metrics: SpecMetrics = field(default_factory=SpecMetrics)
     detok: Any = None  # IncrementalText when the engine has a tokenizer
     draft: DraftState = field(default_factory=DraftState)
 

@@ -42,7 +42,7 @@ def output_dir(recipe: Recipe) -> Path:
 
 def aux_layers_for(recipe: Recipe, num_layers: int) -> list[int]:
     """What the recipe's head consumes beyond the last hidden state (eagle3, dflash: three target layers)."""
-    from headstart.heads.base import AUX_FAMILIES, default_aux_layers
+    from headstart.heads.config import AUX_FAMILIES, default_aux_layers
 
     if recipe.head.type not in AUX_FAMILIES:
         return []

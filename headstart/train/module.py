@@ -20,14 +20,15 @@ import torch.nn.functional as F
 from headstart.config import Recipe
 from headstart.errors import HeadstartError
 from headstart.heads.base import DraftHead, PackedBatch
+from headstart.heads.config import CHAIN_HEADS
 from headstart.models.llama import LlamaForCausalLM
 from headstart.nn.attention import PackedCausalAttention, packed_metadata
 from headstart.nn.parallel import SINGLE, TensorParallel
 from headstart.precompute.shards import from_fp8
-from headstart.train.losses import LossParts, distill, distill_steps, loss_chunk_rows, objective
+from headstart.train.losses import LossParts, distill, distill_steps, objective
+from headstart.sizing import loss_chunk_rows
 from headstart.train.ttt import unroll
 
-CHAIN_HEADS = ("mtp", "eagle1", "deepseek_mtp", "eagle3")
 
 
 class TrainingDiverged(HeadstartError):

@@ -13,6 +13,7 @@ import torch
 
 from headstart.heads import build_head
 from headstart.heads.base import DraftHead
+from headstart.inference.speculation import SpecConfig, spec_method
 from headstart.models.llama import LlamaForCausalLM
 
 
@@ -23,15 +24,10 @@ def serving_copy(head: DraftHead, target: LlamaForCausalLM) -> DraftHead:
     return copy.eval()
 
 
-def spec_method(head_type: str) -> str:
-    return {"medusa": "medusa", "draft_lm": "draft", "dflash": "block"}.get(head_type, "chain")
-
-
 def engine_acceptance(target: LlamaForCausalLM, head: DraftHead, prompts: list[list[int]], *, k: int,
                       max_tokens: int, tokenizer: Any = None, seed: int = 0, backend: str = "auto") -> dict[str, Any]:
     """Greedy speculative decoding of `prompts` (token ids) -> the engine's acceptance summary."""
     from headstart.inference.engine import Engine
-    from headstart.inference.proposers import SpecConfig
     from headstart.inference.sampler import SamplingParams
     from headstart.nn.linear import cpu_kernels_restored
 

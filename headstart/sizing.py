@@ -1,0 +1,33 @@
+"""Sizing rules the trainer runs by and `headstart plan` counts with: the rows of one chunk of the
+distillation loss (train.losses) and the bytes each of its rows keeps. One definition, below both:
+plan must predict the chunk the trainer will actually take.
+"""
+
+from __future__ import annotations
+
+CPU_LOSS_CHUNK = 256  # rows: the logits of a chunk stay in the CPU's caches
+LOSS_CHUNK_GPU_BYTES = 2 << 30  # a GPU's chunk: its live fp32 logits (every TTT step's log q, the teacher's, a grad)
+
+
+def chunk_row_bytes(vocab: int, loss_steps: int, lk: bool = False, full_vocab: int | None = None) -> int:
+    """The fp32 bytes one row of a loss chunk keeps: KL, (loss_steps + 3) logit rows (every step's log q, the
+    teacher's log p and p, a gradient); the LK losses add each step's q and the teacher's p on the draft
+    vocabulary, and with a draft vocabulary the teacher's full-vocabulary logits and softmax."""
+    if not lk:
+        return (loss_steps + 3) * vocab * 4
+    full = 2 * full_vocab * 4 if full_vocab and full_vocab != vocab else 0
+    return (2 * loss_steps + 4) * vocab * 4 + full
+
+
+def loss_chunk_rows(configured: int | None, vocab: int, loss_steps: int, device_type: str, rows: int,
+                    lk: bool = False, full_vocab: int | None = None) -> int:
+    """Rows per chunk of the loss: `configured` if set; else 256 on CPU, and on a GPU as many as keep the
+    chunk's rows (chunk_row_bytes) under LOSS_CHUNK_GPU_BYTES (whole 256-row blocks, at least one, at most
+    the micro-batch): each chunk is a forward, a recompute and a backward of the lm_head and the loss, so
+    fewer chunks are fewer launches (`headstart plan` counts the same bytes)."""
+    if configured is not None:
+        return configured
+    if device_type == "cpu":
+        return CPU_LOSS_CHUNK
+    fit = LOSS_CHUNK_GPU_BYTES // chunk_row_bytes(vocab, loss_steps, lk, full_vocab)
+    return max(CPU_LOSS_CHUNK, min(-(-rows // CPU_LOSS_CHUNK) * CPU_LOSS_CHUNK, fit // CPU_LOSS_CHUNK * CPU_LOSS_CHUNK))
