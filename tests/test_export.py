@@ -48,9 +48,10 @@ def deepseek_layout_on_llama_blocks(monkeypatch):
     """The DeepSeek-MTP layout is refused for every target but DeepSeek's (test_export_outputs.py
     checks the refusal); no DeepSeek target loads yet, so its name mapping is checked here on the
     tiny Llama-family blocks."""
-    from headstart.export import formats
+    from headstart.export import deepseek_mtp
 
-    monkeypatch.setattr(formats, "DEEPSEEK_MODEL_TYPES", formats.DEEPSEEK_MODEL_TYPES + ("llama", "qwen2", "qwen3"))
+    monkeypatch.setattr(deepseek_mtp, "DEEPSEEK_MODEL_TYPES",
+                        deepseek_mtp.DEEPSEEK_MODEL_TYPES + ("llama", "qwen2", "qwen3"))
 
 
 @pytest.fixture(scope="module")
@@ -471,7 +472,7 @@ def test_vllm_import_checks_the_layer_config_and_the_target_width(tmp_path, targ
 
 
 def test_every_export_records_the_state_its_head_reads(tmp_path, targets):
-    from headstart.export.formats import feature_convention
+    from headstart.export.layout_configs import feature_convention
 
     llama = targets["llama"]
     want = {("mtp", False): "last_hidden_pre_norm", ("mtp", True): "last_hidden_post_norm",
