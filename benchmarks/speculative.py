@@ -29,8 +29,8 @@ from headstart.assets import resolve_model  # noqa: E402
 from headstart.hardware import describe, resolve_dtype  # noqa: E402
 from headstart.heads import HeadConfig, build_head, load_head  # noqa: E402
 from headstart.inference import Engine, SamplingParams  # noqa: E402
-from headstart.inference.speculation import SpecConfig, SpecMetrics  # noqa: E402
 from headstart.inference.runner import build_metadata  # noqa: E402
+from headstart.inference.speculation import SpecConfig, SpecMetrics  # noqa: E402
 from headstart.models.llama import DTYPES, load_llama  # noqa: E402
 from headstart.nn.linear import Linear, enable_cpu_kernels  # noqa: E402
 from headstart.nn.norm import RMSNorm  # noqa: E402

@@ -74,7 +74,7 @@ class DataConfig:
 
 @dataclass(kw_only=True)
 class HeadSection:
-    """Which draft head to train (headstart.heads; one line per family in the README)."""
+    """Which draft head to train (headstart.heads; one line per family in the README: Head families)."""
 
     type: HeadType = "mtp"
     num_layers: int = 1  # decoder layers in the head (draft_lm: its depth)
@@ -213,7 +213,7 @@ class RegenerateConfig:
 
 @dataclass(kw_only=True)
 class LossWeights:
-    """Weights of the training losses (README: head families)."""
+    """Weights of the training losses (docs/training.md, Losses)."""
 
     kl: float = 1.0  # forward KL to the target's distribution (soft cross-entropy minus its entropy)
     feature: float = 0.1  # smooth-L1 between the head's output and the target's next hidden state

@@ -17,8 +17,8 @@ from headstart.errors import AssetError
 from headstart.export import export_head, import_head
 from headstart.fileio import sha256_file
 from headstart.heads import HeadConfig, PackedBatch, build_head, build_vocab_maps, load_head, save_head
-from headstart.heads.config import EAGLE31_DEFAULTS, EAGLE31_FLAGS
 from headstart.heads.checkpoint import CONFIG_RECORD
+from headstart.heads.config import EAGLE31_DEFAULTS, EAGLE31_FLAGS
 from headstart.models.llama import load_llama
 
 # Every combination speculators accepts (norm_before_fc and fc_norm are exclusive): 12.

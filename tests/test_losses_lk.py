@@ -130,8 +130,8 @@ def test_the_bytes_a_loss_chunk_keeps_for_backward_are_within_what_plan_counts(t
     """What one chunk's loss saves for its backward (every (R, *) tensor the autograd graph keeps, counted by
     saved_tensors_hooks), for 3 draft steps, is at most chunk_row_bytes per row: the figure that sizes a GPU's
     chunk and that `headstart plan` adds up (the LK losses keep more than the KL)."""
-    from headstart.train.losses import _chunk_kl
     from headstart.sizing import chunk_row_bytes
+    from headstart.train.losses import _chunk_kl
 
     if vocab == "full":
         head, ids = build_head(HeadConfig(head_type="mtp"), target), None

@@ -4,7 +4,6 @@ every rule; the biased 'mixed' rule is caught by the same check. Plus the metric
 import pytest
 import torch
 
-from headstart.inference.speculation import SpecMetrics
 from headstart.inference.rejection import (
     verify_chain,
     verify_full_q,
@@ -13,6 +12,7 @@ from headstart.inference.rejection import (
     verify_one_hot,
     verify_tree,
 )
+from headstart.inference.speculation import SpecMetrics
 
 P = torch.tensor([[0.05, 0.40, 0.25, 0.20, 0.10], [0.3, 0.1, 0.2, 0.2, 0.2], [0.2, 0.2, 0.2, 0.2, 0.2]])
 Q = torch.tensor([[0.50, 0.10, 0.10, 0.20, 0.10], [0.2, 0.2, 0.2, 0.2, 0.2]])

@@ -1,4 +1,4 @@
-"""Export native heads to serving layouts and import them back (formats in `formats.py`).
+"""Export native heads to serving layouts and import them back (one file per format, registered in `formats.py`).
 
 Every export is checked before it is kept: its tensor names and shapes against what a head of its
 config needs, then it is read back by our own importer and must give the head's logits bit for bit.
@@ -18,8 +18,8 @@ from headstart.export.formats import LAYOUTS
 from headstart.export.layout import Layout, check_tensors
 from headstart.fileio import apply_umask, atomic_path, check_output_path, read_json_object
 from headstart.heads import FAMILIES, DraftHead, HeadConfig, PackedBatch, is_head_checkpoint, save_head
-from headstart.heads.base import EAGLE31_FLAGS, check_compatible
 from headstart.heads.checkpoint import NATIVE_MARK
+from headstart.heads.config import EAGLE31_FLAGS, check_compatible
 from headstart.models.llama import LlamaForCausalLM
 from headstart.models.loading import (
     SCALE_SUFFIX,

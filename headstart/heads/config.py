@@ -26,7 +26,7 @@ HIDDEN_STATE_CONVENTION = {
 
 # Heads built on DeepSeek (MLA) targets.
 DEEPSEEK_TARGET_HEADS = ("deepseek_mtp", "medusa")
-# mtp and eagle1 are one code path; these flags are their only difference (README: head families).
+# mtp and eagle1 are one code path; these flags are their only difference (README: Head families).
 # Families whose input is the target's last state, which they may read after its final norm.
 POSTNORM_FAMILIES = ("mtp", "eagle1", "deepseek_mtp")
 EAGLE_FLAGS = {

@@ -1,4 +1,4 @@
-"""Distillation losses (README: head families), computed in row chunks so that no [tokens x vocab] tensor
+"""Distillation losses (docs/training.md, Losses), computed in row chunks so that no [tokens x vocab] tensor
 outlives its chunk: each chunk's logits are recomputed in the backward pass (activation
 checkpointing), so peak memory is set by `chunk` rows, not by the batch.
 

@@ -25,10 +25,9 @@ from headstart.models.llama import LlamaForCausalLM
 from headstart.nn.attention import PackedCausalAttention, packed_metadata
 from headstart.nn.parallel import SINGLE, TensorParallel
 from headstart.precompute.shards import from_fp8
-from headstart.train.losses import LossParts, distill, distill_steps, objective
 from headstart.sizing import loss_chunk_rows
+from headstart.train.losses import LossParts, distill, distill_steps, objective
 from headstart.train.ttt import unroll
-
 
 
 class TrainingDiverged(HeadstartError):
