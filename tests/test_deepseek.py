@@ -157,7 +157,7 @@ def test_the_engine_prefills_whole_prompts_expanded_and_still_equals_transformer
     reads: greedy tokens equal HF's; chunks after the first and decode steps run absorbed, and so does every
     step of a batch-invariant engine (its row-invariant kernels take every row)."""
     from headstart.inference import Engine, SamplingParams
-    from headstart.models.deepseek import MLAttention
+    from headstart.models.deepseek_mla import MLAttention
 
     name, hf, ours = pair
     calls = []
@@ -277,7 +277,8 @@ def test_a_head_built_without_the_targets_weights_starts_from_a_linear_init(pair
 def test_a_deepseek_mtp_head_has_the_targets_own_block(pair):
     """MLA always; the MoE MLP where the target routes experts at the MTP layer's index (the tiny
     targets from layer 1 or 2 on), a dense one with dense_block; copied from the last target layer."""
-    from headstart.models.deepseek import MLAttention, MoE
+    from headstart.models.deepseek import MoE
+    from headstart.models.deepseek_mla import MLAttention
     from headstart.nn.mlp import GatedMLP
 
     name, _, ours = pair

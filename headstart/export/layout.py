@@ -10,7 +10,6 @@ projection; serving engines name them apart.
 from __future__ import annotations
 
 import abc
-import re
 from typing import Any
 
 import torch
@@ -18,6 +17,7 @@ import torch
 from headstart.errors import AssetError
 from headstart.heads import DraftHead, HeadConfig
 from headstart.models.llama import LlamaForCausalLM, read_hf_config
+from headstart.models.loading import ONE_EXPERT, STACKED_EXPERTS
 
 
 class Layout(abc.ABC):
@@ -85,7 +85,7 @@ def unstack_experts(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     expert ("...experts.{e}.down_proj.weight"), as checkpoints and serving engines name them."""
     out = {}
     for name, t in state.items():
-        m = re.search(r"\.experts\.(gate_up_proj|down_proj)\.weight$", name)
+        m = STACKED_EXPERTS.search(name)
         if m is None:
             out[name] = t
             continue
@@ -98,7 +98,7 @@ def stack_experts(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """The inverse of `unstack_experts` (experts 0..E-1 of a projection must all be there)."""
     out, groups = {}, {}
     for name, t in state.items():
-        m = re.search(r"\.experts\.(\d+)\.(gate_up_proj|down_proj)\.weight$", name)
+        m = ONE_EXPERT.search(name)
         if m is None:
             out[name] = t
         else:

@@ -70,7 +70,7 @@ class DeepSeekMTPHead(SharedVocabHead):
             raise AssetError(f"deepseek_mtp: no decoder block for target family {target.config.model_type!r}")
         self.shared_head = _SharedHead(d, eps)
 
-    # An MLA block caches one latent row per token (see headstart.models.deepseek).
+    # An MLA block caches one latent row per token (see headstart.models.deepseek_mla).
     @property
     def cache_shared(self) -> bool:  # type: ignore[override]
         return self.mla_dim is not None

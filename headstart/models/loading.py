@@ -122,7 +122,7 @@ def load_weights(
             if f".{ours}." in f".{name}":
                 needed[name] = len(sizes)
     for name, p in params.items():
-        if _STACKED.search(name):  # one checkpoint tensor (or its blocks) per expert
+        if STACKED_EXPERTS.search(name):  # one checkpoint tensor (or its blocks) per expert
             needed[name] *= p.shape[0]
     files = safetensors_files(model_dir)
     fp8 = _Fp8(model_dir, files)
@@ -310,8 +310,11 @@ def dequantise_fp8(weight: torch.Tensor, scale_inv: torch.Tensor, block: tuple[i
 
 
 # Routed experts stacked into one parameter (headstart.nn.experts): "...experts.gate_up_proj.weight" (E, ...)
-# is filled by the checkpoint's "...experts.{e}.gate_proj.weight" / "up_proj" (blocks) / "down_proj".
-_STACKED = re.compile(r"\.experts\.(gate_up_proj|down_proj)\.weight$")
+# is filled by the checkpoint's "...experts.{e}.gate_proj.weight" / "up_proj" (blocks) / "down_proj". Export
+# writes it back one tensor per expert, "...experts.{e}.gate_up_proj.weight" (ONE_EXPERT; headstart.export.layout).
+_STACKED_PROJECTIONS = r"(gate_up_proj|down_proj)"
+STACKED_EXPERTS = re.compile(rf"\.experts\.{_STACKED_PROJECTIONS}\.weight$")
+ONE_EXPERT = re.compile(rf"\.experts\.(\d+)\.{_STACKED_PROJECTIONS}\.weight$")
 _PER_EXPERT = re.compile(r"\.experts\.(\d+)\.")
 
 

@@ -41,6 +41,10 @@ class AttentionMetadata:
     kv_lens_cpu: list[int]
     # Optional per-sequence boolean masks (q_len, kv_len), True = attend; None = causal.
     custom_masks: list[torch.Tensor | None] | None = None
+    # Whether slot_mapping / page_table address a paged KV cache, the engine's (k, v) pages of each layer.
+    # False for packed training steps (packed_metadata): no pages; a layer's cache is None, or the caller's
+    # own (the TTT unroll's list of steps), and only the backend reads it.
+    paged: bool = True
     # Backend-private per-step state (gather indices, planned FlashInfer wrappers, ...).
     backend_state: dict[str, Any] = field(default_factory=dict)
     # Per-step tensors derived once and shared by every layer (e.g. RoPE cos/sin for `positions`).
@@ -221,7 +225,7 @@ class PackedCausalAttention:
     """
 
     name = "packed"
-    expands_mla = True  # no latent cache to read: MLA runs expanded (models.deepseek.MLAttention._expanded)
+    expands_mla = True  # no latent cache to read: MLA runs expanded (models.deepseek_mla.MLAttention._expanded)
 
     def plan(self, meta: AttentionMetadata, num_q_heads: int, num_kv_heads: int, head_dim: int,
              dtype: torch.dtype) -> None:
@@ -250,5 +254,5 @@ def packed_metadata(seq_lens: list[int], device: torch.device | str = "cpu") -> 
     return AttentionMetadata(
         positions=positions.long(), slot_mapping=torch.zeros(0, dtype=torch.long, device=device),
         qo_indptr=indptr, kv_lens=lens, page_table=torch.zeros(len(seq_lens), 0, dtype=torch.int32, device=device),
-        page_size=1, q_lens_cpu=list(seq_lens), kv_lens_cpu=list(seq_lens),
+        page_size=1, q_lens_cpu=list(seq_lens), kv_lens_cpu=list(seq_lens), paged=False,
     )

@@ -16,6 +16,7 @@ Training never enables them, and a forward that records gradients always takes F
 from __future__ import annotations
 
 import contextlib
+import math
 from collections.abc import Iterator
 
 import torch
@@ -33,6 +34,13 @@ def weight_version(w: torch.Tensor) -> tuple[int, int]:
     step changes it; inference tensors keep no version counter and are never trained: their storage is their
     identity). Derived copies (a packed kernel layout, per-head or per-expert Linears) are rebuilt when it moves."""
     return w.data_ptr(), -1 if w.is_inference() else w._version
+
+
+def init_like_linear(weight: torch.Tensor) -> None:
+    """nn.Linear's default initialisation, for weights held outside a Linear (torch.empty is whatever the
+    allocator returns: a head built without the target's weights trained on NaN or 1e34 entries)."""
+    if weight.device.type != "meta":
+        nn.init.kaiming_uniform_(weight, a=math.sqrt(5))
 
 
 class Linear(nn.Linear):

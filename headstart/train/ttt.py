@@ -78,7 +78,7 @@ class UnrolledAttention:
     own K/V (shared by the later steps) and per step and bucket length the mask; `plan` counts them."""
 
     name = "unrolled"
-    expands_mla = True  # MLA heads run expanded here (models.deepseek.MLAttention._expanded)
+    expands_mla = True  # MLA heads run expanded here (models.deepseek_mla.MLAttention._expanded)
 
     def __init__(self) -> None:
         self.masks: dict[tuple[int, int, torch.dtype], torch.Tensor] = {}
