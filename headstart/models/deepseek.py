@@ -323,7 +323,11 @@ class DeepseekDecoderLayer(nn.Module):
     def __init__(self, cfg: DeepseekConfig, j: int, rope: RotaryEmbedding) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = MLAttention(cfg, rope)
+        self.self_attn = MLAttention(
+            hidden_size=cfg.hidden_size, num_attention_heads=cfg.num_attention_heads, q_lora_rank=cfg.q_lora_rank,
+            kv_lora_rank=cfg.kv_lora_rank, qk_nope_head_dim=cfg.qk_nope_head_dim, qk_rope_head_dim=cfg.qk_rope_head_dim,
+            v_head_dim=cfg.v_head_dim, rms_norm_eps=cfg.rms_norm_eps, attention_bias=cfg.attention_bias,
+            softmax_scale=cfg.softmax_scale, rope=rope)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MoE(cfg) if cfg.is_moe_layer(j) else GatedMLP(cfg.hidden_size, cfg.intermediate_size,
                                                                  cfg.hidden_act)

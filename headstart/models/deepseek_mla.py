@@ -25,7 +25,7 @@ decoding); training (autograd) uses batched einsums.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch import nn
@@ -34,9 +34,6 @@ from headstart.nn.attention import AttentionBackend, AttentionMetadata, KVPages,
 from headstart.nn.linear import Linear, init_like_linear, weight_version
 from headstart.nn.norm import RMSNorm
 from headstart.nn.rope import RotaryEmbedding
-
-if TYPE_CHECKING:  # the config's module builds its layers from this one
-    from headstart.models.deepseek import DeepseekConfig
 
 
 class KVUpProjection(nn.Module):
@@ -59,24 +56,28 @@ class KVUpProjection(nn.Module):
 class MLAttention(nn.Module):
     """Multi-head Latent Attention in the absorbed form over the latent cache (module docstring)."""
 
-    def __init__(self, cfg: DeepseekConfig, rope: RotaryEmbedding) -> None:
+    def __init__(self, *, hidden_size: int, num_attention_heads: int, q_lora_rank: int | None, kv_lora_rank: int,
+                 qk_nope_head_dim: int, qk_rope_head_dim: int, v_head_dim: int, rms_norm_eps: float,
+                 attention_bias: bool, softmax_scale: float, rope: RotaryEmbedding) -> None:
+        """Sizes as DeepseekConfig names them (DeepseekDecoderLayer passes its fields); softmax_scale with
+        YaRN's mscale correction (DeepseekConfig.softmax_scale)."""
         super().__init__()
-        d, h = cfg.hidden_size, cfg.num_attention_heads
+        d, h = hidden_size, num_attention_heads
         self.num_heads = h
-        self.nope, self.rope_dim, self.rank, self.v = (cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.kv_lora_rank,
-                                                       cfg.v_head_dim)
-        if cfg.q_lora_rank:
-            self.q_a_proj = Linear(d, cfg.q_lora_rank, bias=cfg.attention_bias)
-            self.q_a_layernorm = RMSNorm(cfg.q_lora_rank, cfg.rms_norm_eps)
-            self.q_b_proj = Linear(cfg.q_lora_rank, h * cfg.qk_head_dim, bias=False)
+        self.nope, self.rope_dim, self.rank, self.v = qk_nope_head_dim, qk_rope_head_dim, kv_lora_rank, v_head_dim
+        qk_head_dim = qk_nope_head_dim + qk_rope_head_dim
+        if q_lora_rank:
+            self.q_a_proj = Linear(d, q_lora_rank, bias=attention_bias)
+            self.q_a_layernorm = RMSNorm(q_lora_rank, rms_norm_eps)
+            self.q_b_proj = Linear(q_lora_rank, h * qk_head_dim, bias=False)
         else:
-            self.q_proj = Linear(d, h * cfg.qk_head_dim, bias=False)
-        self.kv_a_proj_with_mqa = Linear(d, cfg.latent_dim, bias=cfg.attention_bias)
-        self.kv_a_layernorm = RMSNorm(cfg.kv_lora_rank, cfg.rms_norm_eps)
-        self.kv_b_proj = KVUpProjection(cfg.kv_lora_rank, h, cfg.qk_nope_head_dim, cfg.v_head_dim)
-        self.o_proj = Linear(h * cfg.v_head_dim, d, bias=cfg.attention_bias)
+            self.q_proj = Linear(d, h * qk_head_dim, bias=False)
+        self.kv_a_proj_with_mqa = Linear(d, kv_lora_rank + qk_rope_head_dim, bias=attention_bias)  # [c, k_pe]
+        self.kv_a_layernorm = RMSNorm(kv_lora_rank, rms_norm_eps)
+        self.kv_b_proj = KVUpProjection(kv_lora_rank, h, qk_nope_head_dim, v_head_dim)
+        self.o_proj = Linear(h * v_head_dim, d, bias=attention_bias)
         self.rope = rope
-        self.scale = cfg.softmax_scale
+        self.scale = softmax_scale
 
     def own_cpu_kernels(self, rowwise: bool, max_rows: int | None) -> list[str]:
         """Per-head Linears of W_UK (nope -> rank) and W_UV (rank -> v), copies of kv_b_proj's rows with the
