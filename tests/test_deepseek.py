@@ -186,7 +186,7 @@ def test_prompt_lookup_speculation_is_lossless_on_a_deepseek_target(pair):
     """Verify steps of k + 1 rows write and roll back latent rows as decode steps do: the tokens of
     ngram speculation equal plain greedy decoding."""
     from headstart.inference import Engine, SamplingParams
-    from headstart.inference.proposers import SpecConfig
+    from headstart.inference.speculation import SpecConfig
 
     name, _, ours = pair
     prompts = [p * 3 for p in _prompts()]  # repeats, so the lookup proposes
@@ -348,7 +348,7 @@ def test_the_unrolled_mla_head_is_the_engine_draft_step(pair):
 
 def test_chain_speculation_with_an_mla_head_is_lossless(pair):
     from headstart.inference import Engine, SamplingParams
-    from headstart.inference.proposers import SpecConfig
+    from headstart.inference.speculation import SpecConfig
 
     name, _, ours = pair
     head = _mtp_head(ours)

@@ -23,13 +23,8 @@ import torch
 from torch import nn
 
 from headstart.errors import AssetError
-from headstart.heads.base import (
-    HeadConfig,
-    SharedVocabHead,
-    init_from_last_layers,
-    init_fusion_as_identity,
-    target_state_rms,
-)
+from headstart.heads.base import SharedVocabHead, init_from_last_layers, init_fusion_as_identity, target_state_rms
+from headstart.heads.config import HeadConfig
 from headstart.models.deepseek import DeepseekDecoderLayer, DeepseekForCausalLM
 from headstart.models.llama import SUPPORTED_MODEL_TYPES, LlamaForCausalLM
 from headstart.nn.attention import AttentionBackend, AttentionMetadata, KVPages
