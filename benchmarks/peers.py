@@ -165,7 +165,7 @@ def main(argv: list[str] | None = None) -> None:
     t.add_argument("--steps", type=int, required=True)
     t.add_argument("extra", nargs=argparse.REMAINDER, help="after --: more `speculators train` flags")
     a = p.parse_args(argv)
-    # benchmarks/kernels.py would shadow the `kernels` package transformers' hub_kernels imports.
+    # A script here named like an installed package would shadow it (tests/test_layering.py checks the names).
     here = Path(__file__).resolve().parent
     sys.path[:] = [x for x in sys.path if Path(x or ".").resolve() != here]
     if a.cmd == "convert":

@@ -10,7 +10,7 @@ import torch
 
 from headstart.cli import main
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+sys.path.append(str(Path(__file__).resolve().parents[1] / "benchmarks"))  # last: installed packages win
 
 pytestmark = pytest.mark.real
 N_TOKENS = 24

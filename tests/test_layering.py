@@ -15,10 +15,12 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "headstart"
 MAX_LINES = 500
+ONLY_ITSELF = ("headstart", "headstart.engines")
 
 # Lowest first. A name is a module or a package (a package covers its modules unless one of them is
-# named on its own; the root package "headstart", only its __init__: the version); the longest name
-# that matches a module places it.
+# named on its own; the packages in ONLY_ITSELF, only their __init__: the root's version, engines/ whose
+# modules sit in different layers); the longest name that matches a module places it. Imports written
+# as strings (importlib.import_module, __import__) are not seen.
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("base", ("headstart", "headstart.errors", "headstart.console", "headstart.fileio", "headstart.hardware",
               "headstart.config", "headstart.launch", "headstart.assets", "headstart.eval_report",
@@ -79,7 +81,7 @@ def layer_of(module: str) -> int | None:
     best, found = -1, None
     for rank, (_, names) in enumerate(LAYERS):
         for n in names:
-            covers = module == n or (n != "headstart" and module.startswith(n + "."))
+            covers = module == n or (n not in ONLY_ITSELF and module.startswith(n + "."))
             if covers and len(n) > best:
                 best, found = len(n), rank
     return found
@@ -168,3 +170,15 @@ def test_the_checks_see_a_circle_and_an_upward_import(tmp_path):
     bad = upward(edges, {m: ROOT / p.relative_to(tmp_path) for m, p in modules.items()})
     assert len(bad) == 1 and "headstart.nn.a (nn) imports headstart.train.loop (train)" in bad[0]
     assert layer_of("headstart.brand_new") is None and layer_of("headstart") == 0  # an unplaced module is named
+    assert layer_of("headstart.engines.brand_new") is None
+
+
+def test_no_benchmark_script_shadows_an_installed_package():
+    """A benchmark script runs with benchmarks/ first on sys.path (and two tests load benchmarks/common.py):
+    a script named like an installed package would be imported in its place (transformers 5.25 imports the
+    `kernels` package, which benchmarks/kernels.py shadowed: every test after the first import failed)."""
+    from importlib.metadata import packages_distributions
+
+    installed = set(packages_distributions())
+    clash = sorted(p.stem for p in (ROOT / "benchmarks").glob("*.py") if p.stem in installed)
+    assert not clash, f"benchmarks/ scripts named like installed packages (rename them): {clash}"

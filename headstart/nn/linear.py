@@ -5,7 +5,7 @@
   `MAX_ROWS` rows: every output row is computed the same way whether it is alone or one of many,
   which is what makes greedy speculative output equal greedy AR output; it reads a copy of the
   weight packed once for it (outputs across vector lanes), streamed once for all rows, so a 4-row
-  verify costs little more than one row (benchmarks/kernels.py);
+  verify costs little more than one row (benchmarks/cpu_kernels.py);
 - where that kernel cannot be built, a one-row (GEMV) copy of the weight: bf16 weights as fp16 (the
   copy is exact; fp16 has 3 more mantissa bits; values under 6e-5 become fp16 subnormals with an
   absolute error below 3e-8), fp32 weights pre-transposed; faster for batch-1 decode, but rows then

@@ -2,8 +2,8 @@
 own weights, by rows per call: 1 row is a plain decode step, k + 1 rows a chain verify, B x (k + 1)
 a batched verify. What matters for speculation is the cost of M rows over the cost of one.
 
-    .venv/bin/python benchmarks/kernels.py            # every linear of the model, M = 1, 2, 4, 8, 16
-    .venv/bin/python benchmarks/kernels.py --reps 9
+    .venv/bin/python benchmarks/cpu_kernels.py            # every linear of the model, M = 1, 2, 4, 8, 16
+    .venv/bin/python benchmarks/cpu_kernels.py --reps 9
 
 Every linear of the target is called in model order, as a forward does, so the weights come from
 wherever a decode step finds them (L3 or memory), not from a cache warmed by repeating one matmul.
