@@ -99,11 +99,11 @@ def main() -> None:
     import torch
 
     from headstart.assets import resolve_model
-    from headstart.config import recipe_from_dict
     from headstart.data.dataset import build_dataset
     from headstart.hardware import describe, resolve_dtype
     from headstart.heads import build_vocab_maps
     from headstart.models.llama import load_llama
+    from headstart.recipe_io import recipe_from_dict
     from headstart.train.data import PackedStream, TokenSequences, pack
     from headstart.train.module import HeadModule, target_forward
     from headstart.train.validate import engine_acceptance, heldout_prompts

@@ -52,11 +52,11 @@ def run_variant(variant: str, batch_tokens: int, steps: int) -> dict:
     import torch
 
     from headstart.assets import resolve_model
-    from headstart.config import recipe_from_dict
     from headstart.data.dataset import build_dataset
     from headstart.hardware import describe, resolve_dtype
     from headstart.heads import HeadConfig, PackedBatch, build_head, build_vocab_maps
     from headstart.models.llama import load_llama
+    from headstart.recipe_io import recipe_from_dict
     from headstart.train.data import PackedStream, TokenSequences
     from headstart.train.losses import target_logits
     from headstart.train.module import HeadModule, target_forward

@@ -62,9 +62,9 @@ def _cases(model_dirs: dict[str, str], chunk: int):  # noqa: ANN202 - yields (na
     Runs inside the tree under test, so it uses only what the baseline tree has too."""
     import torch
 
-    from headstart.config import recipe_from_dict
     from headstart.heads import HeadConfig, PackedBatch, build_head
     from headstart.models import load_target
+    from headstart.recipe_io import recipe_from_dict
     from headstart.train.module import HeadModule, target_forward
 
     torch.manual_seed(0)

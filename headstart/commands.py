@@ -34,10 +34,10 @@ def cmd_assets(args: argparse.Namespace) -> int:
 
 
 def cmd_data_inspect(args: argparse.Namespace) -> int:
-    from headstart.config import load_recipe
     from headstart.data.dataset import build_dataset, stats_dict
     from headstart.data.template import mark_supervised
     from headstart.precompute.regenerate import check_regenerated_source
+    from headstart.recipe_io import load_recipe
 
     overrides = list(args.overrides)
     if args.limit is not None:
@@ -105,8 +105,8 @@ def cmd_precompute(args: argparse.Namespace) -> int:
     from headstart.launch import check_world_size
 
     check_world_size("precompute")
-    from headstart.config import load_recipe
     from headstart.precompute.regenerate import check_regenerated_source
+    from headstart.recipe_io import load_recipe
 
     recipe = load_recipe(action, args.overrides)
     check_regenerated_source(recipe, action)
@@ -117,8 +117,8 @@ def cmd_precompute(args: argparse.Namespace) -> int:
 
 
 def cmd_regenerate(args: argparse.Namespace) -> int:
-    from headstart.config import load_recipe
     from headstart.precompute.regenerate import run_regenerate
+    from headstart.recipe_io import load_recipe
 
     recipe = load_recipe(args.recipe, args.overrides + ([f"regenerate.engine={args.engine}"] if args.engine else []))
     if recipe.regenerate.engine == "vllm":
@@ -134,9 +134,9 @@ def cmd_regenerate(args: argparse.Namespace) -> int:
 def cmd_train(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from headstart.config import load_recipe
     from headstart.launch import check_train_launch, torchrun_line
     from headstart.precompute.regenerate import check_regenerated_source
+    from headstart.recipe_io import load_recipe
     from headstart.train import run_train
 
     recipe = load_recipe(args.recipe, args.overrides)
@@ -189,9 +189,9 @@ def cmd_plan(args: argparse.Namespace) -> int:
     import math
     from pathlib import Path
 
-    from headstart.config import load_recipe
     from headstart.fileio import read_json_object
     from headstart.plan import make_plan, render, target_config_path
+    from headstart.recipe_io import load_recipe
 
     gb = args.device_memory_gb
     if not (math.isfinite(gb) and gb > 0):

@@ -117,7 +117,6 @@ def cmd_eval(args: argparse.Namespace) -> int:
     from pathlib import Path
 
     from headstart.assets import resolve_model
-    from headstart.config import load_recipe
     from headstart.eval_report import check_report_dir, head_labels, write_reports
     from headstart.evaluate import EvalPlan, check_plan, evaluate, read_prompt_file
     from headstart.fileio import read_json_object
@@ -125,6 +124,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
     from headstart.launch import check_world_size
     from headstart.models import load_target
     from headstart.precompute.regenerate import check_regenerated_source
+    from headstart.recipe_io import load_recipe
 
     check_world_size("eval")
     recipe = load_recipe(args.recipe, args.overrides)

@@ -67,10 +67,10 @@ def main() -> None:
     import lightning as L
     from lightning.pytorch.strategies import DDPStrategy, ModelParallelStrategy
 
-    from headstart.config import recipe_from_dict
     from headstart.heads import build_head
     from headstart.heads.config import HeadConfig
     from headstart.models import load_target
+    from headstart.recipe_io import recipe_from_dict
     from headstart.train.module import HeadModule
 
     rank = int(os.environ["RANK"])

@@ -147,10 +147,10 @@ def test_every_verb_takes_engine_backend_from_the_recipe(targets, tmp_path, chat
     their engines through the rule above: flashinfer on this CPU is refused by each before any long work,
     naming the key; a value outside auto / torch / flashinfer is refused when the recipe is read."""
     from headstart.cli import main
-    from headstart.config import recipe_from_dict
     from headstart.errors import ConfigError
     from headstart.evaluate import EvalPlan, _engine
     from headstart.inference import backends
+    from headstart.recipe_io import recipe_from_dict
 
     with pytest.raises(ConfigError, match="engine.backend"):
         recipe_from_dict({"engine": {"backend": "xformers"}})

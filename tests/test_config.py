@@ -2,8 +2,9 @@ from pathlib import Path
 
 import pytest
 
-from headstart.config import Recipe, load_recipe, recipe_from_dict
+from headstart.config import Recipe
 from headstart.errors import ConfigError
+from headstart.recipe_io import load_recipe, recipe_from_dict
 
 RECIPES = sorted(Path(__file__).resolve().parents[1].joinpath("recipes").glob("*.yaml"))
 
@@ -61,6 +62,9 @@ def test_value_checks_name_the_key(tmp_path):
         load_recipe(_write(tmp_path, "data:\n  heldout_fraction: 1.5\n"))
     with pytest.raises(ConfigError, match="'data.limit' must be > 0"):
         load_recipe(_write(tmp_path, "data:\n  limit: 0\n"))
+    for key in ("epochs", "max_sequences"):
+        with pytest.raises(ConfigError, match=f"'train.{key}' must be >= 1 or null"):
+            load_recipe(_write(tmp_path, f"train:\n  {key}: 0\n"))
     with pytest.raises(ConfigError, match="'head.postnorm_features' applies to mtp, eagle1 and deepseek_mtp"):
         load_recipe(_write(tmp_path, "head:\n  type: eagle3\n  postnorm_features: true\n"))
     ok = load_recipe(_write(tmp_path, "head:\n  type: deepseek_mtp\n  postnorm_features: true\n"))

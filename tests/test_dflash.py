@@ -9,12 +9,13 @@ import torch
 from test_spec import _prompts
 from tiny_models import make_hf_model
 
-from headstart.config import ConfigError, recipe_from_dict
+from headstart.errors import ConfigError
 from headstart.heads import HeadConfig, PackedBatch, build_head, load_head, save_head
 from headstart.heads.dflash import AnchoredBlocks, choose_anchors
 from headstart.inference import Engine, SamplingParams
 from headstart.inference.speculation import SpecConfig
 from headstart.models.llama import load_llama
+from headstart.recipe_io import recipe_from_dict
 from headstart.train.module import HeadModule, target_forward
 
 

@@ -7,8 +7,8 @@ import math
 import pytest
 import torch
 
-from headstart.config import recipe_from_dict
 from headstart.heads import HeadConfig, PackedBatch, build_head, build_vocab_maps
+from headstart.recipe_io import recipe_from_dict
 from headstart.train.module import HeadModule
 
 FAMILIES = ["mtp", "eagle1", "deepseek_mtp", "eagle3", "medusa", "draft_lm", "dflash"]

@@ -260,9 +260,9 @@ def test_aux_layer_ids_must_be_distinct_and_ascending_everywhere(target, tmp_pat
     anything runs), at head init, at load of an edited checkpoint and at import of a foreign export."""
     import json
 
-    from headstart.config import recipe_from_dict
     from headstart.errors import ConfigError
     from headstart.export import export_head, import_head
+    from headstart.recipe_io import recipe_from_dict
 
     with pytest.raises(ConfigError, match="head.aux_layer_ids.*distinct and ascending"):
         recipe_from_dict({"head": {"type": "eagle3", "aux_layer_ids": ids}})

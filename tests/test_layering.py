@@ -23,8 +23,8 @@ ONLY_ITSELF = ("headstart", "headstart.engines")
 # as strings (importlib.import_module, __import__) are not seen.
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("base", ("headstart", "headstart.errors", "headstart.console", "headstart.fileio", "headstart.hardware",
-              "headstart.config", "headstart.launch", "headstart.assets", "headstart.eval_report",
-              "headstart.sizing")),
+              "headstart.config", "headstart.recipe_io", "headstart.launch", "headstart.assets",
+              "headstart.eval_report", "headstart.sizing")),
     ("kernels", ("headstart.kernels",)),
     ("nn", ("headstart.nn",)),
     ("models", ("headstart.models",)),

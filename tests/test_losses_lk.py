@@ -8,8 +8,9 @@ import pytest
 import test_train_parts as parts
 import torch
 
-from headstart.config import ConfigError, recipe_from_dict
+from headstart.errors import ConfigError
 from headstart.heads import HeadConfig, build_head, build_vocab_maps
+from headstart.recipe_io import recipe_from_dict
 from headstart.train.losses import LossParts, distill, objective, target_logits
 
 target, _batch = parts.target, parts._batch  # test_train_parts' tiny target (a fixture) and its batches

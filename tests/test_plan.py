@@ -12,11 +12,11 @@ import torch
 from tiny_models import make_hf_model
 
 from headstart.cli import main
-from headstart.config import load_recipe, recipe_from_dict
 from headstart.heads import HeadConfig, build_head
 from headstart.models.llama import load_llama
 from headstart.nn.parallel import TensorParallel
 from headstart.plan import PlanError, check_fits, make_plan, target_params
+from headstart.recipe_io import load_recipe, recipe_from_dict
 
 ROOT = Path(__file__).resolve().parents[1]
 RECIPES = {  # recipe: (target config, fits on H100-80GB)

@@ -14,10 +14,10 @@ import torch
 from conftest import random_conversations, write_jsonl
 
 from headstart.cli import main
-from headstart.config import load_recipe
 from headstart.errors import DataError
 from headstart.precompute import iter_shards, read_manifest, run_precompute, summary, verify
 from headstart.precompute.run import plan_batches, plan_shards
+from headstart.recipe_io import load_recipe
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -6,8 +6,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from headstart.config import load_recipe
 from headstart.precompute import iter_shards, run_precompute, verify
+from headstart.recipe_io import load_recipe
 
 pytestmark = pytest.mark.real
 RECIPE = Path(__file__).resolve().parents[1] / "recipes" / "smollm2-135m-mtp.yaml"

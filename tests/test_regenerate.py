@@ -6,9 +6,9 @@ import json
 import pytest
 from conftest import write_jsonl
 
-from headstart.config import load_recipe
 from headstart.errors import DataError
 from headstart.precompute.regenerate import run_regenerate
+from headstart.recipe_io import load_recipe
 
 
 @pytest.fixture

@@ -350,8 +350,8 @@ LAW_PROMPT_SEED = 21  # the prompt of the target-law tests
 def fitted(target):
     """eagle3, Medusa and mtp heads with a 64-token draft vocabulary, fitted for a few seconds (our own
     loss) to the target's greedy continuations of four prompts and of the target-law prompt."""
-    from headstart.config import recipe_from_dict
     from headstart.heads import PackedBatch, build_vocab_maps
+    from headstart.recipe_io import recipe_from_dict
     from headstart.train.module import HeadModule
 
     prompts = _prompts(4, seed=0) + _prompts(1, seed=LAW_PROMPT_SEED)
@@ -386,8 +386,8 @@ def fitted_dflash(target):
     block objective to the target's greedy continuations of four prompts and of the target-law prompt."""
     if id(target) in _FITTED_DFLASH:
         return _FITTED_DFLASH[id(target)]
-    from headstart.config import recipe_from_dict
     from headstart.heads import PackedBatch, build_vocab_maps
+    from headstart.recipe_io import recipe_from_dict
     from headstart.train.module import HeadModule, target_forward
 
     prompts = _prompts(4, seed=0) + _prompts(1, seed=LAW_PROMPT_SEED)

@@ -14,10 +14,10 @@ import torch
 from conftest import random_conversations, write_jsonl
 
 from headstart.cli import main
-from headstart.config import load_recipe
 from headstart.errors import ConfigError, DataError
 from headstart.heads import load_head
 from headstart.models.llama import load_llama
+from headstart.recipe_io import load_recipe
 from headstart.train.validate import engine_acceptance
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -47,8 +47,8 @@ def _recipe(tmp_path, model_dir, name="run", n=48, head="mtp", train=None, extra
 def test_the_online_source_reads_arrow_rows_as_the_lists_held_them(tmp_path, chat_model_dir):
     """The online source reads micro-batches from the dataset's Arrow table (memory-mapped, shared by the
     ranks), not from Python lists of every token: the same ids, masks and lengths, in any order."""
-    from headstart.config import load_recipe
     from headstart.data.dataset import build_dataset
+    from headstart.recipe_io import load_recipe
     from headstart.train.data import ArrowSequences, TokenSequences
 
     recipe = load_recipe(_recipe(tmp_path, chat_model_dir))
@@ -66,8 +66,8 @@ def test_fp8_shards_reach_the_step_as_stored_and_train_as_dequantised(tmp_path, 
     scales (half the bytes through the copy to the GPU); the step dequantises them where it runs: the
     same loss as from states dequantised on the host."""
     from headstart.cli import main
-    from headstart.config import load_recipe
     from headstart.heads import build_head, head_config_from_recipe
+    from headstart.recipe_io import load_recipe
     from headstart.train.data import ShardSequences
     from headstart.train.module import HeadModule
 
@@ -230,6 +230,37 @@ def test_every_head_family_trains(tmp_path, chat_model_dir, kind):
     head = load_head(tmp_path / "run" / "head-final", load_llama(chat_model_dir, "fp32"))
     if kind in ("eagle3", "medusa", "dflash"):
         assert head.d2t.numel() == 96 and int(head.d2t.max()) > 0  # the reduced vocabulary was installed
+
+
+def test_max_sequences_trains_on_the_first_conversations_only(tmp_path, chat_model_dir, capsys):
+    """train.max_sequences=N (a data-size ablation): one epoch is exactly the first N training sequences' tokens,
+    the draft vocabulary is counted from them alone, and a size above the split is refused by name."""
+    from headstart.data.dataset import build_dataset
+    from headstart.heads import build_vocab_maps
+    from headstart.train.data import ArrowSequences, supervised_token_counts
+
+    extra = "  aux_layer_ids: [0, 1, 2]\n  draft_vocab_size: 40\n"
+    path = _recipe(tmp_path, chat_model_dir, head="eagle3", extra=extra,
+                   train={"max_sequences": 7, "epochs": 1, "max_steps": 500, "val_every_steps": 0})
+    assert main(["train", str(path), "--no-progress"]) == 0
+    train = build_dataset(load_recipe(path).data, str(chat_model_dir), progress=False).train
+    lengths = ArrowSequences(train).lengths
+    m = json.loads((tmp_path / "run" / "metrics.json").read_text())
+    assert len(lengths) > 20 and m["tokens"] == sum(n for n in lengths[:7] if n >= 3)
+    target = load_llama(chat_model_dir, "fp32")
+    vocab = target.config.vocab_size
+    counts = supervised_token_counts(ArrowSequences(train), vocab, 7)
+    first = torch.cat([torch.tensor(ids)[torch.tensor(mask).bool()] for ids, mask in
+                       zip(train["input_ids"][:7], train["loss_mask"][:7])])
+    assert torch.equal(counts, torch.bincount(first, minlength=vocab).double())
+    head = load_head(tmp_path / "run" / "head-final", target)
+    assert torch.equal(head.t2d, build_vocab_maps(counts, 40)[1])  # the vocabulary of the sequences trained on
+    assert not torch.equal(head.t2d, build_vocab_maps(supervised_token_counts(ArrowSequences(train), vocab), 40)[1])
+    capsys.readouterr()
+    assert main(["train", str(path), "--no-progress", "--set", f"train.max_sequences={len(lengths) + 1}",
+                 "--set", f"output_dir={tmp_path / 'over'}"]) == 2
+    assert f"train.max_sequences={len(lengths) + 1} but the training split holds {len(lengths)}" in \
+        capsys.readouterr().err
 
 
 def test_bad_input_is_one_clear_line(tmp_path, chat_model_dir, capsys):

@@ -51,7 +51,7 @@ def test_a_users_files_in_output_dir_are_refused_before_the_model_loads(tmp_path
 
 
 def test_precompute_and_earlier_runs_are_recognised(tmp_path, chat_model_dir):
-    from headstart.config import load_recipe
+    from headstart.recipe_io import load_recipe
     from headstart.train.outputs import FORMAT, check_output_dir
 
     recipe = load_recipe(_recipe(tmp_path, chat_model_dir, train=QUICK))

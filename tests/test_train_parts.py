@@ -106,7 +106,7 @@ def test_module_loss_is_the_documented_weighted_sum(target):
     supervised rows valid at step j, against the target's next row; medusa: head j against row i+1+j."""
     import torch.nn.functional as F
 
-    from headstart.config import recipe_from_dict
+    from headstart.recipe_io import recipe_from_dict
     from headstart.train.module import HeadModule
 
     recipe = recipe_from_dict({"train": {"ttt_steps": 3, "ttt_decay": 0.7, "loss_weights": {"kl": 1.0,
@@ -288,7 +288,7 @@ def test_stream_packs_shuffles_per_epoch_splits_ranks_and_resumes():
 def test_every_head_parameter_is_optimised_once_and_moves(target, kind):
     """Each head parameter is trainable, in exactly one optimiser group, and changed by three steps
     from the default start (catches a frozen fusion, an emptied norm/bias group, a detached input)."""
-    from headstart.config import recipe_from_dict
+    from headstart.recipe_io import recipe_from_dict
     from headstart.train.module import HeadModule
 
     cfg = HeadConfig(head_type=kind, aux_layer_ids=[0, 1, 2] if kind == "eagle3" else None)
@@ -332,8 +332,8 @@ def test_module_loss_on_a_hand_built_three_token_example(target, postnorm):
     everything written out here instead of taken from the training code."""
     import torch.nn.functional as F
 
-    from headstart.config import recipe_from_dict
     from headstart.nn.attention import PackedCausalAttention
+    from headstart.recipe_io import recipe_from_dict
     from headstart.train.module import HeadModule
 
     head = build_head(HeadConfig(head_type="mtp", postnorm_features=postnorm or None), target, init_from_target=False)
@@ -359,7 +359,7 @@ def test_module_loss_on_a_hand_built_three_token_example(target, postnorm):
 
 
 def test_a_resumed_curve_keeps_rows_written_under_the_old_column_name(tmp_path):
-    from headstart.train.run import CurveWriter
+    from headstart.train.outputs import CurveWriter
 
     p = tmp_path / "metrics.csv"
     p.write_text("kind,step,tokens,loss,lr,tok_s,val_loss,tau,alpha,top1_per_step,expected_accept_per_step,"

@@ -23,7 +23,7 @@ def test_the_teacher_runs_once_per_chunk_for_every_ttt_step(target, draft_vocab,
     """With TTT 4 the target's lm_head runs once per row chunk in the forward pass and once in its
     recompute, not once per step; the loss and its gradient are those of four separate distills."""
     import headstart.train.losses as losses
-    from headstart.config import recipe_from_dict
+    from headstart.recipe_io import recipe_from_dict
     from headstart.train.module import HeadModule
 
     kw = {"aux_layer_ids": [0, 1, 2], "draft_vocab_size": draft_vocab}
@@ -70,7 +70,7 @@ def test_a_training_step_waits_for_the_device_once(target, deepseek_target, kind
     every one."""
     import lightning as L
 
-    from headstart.config import recipe_from_dict
+    from headstart.recipe_io import recipe_from_dict
     from headstart.train.module import HeadModule
     from headstart.train.syncs import DeviceSyncCounter
 
@@ -112,7 +112,7 @@ def test_a_cuda_training_step_waits_for_the_device_once(tmp_path, kind):
     import lightning as L
     from tiny_models import make_hf_model
 
-    from headstart.config import recipe_from_dict
+    from headstart.recipe_io import recipe_from_dict
     from headstart.train.module import HeadModule
 
     if not torch.cuda.is_available():
@@ -154,7 +154,7 @@ def test_train_compile_gives_the_eager_loss_and_falls_back_naming_what_failed(ta
     """train.compile: the head's forward and logits through inductor give the eager loss and gradients
     (TTT 2, on CPU); a function that does not compile runs eagerly, said once, with the same result."""
     import headstart.train.module as module_py
-    from headstart.config import recipe_from_dict
+    from headstart.recipe_io import recipe_from_dict
     from headstart.train.module import HeadModule
 
     b = _batch(target, lens=(21, 9, 30))
@@ -312,8 +312,8 @@ def test_ttt_attention_calls_do_not_grow_with_the_sequences(target):
 def test_the_loss_chunk_is_256_rows_on_cpu_and_what_fits_two_gib_on_a_gpu():
     """Each chunk is a forward, a recompute and a backward of the lm_head and the KL: on a GPU fewer,
     larger chunks are fewer launches; `headstart plan` counts the chunk the device will use."""
-    from headstart.config import recipe_from_dict
     from headstart.plan import make_plan
+    from headstart.recipe_io import recipe_from_dict
     from headstart.sizing import loss_chunk_rows
 
     assert loss_chunk_rows(None, 32000, 7, "cpu", 16384) == 256
@@ -333,8 +333,8 @@ def test_the_loss_chunk_is_256_rows_on_cpu_and_what_fits_two_gib_on_a_gpu():
 def test_a_chain_heads_loss_chunk_on_a_gpu_is_the_one_plan_counts(target):  # noqa: F811
     """HeadModule picks the chunk by the batch's device and the TTT steps that share it (a meta-device batch
     stands for a GPU's here)."""
-    from headstart.config import recipe_from_dict
     from headstart.heads import PackedBatch
+    from headstart.recipe_io import recipe_from_dict
     from headstart.sizing import loss_chunk_rows
     from headstart.train.module import HeadModule
 

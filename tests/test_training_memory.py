@@ -6,10 +6,10 @@ import pytest
 import torch
 from test_train_parts import _batch
 
-from headstart.config import recipe_from_dict
 from headstart.heads import HeadConfig, build_head, head_config_from_recipe
 from headstart.nn.attention import PaddedLayout
 from headstart.plan import ACTIVATION_TERMS, make_plan
+from headstart.recipe_io import recipe_from_dict
 from headstart.train.module import HeadModule
 from headstart.train.saved import SavedBytes
 from headstart.train.ttt import unroll

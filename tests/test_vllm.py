@@ -168,8 +168,8 @@ def _trained(target, cfg, prompts, answers, steps=30):
     comparison of the two engines' acceptance to have power."""
     import torch
 
-    from headstart.config import recipe_from_dict
     from headstart.heads import PackedBatch, build_head
+    from headstart.recipe_io import recipe_from_dict
     from headstart.train.module import HeadModule, target_forward
 
     torch.manual_seed(0)
@@ -302,9 +302,9 @@ def test_eval_puts_vllm_rows_beside_ours(tmp_path, capsys):
 def test_regenerate_with_vllm_writes_what_ours_writes_resumes_and_refuses_mixing(tmp_path):
     from conftest import write_jsonl
 
-    from headstart.config import load_recipe
     from headstart.errors import DataError
     from headstart.precompute.regenerate import run_regenerate
+    from headstart.recipe_io import load_recipe
 
     src = write_jsonl(tmp_path / "src.jsonl", [{"id": f"c{i}", "conversations": [
         {"from": "human", "value": q}, {"from": "gpt", "value": "old"}]} for i, q in enumerate(

@@ -145,6 +145,18 @@ class ArrowSequences:
         return PackedBatch(ids, [self.lengths[i] for i in indices], None, None, mask)
 
 
+def supervised_token_counts(source: ArrowSequences, vocab: int, sequences: int | None = None) -> torch.Tensor:
+    """How often each token id is supervised (loss mask 1) in the first `sequences` sequences (None: all), float64.
+    Read in blocks of sequences from the Arrow table: the whole column as Python lists would cost ~36 bytes a token
+    in every rank."""
+    counts = torch.zeros(vocab, dtype=torch.float64)
+    n = min(len(source.lengths), sequences or len(source.lengths))
+    for a in range(0, n, 4096):
+        b = source.load(list(range(a, min(a + 4096, n))))
+        counts += torch.bincount(b.input_ids[b.loss_mask.bool()], minlength=vocab).double()
+    return counts
+
+
 class TokenSequences:
     """Token ids + loss masks only (online source, held-out data): hidden states come from the target."""
 
@@ -178,12 +190,16 @@ def pack(order: list[int], lengths: list[int], batch_tokens: int) -> list[list[i
 
 
 class PackedStream(torch.utils.data.IterableDataset):
-    """Micro-batches for one rank, epoch after epoch, starting after `skip` consumed ones."""
+    """Micro-batches for one rank, epoch after epoch, starting after `skip` consumed ones. `sequences`: only
+    the source's first N sequences are trained on (train.max_sequences; None: all)."""
 
     def __init__(self, source: ShardSequences | TokenSequences, batch_tokens: int, seed: int,
-                 rank: int = 0, world: int = 1, epochs: int | None = None) -> None:
+                 rank: int = 0, world: int = 1, epochs: int | None = None, sequences: int | None = None) -> None:
         super().__init__()
-        lengths = source.lengths
+        if sequences is not None and sequences > len(source.lengths):
+            raise DataError(f"train.max_sequences={sequences} but the training split holds {len(source.lengths)} "
+                            "sequences; lower it or set it to null (all)")
+        lengths = source.lengths[:sequences]
         usable = [n for n in lengths if n >= 3]  # fewer than 3 tokens: no supervised shifted row
         if not usable:
             raise DataError("the training split holds no sequence of 3 or more tokens; nothing to train on")
@@ -193,7 +209,7 @@ class PackedStream(torch.utils.data.IterableDataset):
                             f"({longest} tokens); set train.batch_tokens >= data.max_length")
         self.source, self.batch_tokens, self.seed = source, batch_tokens, seed
         self.rank, self.world, self.epochs = rank, world, epochs
-        self.indices = [i for i, n in enumerate(lengths) if n >= 3]
+        self.indices = [i for i, n in enumerate(lengths) if n >= 3]  # never past `sequences`
         self.skip = 0
         if not self.epoch_batches(0):
             raise DataError(f"the training split packs into fewer micro-batches than ranks ({self.world}); "

@@ -9,6 +9,7 @@ symbolic links (a planted `checkpoints -> elsewhere` would receive last.ckpt).
 
 from __future__ import annotations
 
+import csv
 import json
 import pickle
 import zipfile
@@ -17,7 +18,7 @@ from typing import Any
 
 from headstart.config import Recipe
 from headstart.errors import ConfigError, DataError, OutputError
-from headstart.fileio import check_output_path, read_json_object, remove_stale_temporaries
+from headstart.fileio import atomic_write_text, check_output_path, read_json_object, remove_stale_temporaries
 
 FORMAT = "headstart-train/1"
 PRECOMPUTE_FORMAT = "headstart-precompute/1"
@@ -223,3 +224,37 @@ def remove_crash_leftovers(out: Path) -> None:
     """Temporaries of a killed run (`.last.ckpt.tmp-PID`, `.head-best.tmp-PID`, ...) whose PID is gone."""
     for d in (out, out / "checkpoints"):
         remove_stale_temporaries(d)
+
+
+class CurveWriter:
+    """metrics.csv: one row per logged train step or validation (rank 0); rows past a resumed step are dropped."""
+
+    FIELDS = ["kind", "step", "tokens", "loss", "lr", "tok_s", "val_loss", "tau", "alpha", "top1_per_step",
+              "sampled_accept_per_step", "accept_rate_per_pos"]
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    def start(self, step: int) -> None:
+        """Keep the rows of steps <= `step` (0 on a fresh run; a row cut by a crash is dropped), written
+        atomically; later rows are appended."""
+        import io
+
+        rows = []
+        if step and self.path.exists():
+            with open(self.path, newline="") as f:
+                rows = [r for r in csv.DictReader(f) if r.get("step", "").isdigit() and int(r["step"]) <= step
+                        and r.get(self.FIELDS[-1]) is not None]
+            for r in rows:  # a curve written before the column was renamed
+                if "expected_accept_per_step" in r:
+                    r.setdefault("sampled_accept_per_step", r.pop("expected_accept_per_step"))
+        buf = io.StringIO()
+        w = csv.DictWriter(buf, fieldnames=self.FIELDS, extrasaction="ignore")
+        w.writeheader()
+        w.writerows(rows)
+        atomic_write_text(self.path, buf.getvalue())
+
+    def add(self, row: dict[str, Any]) -> None:
+        with open(self.path, "a", newline="") as f:
+            csv.DictWriter(f, fieldnames=self.FIELDS).writerow(
+                {k: (json.dumps(v) if isinstance(v, list) else v) for k, v in row.items() if k in self.FIELDS})

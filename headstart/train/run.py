@@ -10,7 +10,6 @@
 from __future__ import annotations
 
 import contextlib
-import csv
 import json
 import os
 import sys
@@ -28,10 +27,19 @@ from headstart.fileio import atomic_write_text, exclusive_lock, remove_path, swa
 from headstart.heads import build_head, head_config_from_recipe, init_copied_layers, save_head
 from headstart.heads.base import TargetParts
 from headstart.nn.parallel import SINGLE, TensorParallel
-from headstart.train.data import ArrowSequences, PackedStream, ShardSequences, TokenSequences, TrainData, pack
+from headstart.train.data import (
+    ArrowSequences,
+    PackedStream,
+    ShardSequences,
+    TokenSequences,
+    TrainData,
+    pack,
+    supervised_token_counts,
+)
 from headstart.train.module import HeadModule
 from headstart.train.outputs import (
     FORMAT,
+    CurveWriter,
     check_checkpoint_head,
     check_output_dir,
     check_resume,
@@ -68,40 +76,6 @@ def _identity(recipe: Recipe, target_fp: str, data_fp: str, resolved: dict[str, 
             if not any(k == p or k.startswith(p + ".") for p in RESUMABLE_CHANGES)}
     flat.update(resolved)
     return {"format": FORMAT, "target_fingerprint": target_fp, "data_fingerprint": data_fp, "recipe": flat}
-
-
-class CurveWriter:
-    """metrics.csv: one row per logged train step or validation (rank 0); rows past a resumed step are dropped."""
-
-    FIELDS = ["kind", "step", "tokens", "loss", "lr", "tok_s", "val_loss", "tau", "alpha", "top1_per_step",
-              "sampled_accept_per_step", "accept_rate_per_pos"]
-
-    def __init__(self, path: Path) -> None:
-        self.path = path
-
-    def start(self, step: int) -> None:
-        """Keep the rows of steps <= `step` (0 on a fresh run; a row cut by a crash is dropped), written
-        atomically; later rows are appended."""
-        import io
-
-        rows = []
-        if step and self.path.exists():
-            with open(self.path, newline="") as f:
-                rows = [r for r in csv.DictReader(f) if r.get("step", "").isdigit() and int(r["step"]) <= step
-                        and r.get(self.FIELDS[-1]) is not None]
-            for r in rows:  # a curve written before the column was renamed
-                if "expected_accept_per_step" in r:
-                    r.setdefault("sampled_accept_per_step", r.pop("expected_accept_per_step"))
-        buf = io.StringIO()
-        w = csv.DictWriter(buf, fieldnames=self.FIELDS, extrasaction="ignore")
-        w.writeheader()
-        w.writerows(rows)
-        atomic_write_text(self.path, buf.getvalue())
-
-    def add(self, row: dict[str, Any]) -> None:
-        with open(self.path, "a", newline="") as f:
-            csv.DictWriter(f, fieldnames=self.FIELDS).writerow(
-                {k: (json.dumps(v) if isinstance(v, list) else v) for k, v in row.items() if k in self.FIELDS})
 
 
 class Outputs(L.Callback):
@@ -292,7 +266,7 @@ class TrainRun:
             raise ConfigError(f"train.loss_weights.kl=0: a {self.head.config.head_type} head learns from the KL "
                               "term only (it has no feature loss), so nothing would be trained")
         if self.head.config.draft_vocab_size:
-            self._install_draft_vocab(built.train)
+            self._install_draft_vocab(built.train, cfg.max_sequences)
         if self.precision != "bf16-true":
             self.head.float()  # fp32 master weights; the frozen target stays in its compute dtype
         aux = list(self.head.config.aux_layer_ids or [])
@@ -304,7 +278,7 @@ class TrainRun:
         else:
             source = ArrowSequences(built.train)
         self.stream = PackedStream(source, cfg.batch_tokens, recipe.seed, self.rank % self.world, self.world,
-                                   cfg.epochs)
+                                   cfg.epochs, cfg.max_sequences)
         held = TokenSequences.from_dataset(built.heldout)
         self.heldout_batches = [held.load(b) for b in pack(list(range(len(held.ids))), held.lengths,
                                                             max(cfg.batch_tokens, max(held.lengths, default=1)))
@@ -329,19 +303,13 @@ class TrainRun:
         self.engine_parts = TargetParts(self.engine_target)  # one object: it caches restricted lm_head rows
         self.device = device
 
-    def _install_draft_vocab(self, train_ds: Any) -> None:
+    def _install_draft_vocab(self, train_ds: Any, sequences: int | None) -> None:
         """The draft vocabulary: the most frequent supervised target tokens of the training split
         (deterministic, so a resumed run rebuilds the same maps its checkpoint holds)."""
         from headstart.heads import build_vocab_maps
 
         vocab = self.target.config.vocab_size
-        counts = torch.zeros(vocab, dtype=torch.float64)
-        # From the Arrow table in blocks of sequences: the whole column as Python lists would cost ~36 bytes
-        # a token in every rank.
-        source = ArrowSequences(train_ds)
-        for a in range(0, len(source.lengths), 4096):
-            b = source.load(list(range(a, min(a + 4096, len(source.lengths)))))
-            counts += torch.bincount(b.input_ids[b.loss_mask.bool()], minlength=vocab).double()
+        counts = supervised_token_counts(ArrowSequences(train_ds), vocab, sequences)
         vd = self.head.config.draft_vocab_size
         d2t, t2d = build_vocab_maps(counts, vd)
         self.head.set_vocab_maps(d2t, t2d)
