@@ -1,9 +1,8 @@
 """The typed recipe schema: one YAML file describes a run completely.
 
-Sections are keyword-only dataclasses that validate on construction. Loading rejects unknown keys
-and wrong types with an error that names the key and the file; `--set a.b=c` overrides any key
-(the value is parsed as YAML, so `--set data.limit=200` is an int and `--set data.limit=null` clears it).
-Later stages add their own sections here (precompute, train, eval, export).
+Sections are keyword-only dataclasses that validate on construction (a bad value names its key).
+Reading a YAML file, `--set a.b=c` overrides and refusing unknown keys and wrong types is
+`headstart.recipe_io`.
 """
 
 from __future__ import annotations
