@@ -5,7 +5,9 @@ Two sets of runs from the same shards, each run the recipe apart from the keys n
 - tokens: one run of --steps steps over all the training conversations, validated --points times on the
   same held-out prompts (train.val_every_steps; --prompts prompts x --max-tokens tokens each);
 - conversations: one run per --sizes N, trained on the first N conversations only (train.max_sequences)
-  for --size-steps steps each (the same tokens, the same schedule), validated at its end.
+  for --size-steps steps each (the same tokens, the same schedule), validated at its end. "First N" is the
+  training split's order (the source file's): a size is a prefix, not a random sample, and with
+  data.split_key id_prefix the chunks X_0, X_1 of one ShareGPT chat are neighbouring rows, each counted.
 Every point is tau of the run's own engine validation: the same prompts, the same code path as `headstart
 eval`. The fit is tau = a + b ln(x) (acceptance grows log-linearly with data: Scylla, arXiv 2505.07858),
 with the local slope between neighbouring points (where the curve bends) and what it predicts at 10x.
@@ -68,9 +70,11 @@ def _recipe(base: dict, out: Path, name: str, source: str | None, shards: Path, 
     r["name"] = f"scaling-{name}"
     r["output_dir"] = str(out / name)
     if source:
-        r["data"]["source"] = source
-    r["logging"]["wandb"] = False
-    r["train"].update(source="shards", shards_dir=str(shards), **train)
+        r.setdefault("data", {})["source"] = source
+    r.setdefault("logging", {})["wandb"] = False
+    # the training split's shards where the script looks for them; no epoch cap under a size's token budget
+    r.setdefault("precompute", {}).update(split="train", output_dir=None)
+    r.setdefault("train", {}).update(source="shards", shards_dir=str(shards), epochs=None, **train)
     path = out / f"{name}.yaml"
     atomic_write_text(path, yaml.safe_dump(r, sort_keys=False))
     return path
@@ -85,6 +89,8 @@ def _train(path: Path, run: Path) -> None:
 def _val_rows(run: Path) -> list[dict]:
     with open(run / "metrics.csv", newline="") as f:
         rows = [r for r in csv.DictReader(f) if r["kind"] == "val"]
+    if not rows:
+        raise SystemExit(f"{run}: finished without a validation row in metrics.csv (train.val_prompts 0?)")
     return [{"step": int(r["step"]), "tokens": int(r["tokens"]), "tau": float(r["tau"]),
              "accept_rate_per_pos": json.loads(r["accept_rate_per_pos"])} for r in rows]
 
@@ -124,15 +130,20 @@ def main() -> None:
     from headstart.train.data import ShardSequences
 
     lengths = ShardSequences(shards).lengths
+    if len({min(n, len(lengths)) for n in sizes}) < len(sizes):
+        raise SystemExit(f"--sizes {args.sizes!r}: the shards hold {len(lengths):,} conversations; give at most one "
+                         "size at or above that (it trains on all of them)")
     val = {"val_prompts": args.prompts, "val_max_tokens": args.max_tokens}
-    tokens_run = f"tokens-{args.steps}"
+    # a run's name carries what its points depend on: a rerun with other settings trains anew, never mixes
+    evals = f"p{args.prompts}x{args.max_tokens}"
+    tokens_run = f"tokens-{args.steps}-v{args.points}-{evals}"
     _train(_recipe(base, out, tokens_run, source, shards, {
         **val, "max_steps": args.steps, "val_every_steps": args.steps // args.points,
         "ckpt_every_steps": max(10, args.steps // 20)}), out / tokens_run)
     curve = _val_rows(out / tokens_run)
     by_size = {}
     for n in sizes:
-        name = f"convs-{n}-{args.size_steps}"
+        name = f"convs-{min(n, len(lengths))}-{args.size_steps}-{evals}"
         _train(_recipe(base, out, name, source, shards, {
             **val, "max_steps": args.size_steps, "val_every_steps": 0,
             "ckpt_every_steps": max(10, args.size_steps // 10),

@@ -261,6 +261,13 @@ def test_max_sequences_trains_on_the_first_conversations_only(tmp_path, chat_mod
                  "--set", f"output_dir={tmp_path / 'over'}"]) == 2
     assert f"train.max_sequences={len(lengths) + 1} but the training split holds {len(lengths)}" in \
         capsys.readouterr().err
+    # Shards of the whole data (split all): their first N are not the training split's first N.
+    assert main(["precompute", str(path), "--set", "precompute.split=all"]) == 0
+    capsys.readouterr()
+    shards = tmp_path / "run" / "precompute"
+    assert main(["train", str(path), "--no-progress", "--set", "train.source=shards", "--set",
+                 f"output_dir={tmp_path / 'all'}", "--set", f"train.shards_dir={shards}"]) == 2
+    assert "shards hold" in capsys.readouterr().err
 
 
 def test_bad_input_is_one_clear_line(tmp_path, chat_model_dir, capsys):

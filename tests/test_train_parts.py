@@ -281,6 +281,28 @@ def test_stream_packs_shuffles_per_epoch_splits_ranks_and_resumes():
         PackedStream(src, batch_tokens=8, seed=1)
 
 
+def test_max_sequences_cuts_the_stream_to_the_first_rows_on_every_rank():
+    """train.max_sequences=5 trains on rows 0..4 only (row 1 is too short to supervise: rows are cut, not
+    usable rows), on every rank and epoch, resumes inside the cut, accepts the whole split and refuses more."""
+    lens = [5, 2, 9, 3, 7, 8, 4, 6, 10, 3]
+    src = TokenSequences([[1] * n for n in lens], [[1] * n for n in lens])
+    cut = PackedStream(src, batch_tokens=16, seed=1, epochs=3, sequences=5)
+    for e in range(3):
+        assert sorted(i for b in cut.epoch_batches(e) for i in b) == [0, 2, 3, 4]
+    ranks = [PackedStream(src, 16, 1, rank=r, world=2, sequences=5).epoch_batches(e) for r in (0, 1) for e in (0, 1)]
+    assert {i for r in ranks for b in r for i in b} <= {0, 2, 3, 4} and all(ranks)
+    full = [it["batch"].input_ids.numel() for it in cut]
+    resumed = PackedStream(src, batch_tokens=16, seed=1, epochs=3, sequences=5)
+    resumed.skip = 2
+    assert [it["batch"].input_ids.numel() for it in resumed] == full[2:] and sum(full) == 3 * (5 + 9 + 3 + 7)
+    whole = PackedStream(src, 16, 1, sequences=len(lens))
+    assert whole.epoch_batches(0) == PackedStream(src, 16, 1).epoch_batches(0)
+    with pytest.raises(DataError, match="train.max_sequences=11 but the training split holds 10 sequences"):
+        PackedStream(src, 16, 1, sequences=11)
+    with pytest.raises(DataError, match=r"split \(train.max_sequences=2\) holds no sequence of 3"):
+        PackedStream(TokenSequences([[1] * 2, [1] * 2, [1] * 5], [[1] * 2, [1] * 2, [1] * 5]), 16, 1, sequences=2)
+
+
 # ------------------------------------------------------------------- tests that catch planted bugs
 
 

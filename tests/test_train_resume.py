@@ -51,6 +51,17 @@ def test_resume_with_another_recipe_is_refused_naming_the_difference(tmp_path, c
                  "--set", "train.max_steps=3"]) == 2
     err = capsys.readouterr().err
     assert "train.lr" in err and "Traceback" not in err
+    assert main(["train", str(path), "--no-progress", "--resume", "--set", "train.max_sequences=5",
+                 "--set", "train.max_steps=3"]) == 2
+    assert "train.max_sequences (None -> 5)" in capsys.readouterr().err  # another data order under the same skip
+    # A run recorded before a key existed ran as its default: only another value is a difference.
+    info = tmp_path / "run" / "train.json"
+    record = json.loads(info.read_text())
+    del record["recipe"]["train.max_sequences"]
+    info.write_text(json.dumps(record))
+    assert main(["train", str(path), "--no-progress", "--resume", "--set", "train.max_sequences=5",
+                 "--set", "train.max_steps=3"]) == 2
+    assert "train.max_sequences (None -> 5)" in capsys.readouterr().err
     assert main(["train", str(path), "--no-progress", "--resume", "--set", "train.max_steps=3"]) == 0  # longer: fine
 
 

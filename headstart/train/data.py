@@ -150,7 +150,7 @@ def supervised_token_counts(source: ArrowSequences, vocab: int, sequences: int |
     Read in blocks of sequences from the Arrow table: the whole column as Python lists would cost ~36 bytes a token
     in every rank."""
     counts = torch.zeros(vocab, dtype=torch.float64)
-    n = min(len(source.lengths), sequences or len(source.lengths))
+    n = len(source.lengths) if sequences is None else min(len(source.lengths), sequences)
     for a in range(0, n, 4096):
         b = source.load(list(range(a, min(a + 4096, n))))
         counts += torch.bincount(b.input_ids[b.loss_mask.bool()], minlength=vocab).double()
@@ -200,9 +200,10 @@ class PackedStream(torch.utils.data.IterableDataset):
             raise DataError(f"train.max_sequences={sequences} but the training split holds {len(source.lengths)} "
                             "sequences; lower it or set it to null (all)")
         lengths = source.lengths[:sequences]
+        cut = f" (train.max_sequences={sequences})" if sequences is not None else ""
         usable = [n for n in lengths if n >= 3]  # fewer than 3 tokens: no supervised shifted row
         if not usable:
-            raise DataError("the training split holds no sequence of 3 or more tokens; nothing to train on")
+            raise DataError(f"the training split{cut} holds no sequence of 3 or more tokens; nothing to train on")
         longest = max(lengths)
         if longest > batch_tokens:
             raise DataError(f"train.batch_tokens={batch_tokens} is smaller than the longest training sequence "
@@ -212,7 +213,7 @@ class PackedStream(torch.utils.data.IterableDataset):
         self.indices = [i for i, n in enumerate(lengths) if n >= 3]  # never past `sequences`
         self.skip = 0
         if not self.epoch_batches(0):
-            raise DataError(f"the training split packs into fewer micro-batches than ranks ({self.world}); "
+            raise DataError(f"the training split{cut} packs into fewer micro-batches than ranks ({self.world}); "
                             "add data or lower train.batch_tokens")
 
     def epoch_batches(self, epoch: int) -> list[list[int]]:

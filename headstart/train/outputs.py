@@ -209,15 +209,29 @@ def check_resume(out: Path, identity: dict[str, Any], resume: bool, rank: int = 
         raise ConfigError(f"--resume: {out} was trained on {was} ranks and this launch has {now}; the data order "
                           "(and a sharded checkpoint's files) are per rank: resume with trainer.devices x "
                           f"trainer.num_nodes = {was}")
+    defaults = flat_recipe(Recipe().to_dict())
     for key in sorted(set(old) | set(new)):
-        if key not in old:  # recorded by an older headstart that did not know this key
-            continue
-        if old.get(key) != new.get(key):
-            diffs.append(f"{key} ({old.get(key)!r:.40} -> {new.get(key)!r:.40})")
+        if key not in old and (key not in defaults or new.get(key) == defaults[key]):
+            continue  # recorded by an older headstart that did not know this key: it ran as the default
+        was = old[key] if key in old else defaults[key]
+        if was != new.get(key):
+            diffs.append(f"{key} ({was!r:.40} -> {new.get(key)!r:.40})")
     if diffs:
         raise ConfigError(f"--resume: {out} was trained with a different " + "; ".join(diffs[:8]) +
                           "; resume with the same recipe or choose another output_dir")
     return last
+
+
+def flat_recipe(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    """A recipe's nested dict as dotted keys ("train.lr": 0.004)."""
+    out = {}
+    for k, v in d.items():
+        key = f"{prefix}{k}"
+        if isinstance(v, dict):
+            out.update(flat_recipe(v, key + "."))
+        else:
+            out[key] = v
+    return out
 
 
 def remove_crash_leftovers(out: Path) -> None:

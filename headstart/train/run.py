@@ -43,6 +43,7 @@ from headstart.train.outputs import (
     check_checkpoint_head,
     check_output_dir,
     check_resume,
+    flat_recipe,
     lock_path,
     remove_crash_leftovers,
 )
@@ -58,21 +59,10 @@ def run_dir(recipe: Recipe) -> Path:
     return Path(recipe.output_dir)
 
 
-def _flat(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
-    out = {}
-    for k, v in d.items():
-        key = f"{prefix}{k}"
-        if isinstance(v, dict):
-            out.update(_flat(v, key + "."))
-        else:
-            out[key] = v
-    return out
-
-
 def _identity(recipe: Recipe, target_fp: str, data_fp: str, resolved: dict[str, Any]) -> dict[str, Any]:
     """What a resume must match. `resolved` adds what the recipe leaves open (auto dtype/precision)
     and the world size, which fixes how micro-batches are split across ranks."""
-    flat = {k: v for k, v in _flat(recipe.to_dict()).items()
+    flat = {k: v for k, v in flat_recipe(recipe.to_dict()).items()
             if not any(k == p or k.startswith(p + ".") for p in RESUMABLE_CHANGES)}
     flat.update(resolved)
     return {"format": FORMAT, "target_fingerprint": target_fp, "data_fingerprint": data_fp, "recipe": flat}
@@ -256,6 +246,9 @@ class TrainRun:
         if len(built.train) == 0:
             raise DataError(f"{recipe.data.source}: the training split is empty (data.limit={recipe.data.limit}, "
                             f"heldout_fraction={recipe.data.heldout_fraction}); nothing to train on")
+        if (cfg.max_sequences or 0) > len(built.train):  # before the draft vocabulary counts them
+            raise DataError(f"train.max_sequences={cfg.max_sequences} but the training split holds "
+                            f"{len(built.train)} sequences; lower it or set it to null (all)")
         from_rank0 = self.target.partial and not self.tp.enabled  # cannot run its init: rank 0's is broadcast
         # The head's random parameters (those its init does not copy) come from recipe.seed: a rerun, a
         # resume's rebuild and every rank start from the same head.
@@ -275,6 +268,11 @@ class TrainRun:
 
             shards = Path(cfg.shards_dir) if cfg.shards_dir else precompute_dir(recipe)
             source: Any = ShardSequences(shards, expect_target=self.target.fingerprint(), expect_aux=aux, keep_fp8=True)
+            made = source.manifest["dataset"]
+            if cfg.max_sequences and (made.get("split") != "train" or len(source.lengths) != len(built.train)):
+                raise DataError(f"{shards}: train.max_sequences takes the first sequences of this recipe's training "
+                                f"split ({len(built.train)}), but these shards hold {len(source.lengths)} of split "
+                                f"{made.get('split')}; precompute them from this recipe with precompute.split: train")
         else:
             source = ArrowSequences(built.train)
         self.stream = PackedStream(source, cfg.batch_tokens, recipe.seed, self.rank % self.world, self.world,
