@@ -64,6 +64,14 @@ def local_slopes(xs: list[float], ys: list[float]) -> list[float]:
     return [(y1 - y0) / math.log(x1 / x0) for x0, x1, y0, y1 in zip(xs, xs[1:], ys, ys[1:])]
 
 
+def standard_error(histogram: list[int]) -> float:
+    """tau's standard error from a validation's accepted-drafts histogram (draft steps taken as independent:
+    steps of one prompt are not, so the real error is somewhat larger)."""
+    n = sum(histogram)
+    mean = sum(i * c for i, c in enumerate(histogram)) / n
+    return math.sqrt(sum(c * (i - mean) ** 2 for i, c in enumerate(histogram)) / n / n)
+
+
 def _recipe(base: dict, out: Path, name: str, source: str | None, shards: Path, train: dict) -> Path:
     r = json.loads(json.dumps(base))
     r.pop("regenerate", None)
@@ -149,8 +157,9 @@ def main() -> None:
             "ckpt_every_steps": max(10, args.size_steps // 10),
             "max_sequences": n if n < len(lengths) else None}), out / name)
         last = _val_rows(out / name)[-1]
-        by_size[n] = {**last, "unique_tokens": sum(lengths[:n])}
-    result = {"cpu": cpu_name(), "recipe": str(args.recipe), "shards": str(shards), "conversations": len(lengths),
+        final = json.loads((out / name / "metrics.json").read_text())
+        by_size[n] = {**last, "unique_tokens": sum(lengths[:n]), "tau_se": standard_error(final["accept_histogram"])}
+    result = {"cpu": cpu_name(), "recipe": args.recipe.name, "shards": str(shards), "conversations": len(lengths),
               "args": {k: str(v) for k, v in vars(args).items()}, "tokens_curve": curve, "size_curve": by_size}
     xs, ys = [r["tokens"] for r in curve], [r["tau"] for r in curve]
     result["tokens_fit"] = fit = fit_log(xs, ys)
@@ -171,11 +180,12 @@ def main() -> None:
               f"{' / '.join(f'{a:.2f}' for a in r['accept_rate_per_pos'])} | {slope} |")
     print(f"\nfit tau = {fit['a']:.3f} + {fit['b']:.4f} ln(tokens), R^2 {fit['r2']:.3f}; at 10x the longest run "
           f"({10 * xs[-1]:,} tokens) it predicts tau {fit['a'] + fit['b'] * math.log(10 * xs[-1]):.3f}\n")
-    print("| conversations | unique tokens | training tokens | tau | accept rate per position |")
+    print("| conversations | unique tokens | training tokens | tau (± s.e.) | accept rate per position |")
     print("|---|---|---|---|---|")
     for n in sizes:
         r = by_size[n]
-        print(f"| {min(n, len(lengths)):,} | {r['unique_tokens']:,} | {r['tokens']:,} | {r['tau']:.3f} | "
+        print(f"| {min(n, len(lengths)):,} | {r['unique_tokens']:,} | {r['tokens']:,} | {r['tau']:.3f} ± "
+              f"{r['tau_se']:.3f} | "
               f"{' / '.join(f'{a:.2f}' for a in r['accept_rate_per_pos'])} |")
     print(f"\nfit tau = {sfit['a']:.3f} + {sfit['b']:.4f} ln(conversations), R^2 {sfit['r2']:.3f}; at 10x "
           f"({10 * ns[-1]:,} conversations) it predicts tau {sfit['a'] + sfit['b'] * math.log(10 * ns[-1]):.3f}")
@@ -194,9 +204,12 @@ def _plot(result: dict, path: Path) -> None:
              result["tokens_fit"], "training tokens"),
             (b, [min(int(n), result["conversations"]) for n in result["size_curve"]],
              [r["tau"] for r in result["size_curve"].values()], result["size_fit"], "unique conversations")):
-        ax.plot(xs, ys, "o-", label="tau (engine, held-out, greedy)")
+        se = [r.get("tau_se", 0.0) for r in (result["tokens_curve"] if ax is a else result["size_curve"].values())]
+        ax.errorbar(xs, ys, yerr=se, fmt="o-", capsize=3, label="tau (engine, held-out, greedy; ± s.e.)")
         grid = [xs[0] * (10 * xs[-1] / xs[0]) ** (i / 50) for i in range(51)]
-        ax.plot(grid, [fit["a"] + fit["b"] * math.log(x) for x in grid], "--", lw=1,
+        line = [fit["a"] + fit["b"] * math.log(x) for x in grid]
+        ax.set_ylim(min(ys + line) - 0.05, max(ys + line) + 0.05)  # noise is not stretched to the axes' height
+        ax.plot(grid, line, "--", lw=1,
                 label=f"{fit['a']:.2f} + {fit['b']:.3f} ln x (R² {fit['r2']:.2f})")
         ax.set_xscale("log")
         ax.set_xlabel(label)
