@@ -184,6 +184,9 @@ class RegenerateConfig:
     # headstart: our engine; vllm: vLLM in its own interpreter (make vllm-env / $HEADSTART_VLLM_PYTHON),
     # as SpecForge and speculators users regenerate (benchmarks/regenerate.md measures both here)
     engine: str = "headstart"
+    # our engine keeps the K/V of finished turns' full pages and reuses them for the conversation's next
+    # turn (the history is not prefilled again); vLLM's worker uses its own prefix caching either way
+    prefix_cache: bool = True
 
     def __post_init__(self) -> None:
         _require(self.engine in ("headstart", "vllm"), "regenerate.engine", "must be headstart or vllm")

@@ -245,3 +245,22 @@ def test_a_run_killed_mid_way_keeps_every_conversation_that_finished(tmp_path, m
     rows = [json.loads(x) for x in full.splitlines()]
     assert [r["id"] for r in rows] == [f"c{i}" for i in range(9)]
     assert all(len(r["regenerated"]["tokens"]) == 2 and 1 <= min(r["regenerated"]["tokens"]) for r in rows)
+
+
+def test_later_turns_take_their_history_from_the_prefix_cache(tmp_path, model_dir, capsys):
+    """Turn 2's prompt starts with turn 1's prompt and answer: with regenerate.prefix_cache (the default)
+    those pages are not prefilled again; without it every prompt token is."""
+    import dataclasses
+    import re
+
+    def reused(name: str, on: bool) -> tuple[int, int]:
+        recipe = _recipe(tmp_path, model_dir, name)
+        recipe = dataclasses.replace(recipe, regenerate=dataclasses.replace(recipe.regenerate, prefix_cache=on))
+        run_regenerate(recipe, progress=True)
+        line = [x for x in capsys.readouterr().err.splitlines() if "prefix cache" in x][-1]
+        prefilled, cached = (int(n.replace(",", "")) for n in re.findall(r"([\d,]+) (?:prompt tokens|taken)", line))
+        return prefilled, cached
+
+    on, off = reused("on", True), reused("off", False)
+    assert on[1] > 0 and off[1] == 0
+    assert on[0] < off[0]

@@ -60,6 +60,7 @@ class Engine:
         cpu_kernels: bool = True,
         batch_invariant: bool = True,
         spec: SpecConfig | None = None,
+        prefix_cache: bool = False,
     ) -> None:
         for name, value in (("page_size", page_size), ("max_batch_size", max_batch_size),
                             ("max_batched_tokens", max_batched_tokens)):
@@ -67,6 +68,8 @@ class Engine:
                 raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
         if num_pages is not None and num_pages < 1:
             raise ValueError(f"num_pages must be >= 1, got {num_pages}")
+        if prefix_cache and spec is not None:  # drafts rewrite and move K/V slots a shared page would hold
+            raise ValueError("prefix_cache is for engines without speculation (the draft's cache shares the page ids)")
         self.device = torch.device(device)
         if isinstance(model, CausalLM):
             self.model = model
@@ -118,7 +121,7 @@ class Engine:
                 num_pages = min(need, pages_for_budget(1.0, specs, page_size))
             else:
                 num_pages = pages_for_budget(kv_cache_gb, specs, page_size)
-        self.allocator = PageAllocator(num_pages, page_size)
+        self.allocator = PageAllocator(num_pages, page_size, prefix_cache)
         self.cache = KVCache(kv_spec, num_pages, page_size, self.device)
         self.backend = make_backend(backend, self.device, cpu_kernels, self._max_rows, model=self.model)
         self.runner = ModelRunner(self.model, self.cache, self.allocator, self.backend, self.device)
@@ -245,6 +248,8 @@ class Engine:
         h, aux, _ = self.runner.run(batch.input_ids, batch.items, capture=capture)
         for seq, n in zip(batch.seqs, batch.num_tokens):
             seq.num_cached += n
+            if self.allocator.uncommitted(seq.id, seq.num_cached):  # full pages now computed: reusable
+                self.allocator.commit(seq.id, seq.token_ids, seq.num_cached)
         outputs = []
         if batch.samplers:
             logits = self.runner.logits(h, batch.sample_rows)  # (S, V) fp32
@@ -272,6 +277,7 @@ class Engine:
         self.stats.prefill_tokens += sum(n for n in batch.num_tokens if n > 1)
         self.stats.decode_tokens += len(batch.samplers)
         self.stats.preemptions = self.scheduler.num_preemptions
+        self.stats.cached_tokens = self.allocator.hit_tokens
         self.stats.seconds += time.perf_counter() - t0
         return outputs
 

@@ -26,4 +26,5 @@ class EngineStats:
     prefill_tokens: int = 0
     decode_tokens: int = 0
     preemptions: int = 0
+    cached_tokens: int = 0  # prompt tokens taken from the prefix cache, not computed (prefix_cache=True)
     seconds: float = 0.0

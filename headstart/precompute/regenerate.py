@@ -161,7 +161,8 @@ def run_regenerate(recipe: Recipe, resume: bool = False, progress: bool = True) 
         shutil.rmtree(work, ignore_errors=True)
         return done
     engine = Engine(recipe.target.model, dtype=resolve_dtype(recipe.target.dtype), max_batch_size=cfg.batch_size,
-                    seed=recipe.seed, batch_invariant=False, backend=recipe.engine.backend)
+                    seed=recipe.seed, batch_invariant=False, backend=recipe.engine.backend,
+                    prefix_cache=recipe.regenerate.prefix_cache)
     return _run(recipe, engine, out, partial, run_file, source, extend, resume, progress)
 
 
@@ -227,6 +228,10 @@ def _run(recipe: Recipe, engine: Any, out: Path, partial: Path, run_file: Path, 
     if progress:
         status(f"regenerate: {totals['conversations']:,} conversations, {totals['turns']:,} assistant turns, "
                f"{totals['tokens']:,} answer tokens -> {out} ({sum(read.skipped.values())} source rows skipped)")
+        stats = getattr(engine, "stats", None)
+        if stats is not None and stats.prefill_tokens + stats.cached_tokens:  # this run's prompts, ours only
+            status(f"regenerate: {stats.prefill_tokens:,} prompt tokens prefilled, {stats.cached_tokens:,} taken from "
+                   "the prefix cache instead (regenerate.prefix_cache)")
     return out
 
 
