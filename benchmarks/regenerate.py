@@ -48,7 +48,8 @@ def main() -> int:
     p.add_argument("--batch", type=int, default=16)
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--max-turns", type=int, default=1, help="assistant turns per conversation (0: every turn)")
-    p.add_argument("--arms", default="headstart,vllm", help=f"comma-separated, the first is the reference: {list(ARMS)}")
+    p.add_argument("--arms", default="headstart,vllm",
+                   help=f"comma-separated, the first is the reference: {list(ARMS)}")
     p.add_argument("--out", default="runs/bench-regenerate")
     args = p.parse_args()
     arms = args.arms.split(",")
