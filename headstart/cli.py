@@ -119,6 +119,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="continue an interrupted run, or add rows to a finished one after raising regenerate.limit")
     p.add_argument("--engine", choices=["headstart", "vllm"], default=None,
                    help="decode with our engine or with vLLM (sets regenerate.engine; vllm: make vllm-env)")
+    p.add_argument("--minutes", type=float, default=None,
+                   help="a piece of a long run: stop after this long, resumable (conversations in flight are dropped)")
+    p.add_argument("--pieces", default=None, metavar="DIR",
+                   help="carry the run across machines: restore DIR's pieces first, save the new rows as a piece after")
     p.set_defaults(func=commands.cmd_regenerate)
 
     p = verbs.add_parser("train", help="fit the recipe's head (shards or online), validating with the engine")

@@ -127,7 +127,7 @@ def cmd_regenerate(args: argparse.Namespace) -> int:
         why = vllm_missing()
         if why:
             raise HeadstartError(f"regenerate --engine vllm: {why}")
-    run_regenerate(recipe, resume=args.resume)
+    run_regenerate(recipe, resume=args.resume, minutes=args.minutes, pieces=args.pieces)
     return 0
 
 

@@ -95,9 +95,15 @@ def _grows(run_file: Path, limit: int | None) -> bool:
     return run_file.exists() and _larger(limit, read_json_object(run_file, "run record").get("limit"))
 
 
-def run_regenerate(recipe: Recipe, resume: bool = False, progress: bool = True) -> Path:
+def run_regenerate(recipe: Recipe, resume: bool = False, progress: bool = True, minutes: float | None = None,
+                   pieces: str | Path | None = None) -> Path:
+    """Regenerate; `minutes`: stop starting conversations after that long and leave the run resumable
+    (the ones in flight are dropped, as a kill would); `pieces`: carry the run across machines in that
+    directory (headstart.precompute.pieces: restored before, the new rows saved as the next piece after)."""
     from headstart.inference import Engine
 
+    if minutes is not None and not minutes > 0:
+        raise DataError(f"--minutes {minutes}: must be > 0")
     cfg = recipe.regenerate
     if recipe.engine.tensor_parallel > 1:
         raise DataError(f"engine.tensor_parallel {recipe.engine.tensor_parallel}: regenerate does not shard the "
@@ -109,6 +115,16 @@ def run_regenerate(recipe: Recipe, resume: bool = False, progress: bool = True) 
     if Path(source).resolve() == out.resolve():
         raise DataError(f"regenerate: the source {source} is the output; set regenerate.source to the conversations "
                         "to rewrite")
+    if pieces is not None:
+        from headstart.precompute.pieces import restore
+
+        if out.exists() and not _ours(out, run_file):
+            raise DataError(f"{out} already exists and is not a regenerate output; set regenerate.output")
+        out.parent.mkdir(parents=True, exist_ok=True)
+        added = restore(Path(pieces), partial, run_file, out)
+        resume = True  # the pieces are an interrupted run by construction
+        if progress and added:
+            status(f"regenerate: {added:,} conversations restored from {pieces} into {partial}")
     if out.exists() and not _ours(out, run_file):  # a user's file or directory: no advice about growing it
         raise DataError(f"{out} already exists and is not a regenerate output (a JSONL file whose rows carry "
                         "`regenerated` provenance); regenerate never writes over it: set regenerate.output to a new "
@@ -155,7 +171,7 @@ def run_regenerate(recipe: Recipe, resume: bool = False, progress: bool = True) 
         engine = VLLMGenerator(resolve_model(recipe.target.model), resolve_dtype(recipe.target.dtype),
                                cfg.batch_size, recipe.seed, work)
         try:
-            done = _run(recipe, engine, out, partial, run_file, source, extend, resume, progress)
+            done = _run(recipe, engine, out, partial, run_file, source, extend, resume, progress, minutes, pieces)
         finally:
             engine.close()
         shutil.rmtree(work, ignore_errors=True)
@@ -163,11 +179,13 @@ def run_regenerate(recipe: Recipe, resume: bool = False, progress: bool = True) 
     engine = Engine(recipe.target.model, dtype=resolve_dtype(recipe.target.dtype), max_batch_size=cfg.batch_size,
                     seed=recipe.seed, batch_invariant=False, backend=recipe.engine.backend,
                     prefix_cache=recipe.regenerate.prefix_cache)
-    return _run(recipe, engine, out, partial, run_file, source, extend, resume, progress)
+    return _run(recipe, engine, out, partial, run_file, source, extend, resume, progress, minutes, pieces)
 
 
 def _run(recipe: Recipe, engine: Any, out: Path, partial: Path, run_file: Path, source: str, extend: bool,
-         resume: bool, progress: bool) -> Path:
+         resume: bool, progress: bool, minutes: float | None = None, pieces: str | Path | None = None) -> Path:
+    import time
+
     from tqdm import tqdm
 
     from headstart.assets import resolve_data
@@ -222,9 +240,22 @@ def _run(recipe: Recipe, engine: Any, out: Path, partial: Path, run_file: Path, 
             os.fsync(f.fileno())
             bar.update(1)
 
-        _converse(feed, todo, pool, cfg, recipe.seed, provenance, SamplingParams, engine.encode, finished)
+        deadline = time.monotonic() + minutes * 60 if minutes is not None else None
+        complete = _converse(feed, todo, pool, cfg, recipe.seed, provenance, SamplingParams, engine.encode, finished,
+                             deadline)
     bar.close()
+    if not complete:
+        left = len(read.conversations) - len(_done_ids(partial))
+        if pieces is not None:
+            _save_piece(pieces, partial, run_file, progress)
+        if progress:
+            status(f"regenerate: stopped after {minutes:g} min (--minutes): {left:,} of {len(read.conversations):,} "
+                   f"conversations still to do; {partial} keeps the finished ones: run again with --resume"
+                   + (f" --pieces {pieces}" if pieces is not None else ""))
+        return partial
     totals = _in_source_order(partial, out, [c["id"] for c in read.conversations])
+    if pieces is not None:
+        _save_piece(pieces, out, run_file, progress)
     if progress:
         status(f"regenerate: {totals['conversations']:,} conversations, {totals['turns']:,} assistant turns, "
                f"{totals['tokens']:,} answer tokens -> {out} ({sum(read.skipped.values())} source rows skipped)")
@@ -233,6 +264,14 @@ def _run(recipe: Recipe, engine: Any, out: Path, partial: Path, run_file: Path, 
             status(f"regenerate: {stats.prefill_tokens:,} prompt tokens prefilled, {stats.cached_tokens:,} taken from "
                    "the prefix cache instead (regenerate.prefix_cache)")
     return out
+
+
+def _save_piece(pieces: str | Path, rows_file: Path, run_file: Path, progress: bool) -> None:
+    from headstart.precompute.pieces import save
+
+    path = save(Path(pieces), rows_file, run_file)
+    if progress:
+        status(f"regenerate: new piece {path}" if path else f"regenerate: no new conversations for {pieces}")
 
 
 def _in_source_order(partial: Path, out: Path, ids: list[str]) -> dict[str, int]:
@@ -287,10 +326,13 @@ class _BatchFeed:
 
 
 def _converse(feed: Any, todo: list[dict[str, Any]], pool: int, cfg: Any, seed: int, provenance: dict[str, Any],
-              sampling_params: Any, encode: Any, finished: Any) -> None:
+              sampling_params: Any, encode: Any, finished: Any, deadline: float | None = None) -> bool:
     """Regenerate `todo`'s assistant turns, up to `pool` conversations in flight: turn k of a
     conversation is asked once its turn k-1 is answered; `finished(row)` gets each conversation the
-    moment its last reply is in, so an interrupted run loses only the conversations in flight."""
+    moment its last reply is in, so an interrupted run loses only the conversations in flight. Past
+    `deadline` (time.monotonic()) it returns False, dropping those in flight; True once all are done."""
+    import time
+
     active: dict[str, dict[str, Any]] = {}
     waiting = iter(todo)
 
@@ -325,6 +367,8 @@ def _converse(feed: Any, todo: list[dict[str, Any]], pool: int, cfg: Any, seed: 
 
     refill()
     while active:
+        if deadline is not None and time.monotonic() > deadline:
+            return False
         for key, res in feed.collect():
             st = active.pop(key)
             st["out"].append({"role": "assistant", "content": res.text})
@@ -333,3 +377,4 @@ def _converse(feed: Any, todo: list[dict[str, Any]], pool: int, cfg: Any, seed: 
             st["pos"] += 1
             advance(st)
         refill()
+    return True

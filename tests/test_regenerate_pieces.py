@@ -1,0 +1,97 @@
+"""A regeneration carried across machines in pieces (--pieces) and cut into time-boxed runs
+(--minutes): what the pieces add up to is what one uninterrupted run writes."""
+
+import dataclasses
+import gzip
+import json
+import shutil
+
+import pytest
+from test_regenerate import _recipe
+
+from headstart.errors import DataError
+from headstart.precompute.regenerate import run_regenerate
+
+
+@pytest.fixture
+def model_dir(chat_model_dir):
+    return chat_model_dir
+
+
+def _limit(recipe, n):
+    return dataclasses.replace(recipe, regenerate=dataclasses.replace(recipe.regenerate, limit=n))
+
+
+def _without_limit(text):
+    """Rows keep the source limit they were made under (a grown run's first rows say the smaller one)."""
+    rows = [json.loads(x) for x in text.splitlines()]
+    for r in rows:
+        r["regenerated"].pop("limit")
+    return rows
+
+
+def _piece_ids(path):
+    with gzip.open(path, "rt", encoding="utf-8") as f:
+        return [json.loads(line)["id"] for line in f]
+
+
+def test_pieces_on_fresh_machines_add_up_to_one_uninterrupted_run(tmp_path, model_dir):
+    whole = run_regenerate(_recipe(tmp_path, model_dir, "whole", temperature=0.8), progress=False).read_text()
+    pieces = tmp_path / "kept" / "pieces"
+    first = run_regenerate(_limit(_recipe(tmp_path, model_dir, "m1", temperature=0.8), 4), progress=False,
+                           pieces=pieces)
+    assert sorted(p.name for p in pieces.iterdir()) == ["part-0001.jsonl.gz", "run.json"]
+    assert _piece_ids(pieces / "part-0001.jsonl.gz") == [json.loads(x)["id"] for x in first.read_text().splitlines()]
+    # a second machine: no runs/ of the first; the pieces restore its rows and the run goes on from there
+    shutil.rmtree(tmp_path / "m1")
+    out = run_regenerate(_recipe(tmp_path, model_dir, "m2", temperature=0.8), progress=False, pieces=pieces)
+    assert _without_limit(out.read_text()) == _without_limit(whole)
+    assert len(_piece_ids(pieces / "part-0002.jsonl.gz")) == 9 - 4
+    # a third: everything is in the pieces, nothing is decoded, the same file comes out
+    again = run_regenerate(_recipe(tmp_path, model_dir, "m3", temperature=0.8), progress=False, pieces=pieces)
+    assert again.read_text() == out.read_text()
+    assert len(list(pieces.glob("part-*"))) == 2  # no empty piece
+    assert json.loads((pieces / "run.json").read_text())["limit"] is None  # the grown run's record
+
+
+def test_a_machine_that_kept_its_partial_file_takes_only_the_rows_it_lacks(tmp_path, model_dir):
+    pieces = tmp_path / "pieces"
+    recipe = _recipe(tmp_path, model_dir, "kept")
+    run_regenerate(_limit(recipe, 3), progress=False, pieces=pieces)
+    out = run_regenerate(recipe, resume=True, progress=False, pieces=pieces)  # limit grown, same machine
+    rows = [json.loads(x)["id"] for x in out.read_text().splitlines()]
+    assert len(rows) == len(set(rows)) == 9
+    assert [len(_piece_ids(p)) for p in sorted(pieces.glob("part-*"))] == [3, 6]
+
+
+def test_a_time_boxed_run_stops_resumable_and_its_piece_is_kept(tmp_path, model_dir):
+    whole = run_regenerate(_recipe(tmp_path, model_dir, "whole"), progress=False).read_text()
+    pieces = tmp_path / "pieces"
+    recipe = _recipe(tmp_path, model_dir, "boxed")
+    left = run_regenerate(recipe, progress=False, minutes=1e-9, pieces=pieces)  # stops before its first step
+    assert left.name == "regenerated.jsonl.partial" and not (tmp_path / "boxed" / "regenerated.jsonl").exists()
+    assert (pieces / "run.json").is_file() and not list(pieces.glob("part-*"))
+    out = run_regenerate(recipe, resume=True, progress=False, minutes=60)
+    assert out.read_text() == whole
+    with pytest.raises(DataError, match="--minutes"):
+        run_regenerate(_recipe(tmp_path, model_dir, "zero"), progress=False, minutes=0)
+
+
+def test_pieces_of_another_run_or_a_foreign_directory_are_refused(tmp_path, model_dir):
+    pieces = tmp_path / "pieces"
+    run_regenerate(_limit(_recipe(tmp_path, model_dir, "a"), 2), progress=False, pieces=pieces)
+    hotter = _recipe(tmp_path, model_dir, "b", temperature=0.5)
+    with pytest.raises(DataError, match="temperature"):
+        run_regenerate(hotter, progress=False, pieces=pieces)
+    foreign = tmp_path / "foreign"
+    foreign.mkdir()
+    (foreign / "notes.txt").write_text("mine")
+    with pytest.raises(DataError, match="no run.json"):
+        run_regenerate(_recipe(tmp_path, model_dir, "c"), progress=False, pieces=foreign)
+    assert (foreign / "notes.txt").read_text() == "mine" and len(list(foreign.iterdir())) == 1
+    broken = tmp_path / "broken"
+    shutil.copytree(pieces, broken)
+    with gzip.open(broken / "part-0002.jsonl.gz", "wt", encoding="utf-8") as f:
+        f.write('{"id": "c0"}\nnot json\n')
+    with pytest.raises(DataError, match=r"part-0002.jsonl.gz: row 2"):
+        run_regenerate(_recipe(tmp_path, model_dir, "d"), progress=False, pieces=broken)
