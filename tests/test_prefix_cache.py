@@ -29,7 +29,6 @@ def test_a_second_prompt_takes_the_registered_pages_it_starts_with():
     a.release("y")
     assert a.num_free == 10  # idle registered pages count as free ...
     assert a.match("z", first[:9]) == 8  # ... and are still found after every holder let go
-    assert a.hit_tokens == 16
 
 
 def test_the_last_token_is_always_computed_and_keys_are_exact():
@@ -160,3 +159,46 @@ def test_prefix_cache_under_preemption_is_exact_and_gives_every_page_back(tiny):
 def test_prefix_cache_is_refused_beside_speculation(tiny):
     with pytest.raises(ValueError, match="prefix_cache.*without speculation"):
         _engine(tiny, prefix_cache=True, spec=SpecConfig(method="ngram", k=2))
+
+
+def test_two_sequences_computing_the_same_pages_leave_one_reachable_chain():
+    a = PageAllocator(num_pages=12, page_size=2, prefix_cache=True)
+    p = [5, 6, 7, 8, 9, 10, 11]
+    for s in ("x", "y"):  # admitted together: neither found the other's pages
+        assert a.match(s, p) == 0
+        a.reserve(s, 7)
+    a.commit("x", p, 7)
+    a.commit("y", p, 7)  # same tokens: y's pages stay private, its chain follows x's serials
+    a.reserve("y", 9)
+    a.commit("y", p + [12, 13], 9)  # y's next full page hangs off x's chain
+    assert a.match("z", p + [12, 13, 14]) == 8  # every full page of the longest prefix, through both owners
+
+
+def test_an_answer_s_pages_serve_the_next_turn(tiny):
+    eng = _engine(tiny, prefix_cache=True)
+    prompt = list(range(10, 23))  # 13 tokens
+    out = eng.generate([prompt], SamplingParams(max_tokens=10, ignore_eos=True))[0]
+    history = prompt + out.token_ids  # 23 tokens; the last answer token's K/V were never computed
+    eng.generate([history + [40, 41]], SamplingParams(max_tokens=1))
+    assert eng.stats.cached_tokens == (len(history) - 1) // 4 * 4  # decode steps registered their pages too
+
+
+def test_a_waiting_sequence_that_cannot_be_admitted_holds_no_pages(tiny):
+    """Matching a waiting sequence takes references; when its admission fails they must go back, or it
+    is later recomputed into pages others share (and the engine can stall)."""
+    eng = _engine(tiny, num_pages=6, max_batch_size=4, prefix_cache=True)
+    stem = list(range(30, 42))  # 12 tokens: 3 pages once registered
+    eng.generate([stem + [1]], SamplingParams(max_tokens=1))
+    eng.add_request([7, 8, 9, 10], SamplingParams(max_tokens=19, ignore_eos=True), request_id="x")
+    eng.step()
+    eng.add_request(stem + list(range(50, 61)), SamplingParams(max_tokens=1), request_id="w")
+    done = {}
+    for _ in range(200):
+        for o in eng.step():
+            if o.finished:
+                done[o.id] = o
+        for seq in eng.scheduler.waiting:
+            assert eng.allocator.page_table(seq.id) == []
+        if not eng.has_unfinished():
+            break
+    assert set(done) == {"x", "w"} and eng.allocator.num_free == 6

@@ -277,7 +277,7 @@ class Engine:
         self.stats.prefill_tokens += sum(n for n in batch.num_tokens if n > 1)
         self.stats.decode_tokens += len(batch.samplers)
         self.stats.preemptions = self.scheduler.num_preemptions
-        self.stats.cached_tokens = self.allocator.hit_tokens
+        self.stats.cached_tokens = self.scheduler.cached_tokens
         self.stats.seconds += time.perf_counter() - t0
         return outputs
 

@@ -45,7 +45,6 @@ class PageAllocator:
         self._idle: OrderedDict[int, None] = OrderedDict()
         self._chain: dict[str, list[int]] = {}
         self._serials = itertools.count(1)  # 0: "no page before" (the first page of a prompt)
-        self.hit_tokens = 0  # prompt tokens served from the prefix cache
 
     @property
     def num_free(self) -> int:
@@ -90,7 +89,6 @@ class PageAllocator:
         if table:
             self._tables[seq_id], self._chain[seq_id] = table, chain
             self._lengths[seq_id] = len(table) * ps
-            self.hit_tokens += len(table) * ps
         return len(table) * ps
 
     def uncommitted(self, seq_id: str, cached: int) -> bool:

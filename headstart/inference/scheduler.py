@@ -83,6 +83,7 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
+        self.cached_tokens = 0  # prompt tokens admitted from the prefix cache (counted once per admission)
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -148,6 +149,7 @@ class Scheduler:
                 seq.num_cached = 0
                 break
             self.waiting.popleft()
+            self.cached_tokens += seq.num_cached
             self.allocator.reserve(seq.id, seq.num_cached + n)
             seq.status = Status.RUNNING
             self.running.append(seq)
