@@ -95,3 +95,52 @@ def test_pieces_of_another_run_or_a_foreign_directory_are_refused(tmp_path, mode
         f.write('{"id": "c0"}\nnot json\n')
     with pytest.raises(DataError, match=r"part-0002.jsonl.gz: row 2"):
         run_regenerate(_recipe(tmp_path, model_dir, "d"), progress=False, pieces=broken)
+
+
+def test_a_torn_partial_file_and_repeated_ids_in_pieces_are_restored_cleanly(tmp_path, model_dir):
+    pieces = tmp_path / "pieces"
+    run_regenerate(_limit(_recipe(tmp_path, model_dir, "a"), 3), progress=False, pieces=pieces)
+    first = gzip.open(pieces / "part-0001.jsonl.gz", "rt", encoding="utf-8").read().splitlines()
+    with gzip.open(pieces / "part-0002.jsonl.gz", "wt", encoding="utf-8") as f:  # a repeat of an id of piece 1
+        f.write(first[0] + "\n")
+    recipe = _recipe(tmp_path, model_dir, "b")
+    run_regenerate(_limit(recipe, 1), progress=False, minutes=1e-9)  # b's own unfinished run: record, no rows
+    partial = tmp_path / "b" / "regenerated.jsonl.partial"
+    partial.write_text(first[0] + "\n" + first[1][:40])  # killed mid-write
+    out = run_regenerate(_limit(recipe, 3), progress=False, pieces=pieces)
+    ids = [json.loads(x)["id"] for x in out.read_text().splitlines()]
+    assert ids == ["c0", "c1", "c2"]
+
+
+def test_a_grown_finished_run_keeps_the_rows_other_machines_made(tmp_path, model_dir, monkeypatch):
+    import headstart.precompute.regenerate as regen
+
+    pieces = tmp_path / "pieces"
+    a = _recipe(tmp_path, model_dir, "a")
+    run_regenerate(_limit(a, 3), progress=False, pieces=pieces)  # machine A: c0-c2, finished
+    run_regenerate(_limit(_recipe(tmp_path, model_dir, "b"), 6), progress=False, pieces=pieces)  # B: c3-c5
+    asked = []
+    real = regen._converse
+    monkeypatch.setattr(regen, "_converse", lambda feed, todo, *rest: asked.extend(c["id"] for c in todo)
+                        or real(feed, todo, *rest))
+    out = run_regenerate(_limit(a, 8), resume=True, progress=False, pieces=pieces)  # back on A, grown
+    assert asked == ["c6", "c7"]  # B's rows were taken, not decoded again
+    assert [json.loads(x)["id"] for x in out.read_text().splitlines()] == [f"c{i}" for i in range(8)]
+
+
+def test_refused_pieces_leave_the_local_run_as_it_was(tmp_path, model_dir):
+    pieces = tmp_path / "pieces"
+    run_regenerate(_limit(_recipe(tmp_path, model_dir, "a", temperature=0.5), 2), progress=False, pieces=pieces)
+    mine = _recipe(tmp_path, model_dir, "mine", temperature=0.8)
+    run_regenerate(_limit(mine, 2), progress=False)
+    run_regenerate(mine, resume=True, progress=False, minutes=1e-9)  # grown, stopped: an unfinished run
+    local = sorted((p.name, p.read_bytes()) for p in (tmp_path / "mine").iterdir())
+    with pytest.raises(DataError, match="--pieces.*temperature"):
+        run_regenerate(mine, progress=False, pieces=pieces)
+    broken = tmp_path / "broken"
+    shutil.copytree(tmp_path / "pieces", broken)
+    (broken / "run.json").write_text((tmp_path / "mine" / "regenerated.jsonl.run.json").read_text())
+    (broken / "part-0002.jsonl.gz").write_bytes(b"not gzip")
+    with pytest.raises(DataError, match="part-0002.jsonl.gz: cannot be read"):
+        run_regenerate(mine, progress=False, pieces=broken)
+    assert sorted((p.name, p.read_bytes()) for p in (tmp_path / "mine").iterdir()) == local

@@ -3,10 +3,11 @@
 A machine that does not keep `runs/` between sessions cannot resume from `<output>.partial`. DIR (a
 directory kept with the project, e.g. under version control) holds the run record (`run.json`) and
 one gzip'd JSONL file per piece (`part-0001.jsonl.gz`, ...), each with the conversations that piece
-finished and no earlier piece holds. Before a run, the rows of every piece that the partial file
-lacks are appended to it (and the run record is copied beside it); after the run, the rows no piece
-holds yet become the next piece. Pieces are written atomically and never rewritten: a piece that
-was saved is never lost by a later one, and reading them back drops nothing but repeated ids.
+finished and no earlier piece holds. Before a run, the pieces' record is checked against the recipe
+and the rows of every piece that the partial file lacks are appended to it; after the run (or a
+time-boxed stop, or Ctrl-C), the rows no piece holds yet become the next piece. Pieces are written
+atomically and never rewritten: a saved piece is never lost by a later one, and reading them back
+drops nothing but repeated ids.
 """
 
 from __future__ import annotations
@@ -23,8 +24,12 @@ from headstart.fileio import atomic_path
 RUN = "run.json"
 
 
+def _number(path: Path) -> int:
+    return int(path.name.split("-")[1].split(".")[0])
+
+
 def _parts(pieces: Path) -> list[Path]:
-    return sorted(pieces.glob("part-*.jsonl.gz"))
+    return sorted(pieces.glob("part-*.jsonl.gz"), key=_number)
 
 
 def _check(pieces: Path) -> None:
@@ -51,58 +56,59 @@ def _rows(path: Path) -> list[tuple[str, str]]:
     return out
 
 
-def _ids_in(path: Path) -> set[str]:
-    if not path.exists():
-        return set()
-    data = path.read_bytes()
-    lines = data[: data.rfind(b"\n") + 1].decode("utf-8").split("\n")[:-1]
-    return {json.loads(line)["id"] for line in lines}
-
-
-def restore(pieces: Path, partial: Path, run_file: Path, out: Path) -> int:
-    """Append to `partial` the rows of every piece it lacks; copy the run record if there is none.
-    Returns how many rows were added."""
+def load(pieces: Path) -> tuple[dict | None, list[tuple[str, str]]]:
+    """The pieces' run record (None: no piece yet) and their rows, each id once (the first piece's),
+    all read and checked before anything is written anywhere."""
     _check(pieces)
     if not (pieces / RUN).is_file():
-        return 0
-    if run_file.exists():
-        ours, theirs = json.loads(run_file.read_text()), json.loads((pieces / RUN).read_text())
-        # the source limit may grow between pieces (regenerate checks that against the recipe)
-        diff = sorted(k for k in set(ours) | set(theirs) if ours.get(k) != theirs.get(k) and k != "limit")
-        if diff:
-            raise DataError(f"--pieces {pieces}: its {RUN} differs from {run_file} in {', '.join(diff)}; "
-                            "the pieces belong to another run")
-    else:
-        run_file.parent.mkdir(parents=True, exist_ok=True)
-        shutil.copyfile(pieces / RUN, run_file)
-    have = _ids_in(partial) | _ids_in(out)
-    added = 0
-    with open(partial, "a", encoding="utf-8") as f:
-        for part in _parts(pieces):
-            for rid, line in _rows(part):
-                if rid not in have:
-                    f.write(line + "\n")
-                    have.add(rid)
-                    added += 1
+        return None, []
+    try:
+        record = json.loads((pieces / RUN).read_text(encoding="utf-8"))
+    except (OSError, ValueError, UnicodeDecodeError) as e:
+        raise DataError(f"{pieces / RUN}: not a readable run record ({e})") from None
+    if not isinstance(record, dict):
+        raise DataError(f"{pieces / RUN}: not a run record (a JSON object)")
+    seen: set[str] = set()
+    rows = []
+    for part in _parts(pieces):
+        for rid, line in _rows(part):
+            if rid not in seen:
+                seen.add(rid)
+                rows.append((rid, line))
+    return record, rows
+
+
+def append_missing(path: Path, rows: list[tuple[str, str]]) -> int:
+    """Append to a JSONL file the rows whose ids it lacks (a torn last line, from a kill mid-write, is
+    cut off first); returns how many were added."""
+    data = path.read_bytes() if path.exists() else b""
+    keep = data[: data.rfind(b"\n") + 1]
+    have = {json.loads(line)["id"] for line in keep.decode("utf-8").split("\n")[:-1]}
+    new = [line for rid, line in rows if rid not in have and not have.add(rid)]
+    with open(path, "r+b" if path.exists() else "wb") as f:
+        f.truncate(len(keep))
+        f.seek(len(keep))
+        f.write("".join(line + "\n" for line in new).encode("utf-8"))
         f.flush()
         os.fsync(f.fileno())
-    return added
+    return len(new)
 
 
 def save(pieces: Path, rows_file: Path, run_file: Path) -> Path | None:
-    """Write the rows of `rows_file` that no piece holds as the next piece (None: nothing new)."""
+    """Write the rows of `rows_file` that no piece holds as the next piece (None: nothing new), and the
+    run record as the pieces' one (the source limit may have grown)."""
     _check(pieces)
     pieces.mkdir(parents=True, exist_ok=True)
-    with atomic_path(pieces / RUN) as tmp:  # the latest record: the limit may have grown
+    with atomic_path(pieces / RUN) as tmp:
         shutil.copyfile(run_file, tmp)
     held = {rid for part in _parts(pieces) for rid, _ in _rows(part)}
-    data = rows_file.read_bytes().decode("utf-8") if rows_file.exists() else ""
-    new = [line for line in data.split("\n")[:-1] if json.loads(line)["id"] not in held]
+    data = rows_file.read_bytes() if rows_file.exists() else b""
+    lines = data[: data.rfind(b"\n") + 1].decode("utf-8").split("\n")[:-1]
+    new = [line for line in lines if json.loads(line)["id"] not in held]
     if not new:
         return None
     parts = _parts(pieces)
-    number = int(parts[-1].name.split("-")[1].split(".")[0]) + 1 if parts else 1
-    path = pieces / f"part-{number:04d}.jsonl.gz"
+    path = pieces / f"part-{(_number(parts[-1]) if parts else 0) + 1:04d}.jsonl.gz"
     with atomic_path(path) as tmp:
         with gzip.open(tmp, "wt", encoding="utf-8", compresslevel=9) as f:
             f.write("".join(line + "\n" for line in new))

@@ -116,15 +116,7 @@ def run_regenerate(recipe: Recipe, resume: bool = False, progress: bool = True, 
         raise DataError(f"regenerate: the source {source} is the output; set regenerate.source to the conversations "
                         "to rewrite")
     if pieces is not None:
-        from headstart.precompute.pieces import restore
-
-        if out.exists() and not _ours(out, run_file):
-            raise DataError(f"{out} already exists and is not a regenerate output; set regenerate.output")
-        out.parent.mkdir(parents=True, exist_ok=True)
-        added = restore(Path(pieces), partial, run_file, out)
-        resume = True  # the pieces are an interrupted run by construction
-        if progress and added:
-            status(f"regenerate: {added:,} conversations restored from {pieces} into {partial}")
+        resume = True  # the pieces are an interrupted run by construction (restored in _run)
     if out.exists() and not _ours(out, run_file):  # a user's file or directory: no advice about growing it
         raise DataError(f"{out} already exists and is not a regenerate output (a JSONL file whose rows carry "
                         "`regenerated` provenance); regenerate never writes over it: set regenerate.output to a new "
@@ -202,21 +194,31 @@ def _run(recipe: Recipe, engine: Any, out: Path, partial: Path, run_file: Path, 
         provenance["max_context_tokens"] = cfg.max_context_tokens
     if cfg.engine != "headstart":  # recorded only when not ours: earlier runs' records stay resumable
         provenance["engine"] = cfg.engine
+    restored: list[tuple[str, str]] = []
+    if pieces is not None:  # read and checked whole before anything is written
+        from headstart.precompute.pieces import append_missing, load
+
+        record, restored = load(Path(pieces))
+        if record is not None and (diff := _differs(provenance, record)):
+            raise DataError(f"--pieces {pieces}: made with a different {', '.join(diff)}; they belong to another run")
     if partial.stat().st_size or run_file.exists():
         if not resume:
             raise DataError(f"{partial} holds an unfinished run; pass --resume to continue it")
         prev = read_json_object(run_file, "run record") if run_file.exists() else {}
-        diff = [k for k, v in {**provenance, "engine": provenance.get("engine"),
-                               "max_context_tokens": provenance.get("max_context_tokens")}.items()
-                if prev.get(k) != v and not (k == "limit" and _larger(v, prev.get(k)))]
-        if diff:
+        if diff := _differs(provenance, prev):
             raise DataError(f"{partial} was made with a different {', '.join(diff)}; refusing to resume")
         if extend:  # a finished run extended to a larger limit: its rows are kept and skipped
-            os.replace(out, partial)
+            from headstart.precompute.pieces import append_missing
+
+            lines = out.read_text(encoding="utf-8").split("\n")[:-1]
+            append_missing(partial, [(json.loads(x)["id"], x) for x in lines])
+            out.unlink()
         if prev.get("limit") != limit:
             atomic_write_text(run_file, json.dumps(provenance, indent=2))
     else:
         atomic_write_text(run_file, json.dumps(provenance, indent=2))
+    if restored and (added := append_missing(partial, restored)) and progress:
+        status(f"regenerate: {added:,} conversations restored from {pieces} into {partial}")
     done = _done_ids(partial)
     read = read_conversations(resolve_data(source), recipe.data.format, limit)
     if cfg.max_prompt_tokens is not None:  # a long first prompt costs a long prefill and is cut in training
@@ -241,21 +243,25 @@ def _run(recipe: Recipe, engine: Any, out: Path, partial: Path, run_file: Path, 
             bar.update(1)
 
         deadline = time.monotonic() + minutes * 60 if minutes is not None else None
-        complete = _converse(feed, todo, pool, cfg, recipe.seed, provenance, SamplingParams, engine.encode, finished,
-                             deadline)
+        try:
+            complete = _converse(feed, todo, pool, cfg, recipe.seed, provenance, SamplingParams, engine.encode,
+                                 finished, deadline)
+        except KeyboardInterrupt:  # Ctrl-C ends a piece too: what finished is kept
+            if pieces is not None:
+                f.flush()
+                _save_piece(pieces, partial, run_file, progress)
+            raise
     bar.close()
+    if pieces is not None:  # before the partial file becomes the output: a crash in between loses nothing
+        _save_piece(pieces, partial, run_file, progress)
     if not complete:
         left = len(read.conversations) - len(_done_ids(partial))
-        if pieces is not None:
-            _save_piece(pieces, partial, run_file, progress)
         if progress:
             status(f"regenerate: stopped after {minutes:g} min (--minutes): {left:,} of {len(read.conversations):,} "
                    f"conversations still to do; {partial} keeps the finished ones: run again with --resume"
                    + (f" --pieces {pieces}" if pieces is not None else ""))
         return partial
     totals = _in_source_order(partial, out, [c["id"] for c in read.conversations])
-    if pieces is not None:
-        _save_piece(pieces, out, run_file, progress)
     if progress:
         status(f"regenerate: {totals['conversations']:,} conversations, {totals['turns']:,} assistant turns, "
                f"{totals['tokens']:,} answer tokens -> {out} ({sum(read.skipped.values())} source rows skipped)")
@@ -264,6 +270,13 @@ def _run(recipe: Recipe, engine: Any, out: Path, partial: Path, run_file: Path, 
             status(f"regenerate: {stats.prefill_tokens:,} prompt tokens prefilled, {stats.cached_tokens:,} taken from "
                    "the prefix cache instead (regenerate.prefix_cache)")
     return out
+
+
+def _differs(provenance: dict[str, Any], prev: dict[str, Any]) -> list[str]:
+    """The provenance keys a run record disagrees on (a larger source limit is a run that grew)."""
+    return [k for k, v in {**provenance, "engine": provenance.get("engine"),
+                           "max_context_tokens": provenance.get("max_context_tokens")}.items()
+            if prev.get(k) != v and not (k == "limit" and _larger(v, prev.get(k)))]
 
 
 def _save_piece(pieces: str | Path, rows_file: Path, run_file: Path, progress: bool) -> None:
