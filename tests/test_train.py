@@ -247,8 +247,7 @@ def test_max_sequences_trains_on_the_first_conversations_only(tmp_path, chat_mod
     lengths = ArrowSequences(train).lengths
     m = json.loads((tmp_path / "run" / "metrics.json").read_text())
     assert len(lengths) > 20 and m["tokens"] == sum(n for n in lengths[:7] if n >= 3)
-    target = load_llama(chat_model_dir, "fp32")
-    vocab = target.config.vocab_size
+    vocab = (target := load_llama(chat_model_dir, "fp32")).config.vocab_size
     counts = supervised_token_counts(ArrowSequences(train), vocab, 7)
     first = torch.cat([torch.tensor(ids)[torch.tensor(mask).bool()] for ids, mask in
                        zip(train["input_ids"][:7], train["loss_mask"][:7])])
@@ -257,10 +256,10 @@ def test_max_sequences_trains_on_the_first_conversations_only(tmp_path, chat_mod
     assert torch.equal(head.t2d, build_vocab_maps(counts, 40)[1])  # the vocabulary of the sequences trained on
     assert not torch.equal(head.t2d, build_vocab_maps(supervised_token_counts(ArrowSequences(train), vocab), 40)[1])
     capsys.readouterr()
-    assert main(["train", str(path), "--no-progress", "--set", f"train.max_sequences={len(lengths) + 1}",
-                 "--set", f"output_dir={tmp_path / 'over'}"]) == 2
-    assert f"train.max_sequences={len(lengths) + 1} but the training split holds {len(lengths)}" in \
-        capsys.readouterr().err
+    over = len(lengths) + 1
+    assert main(["train", str(path), "--no-progress", "--set", f"train.max_sequences={over}", "--set",
+                 f"output_dir={tmp_path / 'over'}"]) == 2
+    assert f"train.max_sequences={over} but the training split holds {len(lengths)}" in capsys.readouterr().err
     # Shards of the whole data (split all): their first N are not the training split's first N.
     assert main(["precompute", str(path), "--set", "precompute.split=all"]) == 0
     capsys.readouterr()
