@@ -144,3 +144,12 @@ def test_refused_pieces_leave_the_local_run_as_it_was(tmp_path, model_dir):
     with pytest.raises(DataError, match="part-0002.jsonl.gz: cannot be read"):
         run_regenerate(mine, progress=False, pieces=broken)
     assert sorted((p.name, p.read_bytes()) for p in (tmp_path / "mine").iterdir()) == local
+
+
+def test_append_missing_cuts_a_torn_line_even_when_nothing_is_added(tmp_path):
+    from headstart.precompute.pieces import append_missing
+
+    f = tmp_path / "p.jsonl"
+    f.write_text('{"id": "a"}\n{"id": "b", "conversations": [{"from": "hu')
+    assert append_missing(f, [("a", '{"id": "a"}')]) == 0
+    assert f.read_text() == '{"id": "a"}\n'

@@ -142,7 +142,8 @@ class Scheduler:
             budget -= n
         while self.waiting and budget > 0 and len(self.running) < self.max_batch_size:
             seq = self.waiting[0]
-            seq.num_cached = self.allocator.match(seq.id, seq.token_ids)  # 0 unless prefix caching
+            if self.allocator.prefix_cache:  # token_ids copies the sequence: only where it is read
+                seq.num_cached = self.allocator.match(seq.id, seq.token_ids)
             n = min(seq.total_len - seq.num_cached, budget)
             if not self.allocator.can_reserve(seq.id, seq.num_cached + n):
                 self.allocator.release(seq.id)  # the matched pages go back idle, still registered
