@@ -153,3 +153,29 @@ def test_append_missing_cuts_a_torn_line_even_when_nothing_is_added(tmp_path):
     f.write_text('{"id": "a"}\n{"id": "b", "conversations": [{"from": "hu')
     assert append_missing(f, [("a", '{"id": "a"}')]) == 0
     assert f.read_text() == '{"id": "a"}\n'
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_only_a_greedy_run_goes_on_with_another_engine(tmp_path, model_dir, capsys, temperature):
+    """Pieces and a local run whose records say vLLM made them: a greedy run goes on with ours and says so
+    (the record then names ours); a sampled one is refused, the samplers differ. Real vLLM rows: test_vllm.py."""
+    pieces = tmp_path / "pieces"
+    first = _limit(_recipe(tmp_path, model_dir, "v", temperature=temperature), 3)
+    run_regenerate(first, progress=False, pieces=pieces)
+    for record in (pieces / "run.json", tmp_path / "v" / "regenerated.jsonl.run.json"):
+        record.write_text(json.dumps({**json.loads(record.read_text()), "engine": "vllm"}))
+    recipe = _recipe(tmp_path, model_dir, "h", temperature=temperature)
+    if temperature:
+        with pytest.raises(DataError, match="different engine"):
+            run_regenerate(recipe, progress=False, pieces=pieces)
+        with pytest.raises(DataError, match="different engine"):
+            run_regenerate(_limit(first, 6), resume=True, progress=False)
+        return
+    out = run_regenerate(recipe, progress=True, pieces=pieces)
+    assert "made with engine vllm; greedy, so it goes on with headstart" in capsys.readouterr().err
+    rows = [json.loads(x) for x in out.read_text().splitlines()]
+    assert [r["id"] for r in rows] == [f"c{i}" for i in range(9)]
+    assert "engine" not in json.loads((pieces / "run.json").read_text())  # the record names the last engine
+    grown = run_regenerate(_limit(first, 6), resume=True, progress=False)  # the local run goes on as well
+    assert len(grown.read_text().splitlines()) == 6
+    assert "engine" not in json.loads((tmp_path / "v" / "regenerated.jsonl.run.json").read_text())

@@ -299,16 +299,16 @@ def test_eval_puts_vllm_rows_beside_ours(tmp_path, capsys):
 @pytest.mark.real
 @pytest.mark.vllm
 @needs_vllm
-def test_regenerate_with_vllm_writes_what_ours_writes_resumes_and_refuses_mixing(tmp_path):
+def test_regenerate_with_vllm_writes_what_ours_writes_and_a_greedy_run_goes_on_with_ours(tmp_path):
     from conftest import write_jsonl
 
-    from headstart.errors import DataError
     from headstart.precompute.regenerate import run_regenerate
     from headstart.recipe_io import load_recipe
 
     src = write_jsonl(tmp_path / "src.jsonl", [{"id": f"c{i}", "conversations": [
         {"from": "human", "value": q}, {"from": "gpt", "value": "old"}]} for i, q in enumerate(
-        ["Name three fruits.", "What is 2 + 2?", "Say hello in French.", "What colour is the sky?"])])
+        ["Name three fruits.", "What is 2 + 2?", "Say hello in French.", "What colour is the sky?",
+         "Count to five.", "Name a planet."])])
 
     def recipe(name, engine, limit):
         p = tmp_path / f"{name}.yaml"
@@ -318,7 +318,7 @@ def test_regenerate_with_vllm_writes_what_ours_writes_resumes_and_refuses_mixing
         return load_recipe(p)
 
     theirs = run_regenerate(recipe("v", "vllm", 2), progress=False)
-    ours = run_regenerate(recipe("h", "headstart", 4), progress=False)
+    ours = run_regenerate(recipe("h", "headstart", 6), progress=False)
     rows = [json.loads(x) for x in theirs.read_text().splitlines()]
     assert [r["id"] for r in rows] == ["c0", "c1"] and all(r["regenerated"]["engine"] == "vllm" for r in rows)
     answers = {json.loads(x)["id"]: json.loads(x)["conversations"] for x in ours.read_text().splitlines()}
@@ -327,5 +327,7 @@ def test_regenerate_with_vllm_writes_what_ours_writes_resumes_and_refuses_mixing
     rows = [json.loads(x) for x in grown.read_text().splitlines()]
     assert [r["id"] for r in rows] == ["c0", "c1", "c2", "c3"]
     assert [r["conversations"] for r in rows] == [answers[i] for i in ("c0", "c1", "c2", "c3")]
-    with pytest.raises(DataError, match="engine"):  # one run's rows come from one engine
-        run_regenerate(recipe("v", "headstart", 6), resume=True, progress=False)
+    mixed = run_regenerate(recipe("v", "headstart", 6), resume=True, progress=False)  # greedy: on with ours
+    rows = [json.loads(x) for x in mixed.read_text().splitlines()]
+    assert [r["regenerated"].get("engine") for r in rows] == ["vllm"] * 4 + [None] * 2  # each row names its own
+    assert [r["conversations"] for r in rows] == [answers[f"c{i}"] for i in range(6)]

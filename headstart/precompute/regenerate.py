@@ -6,7 +6,9 @@ stream through the engine (continuous batching): a conversation's next turn, or 
 conversation, takes a slot the moment a reply finishes. Each finished conversation is appended to
 `<output>.partial` at once (flushed and synced); `--resume` keeps its complete lines and skips those
 ids; when everything is done the rows are written to `<output>` in source order. Sampling seeds derive from
-the recipe seed and the conversation id, so a resumed run writes what an uninterrupted one would.
+the recipe seed and the conversation id, so a resumed run writes what an uninterrupted one would. A
+greedy run may be resumed with the other engine (`regenerate.engine`: the faster one on the machine at
+hand); each row names the engine that wrote it.
 A finished run grows with a larger `regenerate.limit` and `--resume`: the next source rows are
 added to it.
 """
@@ -150,7 +152,7 @@ def run_regenerate(recipe: Recipe, resume: bool = False, progress: bool = True, 
 
     # Nothing here compares a token with its own speculative re-run, so torch's blocked kernels serve
     # the prompts (a long prefill costs 1.4-2x less than with the row-invariant ones).
-    if cfg.engine == "vllm":  # vLLM's own sampler: its outputs, not ours, so the engine is part of the provenance
+    if cfg.engine == "vllm":  # vLLM's own sampler: the engine is part of the provenance (rows and run record)
         import shutil
         import tempfile
 
@@ -201,6 +203,7 @@ def _run(recipe: Recipe, engine: Any, out: Path, partial: Path, run_file: Path, 
         record, restored = load(Path(pieces))
         if record is not None and (diff := _differs(provenance, record)):
             raise DataError(f"--pieces {pieces}: made with a different {', '.join(diff)}; they belong to another run")
+        _engine_changed(provenance, record or {}, pieces, progress)
     if partial.stat().st_size or run_file.exists():
         if not resume:
             raise DataError(f"{partial} holds an unfinished run; pass --resume to continue it")
@@ -213,7 +216,9 @@ def _run(recipe: Recipe, engine: Any, out: Path, partial: Path, run_file: Path, 
             lines = out.read_text(encoding="utf-8").split("\n")[:-1]
             append_missing(partial, [(json.loads(x)["id"], x) for x in lines])
             out.unlink()
-        if prev.get("limit") != limit:
+        if pieces is None:
+            _engine_changed(provenance, prev, partial, progress)
+        if prev.get("limit") != limit or prev.get("engine") != provenance.get("engine"):  # the record: the last
             atomic_write_text(run_file, json.dumps(provenance, indent=2))
     else:
         atomic_write_text(run_file, json.dumps(provenance, indent=2))
@@ -273,10 +278,26 @@ def _run(recipe: Recipe, engine: Any, out: Path, partial: Path, run_file: Path, 
 
 
 def _differs(provenance: dict[str, Any], prev: dict[str, Any]) -> list[str]:
-    """The provenance keys a run record disagrees on (a larger source limit is a run that grew)."""
+    """The provenance keys a run record disagrees on (a larger source limit is a run that grew; a greedy
+    run may change engine, see _engine_changed)."""
     return [k for k, v in {**provenance, "engine": provenance.get("engine"),
                            "max_context_tokens": provenance.get("max_context_tokens")}.items()
-            if prev.get(k) != v and not (k == "limit" and _larger(v, prev.get(k)))]
+            if prev.get(k) != v and not (k == "limit" and _larger(v, prev.get(k)))
+            and not (k == "engine" and _greedy(provenance) and _greedy(prev))]
+
+
+def _greedy(record: dict[str, Any]) -> bool:
+    return record.get("temperature") == 0
+
+
+def _engine_changed(provenance: dict[str, Any], prev: dict[str, Any], where: Any, progress: bool) -> None:
+    """Greedy answers are the target's argmax whichever engine computes it (ours and vLLM write the same
+    text in fp32, tests/test_vllm.py; bf16 differs as batch composition does), so a greedy run may go on
+    with the faster engine; each row names its own (`regenerated.engine`, absent: ours). Sampled runs
+    keep one engine: the samplers differ."""
+    if progress and prev and prev.get("engine") != provenance.get("engine"):
+        status(f"regenerate: {where} was made with engine {prev.get('engine') or 'headstart'}; greedy, so it goes on "
+               f"with {provenance.get('engine') or 'headstart'} (each row names the engine that wrote it)")
 
 
 def _save_piece(pieces: str | Path, rows_file: Path, run_file: Path, progress: bool) -> None:
