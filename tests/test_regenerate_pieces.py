@@ -157,25 +157,31 @@ def test_append_missing_cuts_a_torn_line_even_when_nothing_is_added(tmp_path):
 
 @pytest.mark.parametrize("temperature", [0.0, 0.8])
 def test_only_a_greedy_run_goes_on_with_another_engine(tmp_path, model_dir, capsys, temperature):
-    """Pieces and a local run whose records say vLLM made them: a greedy run goes on with ours and says so
-    (the record then names ours); a sampled one is refused, the samplers differ. Real vLLM rows: test_vllm.py."""
-    pieces = tmp_path / "pieces"
-    first = _limit(_recipe(tmp_path, model_dir, "v", temperature=temperature), 3)
-    run_regenerate(first, progress=False, pieces=pieces)
-    for record in (pieces / "run.json", tmp_path / "v" / "regenerated.jsonl.run.json"):
+    """Pieces and a local run whose records say vLLM made them: a greedy run goes on with ours, says so once
+    every record is checked, and its records then name ours; a sampled one is refused, the samplers differ.
+    Real vLLM rows: test_vllm.py."""
+    def as_vllm(record):
         record.write_text(json.dumps({**json.loads(record.read_text()), "engine": "vllm"}))
-    recipe = _recipe(tmp_path, model_dir, "h", temperature=temperature)
+
+    pieces = tmp_path / "pieces"
+    run_regenerate(_limit(_recipe(tmp_path, model_dir, "v", temperature=temperature), 3), progress=False,
+                   pieces=pieces)
+    as_vllm(pieces / "run.json")
+    local = _limit(_recipe(tmp_path, model_dir, "l", temperature=temperature), 6)
+    run_regenerate(local, progress=False, minutes=1e-9)  # an unfinished local run at the same limit
+    as_vllm(record := tmp_path / "l" / "regenerated.jsonl.run.json")
+    capsys.readouterr()
     if temperature:
-        with pytest.raises(DataError, match="different engine"):
-            run_regenerate(recipe, progress=False, pieces=pieces)
-        with pytest.raises(DataError, match="different engine"):
-            run_regenerate(_limit(first, 6), resume=True, progress=False)
+        for where in ({"pieces": pieces}, {"resume": True}):
+            with pytest.raises(DataError, match="different engine"):
+                run_regenerate(local, progress=True, **where)
+        assert "goes on" not in capsys.readouterr().err and json.loads(record.read_text())["engine"] == "vllm"
         return
-    out = run_regenerate(recipe, progress=True, pieces=pieces)
-    assert "made with engine vllm; greedy, so it goes on with headstart" in capsys.readouterr().err
-    rows = [json.loads(x) for x in out.read_text().splitlines()]
-    assert [r["id"] for r in rows] == [f"c{i}" for i in range(9)]
+    out = run_regenerate(local, resume=True, progress=True, minutes=60)
+    assert "l/regenerated.jsonl.partial was made with engine vllm; greedy, so it goes on with headstart" in \
+        capsys.readouterr().err
+    assert len(out.read_text().splitlines()) == 6 and "engine" not in json.loads(record.read_text())
+    out = run_regenerate(_recipe(tmp_path, model_dir, "h", temperature=temperature), progress=True, pieces=pieces)
+    assert capsys.readouterr().err.count("made with engine vllm; greedy, so it goes on with headstart") == 1
+    assert [json.loads(x)["id"] for x in out.read_text().splitlines()] == [f"c{i}" for i in range(9)]
     assert "engine" not in json.loads((pieces / "run.json").read_text())  # the record names the last engine
-    grown = run_regenerate(_limit(first, 6), resume=True, progress=False)  # the local run goes on as well
-    assert len(grown.read_text().splitlines()) == 6
-    assert "engine" not in json.loads((tmp_path / "v" / "regenerated.jsonl.run.json").read_text())

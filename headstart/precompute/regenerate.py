@@ -197,31 +197,33 @@ def _run(recipe: Recipe, engine: Any, out: Path, partial: Path, run_file: Path, 
     if cfg.engine != "headstart":  # recorded only when not ours: earlier runs' records stay resumable
         provenance["engine"] = cfg.engine
     restored: list[tuple[str, str]] = []
+    records: list[tuple[Any, dict[str, Any]]] = []  # (where, record) of what this run continues
     if pieces is not None:  # read and checked whole before anything is written
         from headstart.precompute.pieces import append_missing, load
 
         record, restored = load(Path(pieces))
         if record is not None and (diff := _differs(provenance, record)):
             raise DataError(f"--pieces {pieces}: made with a different {', '.join(diff)}; they belong to another run")
-        _engine_changed(provenance, record or {}, pieces, progress)
+        records += [(pieces, record)] if record is not None else []
     if partial.stat().st_size or run_file.exists():
         if not resume:
             raise DataError(f"{partial} holds an unfinished run; pass --resume to continue it")
         prev = read_json_object(run_file, "run record") if run_file.exists() else {}
         if diff := _differs(provenance, prev):
             raise DataError(f"{partial} was made with a different {', '.join(diff)}; refusing to resume")
+        records.append((partial, prev))
         if extend:  # a finished run extended to a larger limit: its rows are kept and skipped
             from headstart.precompute.pieces import append_missing
 
             lines = out.read_text(encoding="utf-8").split("\n")[:-1]
             append_missing(partial, [(json.loads(x)["id"], x) for x in lines])
             out.unlink()
-        if pieces is None:
-            _engine_changed(provenance, prev, partial, progress)
         if prev.get("limit") != limit or prev.get("engine") != provenance.get("engine"):  # the record: the last
             atomic_write_text(run_file, json.dumps(provenance, indent=2))
     else:
         atomic_write_text(run_file, json.dumps(provenance, indent=2))
+    if progress:  # once every record is checked: nothing is announced that a refusal then contradicts
+        _engine_changed(provenance, records)
     if restored and (added := append_missing(partial, restored)) and progress:
         status(f"regenerate: {added:,} conversations restored from {pieces} into {partial}")
     done = _done_ids(partial)
@@ -290,14 +292,15 @@ def _greedy(record: dict[str, Any]) -> bool:
     return record.get("temperature") == 0
 
 
-def _engine_changed(provenance: dict[str, Any], prev: dict[str, Any], where: Any, progress: bool) -> None:
+def _engine_changed(provenance: dict[str, Any], records: list[tuple[Any, dict[str, Any]]]) -> None:
     """Greedy answers are the target's argmax whichever engine computes it (ours and vLLM write the same
     text in fp32, tests/test_vllm.py; bf16 differs as batch composition does), so a greedy run may go on
     with the faster engine; each row names its own (`regenerated.engine`, absent: ours). Sampled runs
     keep one engine: the samplers differ."""
-    if progress and prev and prev.get("engine") != provenance.get("engine"):
-        status(f"regenerate: {where} was made with engine {prev.get('engine') or 'headstart'}; greedy, so it goes on "
-               f"with {provenance.get('engine') or 'headstart'} (each row names the engine that wrote it)")
+    for where, prev in records:
+        if prev and prev.get("engine") != provenance.get("engine"):
+            status(f"regenerate: {where} was made with engine {prev.get('engine') or 'headstart'}; greedy, so it goes "
+                   f"on with {provenance.get('engine') or 'headstart'} (each row names the engine that wrote it)")
 
 
 def _save_piece(pieces: str | Path, rows_file: Path, run_file: Path, progress: bool) -> None:
