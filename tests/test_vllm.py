@@ -331,3 +331,4 @@ def test_regenerate_with_vllm_writes_what_ours_writes_and_a_greedy_run_goes_on_w
     rows = [json.loads(x) for x in mixed.read_text().splitlines()]
     assert [r["regenerated"].get("engine") for r in rows] == ["vllm"] * 4 + [None] * 2  # each row names its own
     assert [r["conversations"] for r in rows] == [answers[f"c{i}"] for i in range(6)]
+    assert "engine" not in json.loads((tmp_path / "v" / "regenerated.jsonl.run.json").read_text())  # the last: ours
