@@ -125,6 +125,65 @@ def test_eval_refuses_a_bad_engine_and_a_missing_vllm_in_one_line(capsys, monkey
     assert not (tmp_path / "ev").exists()
 
 
+def _running(pid: int) -> bool:
+    """A process that still runs (a zombie, dead but not yet reaped by whoever adopted it, does not)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+    except (FileNotFoundError, ProcessLookupError):
+        return False
+
+
+def _parent(pid: int) -> int | None:
+    try:
+        return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+    except (FileNotFoundError, ProcessLookupError, IndexError, ValueError):
+        return None
+
+
+@pytest.mark.parametrize("through_wrapper", [False, True])
+def test_the_worker_ends_itself_once_headstart_is_gone(through_wrapper):
+    """A headstart killed mid-batch (SIGKILL, the 15-s watchdog) cannot end its vLLM worker, which would
+    compute on for nobody: the worker's own watch (the real `exit_with_parent`, then a long wait in place
+    of a batch) ends it. Launched through a wrapper script that does not exec, the worker must not take the
+    wrapper for headstart and end while headstart lives."""
+    import signal
+    import subprocess
+    import time
+
+    from headstart.engines.vllm_runner import WORKER
+
+    worker = (f"import sys, time; sys.path.insert(0, {str(WORKER.parent)!r}); import vllm_worker; "
+              "vllm_worker.exit_with_parent(0.05); print('watching', flush=True); time.sleep(600)")
+    argv = ["sh", "-c", '"$0" -c "$1"; true', sys.executable, worker] if through_wrapper else [sys.executable, "-c",
+                                                                                                worker]
+    headstart = ("import os, subprocess, sys, time; "
+                 "env = dict(os.environ, HEADSTART_PARENT_PID=str(os.getpid())); "
+                 f"w = subprocess.Popen({argv!r}, env=env, start_new_session=True, stdout=subprocess.PIPE, text=True); "
+                 "print(w.pid, w.stdout.readline().strip(), flush=True); time.sleep(600)")
+    middle = subprocess.Popen([sys.executable, "-c", headstart], stdout=subprocess.PIPE, text=True)
+    pid = None
+    try:
+        pid_text, said = middle.stdout.readline().split()
+        assert said == "watching"
+        pid = int(pid_text)
+        if through_wrapper:  # the wrapper's child (found by parentage: no other process is touched)
+            pid = next(int(p) for p in os.listdir("/proc") if p.isdigit() and _parent(int(p)) == pid)
+        time.sleep(0.5)  # ten of the watch's polls
+        assert _running(pid), "the worker ended while headstart was alive"
+        middle.send_signal(signal.SIGKILL)
+        if through_wrapper:  # reaped: gone from /proc (direct: left a zombie, so only the reparenting shows it)
+            middle.wait(timeout=30)
+        deadline = time.monotonic() + 30  # a hang guard, not a speed requirement
+        while _running(pid) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not _running(pid), "the worker outlived headstart"
+    finally:
+        middle.kill()
+        middle.wait(timeout=30)
+        if pid is not None and _running(pid):
+            os.kill(pid, signal.SIGKILL)
+
+
 # ------------------------------------------------------------------ every family, run in vLLM
 
 
@@ -332,3 +391,21 @@ def test_regenerate_with_vllm_writes_what_ours_writes_and_a_greedy_run_goes_on_w
     assert [r["regenerated"].get("engine") for r in rows] == ["vllm"] * 4 + [None] * 2  # each row names its own
     assert [r["conversations"] for r in rows] == [answers[f"c{i}"] for i in range(6)]
     assert "engine" not in json.loads((tmp_path / "v" / "regenerated.jsonl.run.json").read_text())  # the last: ours
+
+
+@pytest.mark.vllm
+@needs_vllm
+def test_a_busy_vllm_session_is_ended_at_close_not_waited_for(tmp_path):
+    """regenerate's vLLM closed mid-batch (SIGTERM, an error) is ended at once. Before, close waited for
+    the batch, the 15-s exit watchdog ended headstart first, and the worker computed on as an orphan."""
+    from headstart.assets import resolve_model
+    from headstart.engines.vllm_session import VLLMGenerator
+
+    gen = VLLMGenerator(resolve_model("smollm2-135m"), "fp32", 8, 0, tmp_path)
+    try:
+        assert "watching headstart (PID" in (tmp_path / "vllm.log").read_text()  # and it ends itself if we die
+        prompt = gen.encode([{"role": "user", "content": "Tell me a long story about a lighthouse."}])
+        gen.session.send([prompt] * 8, [{"max_tokens": 400, "temperature": 0.0, "top_p": 1.0, "seed": 0}] * 8, [])
+    finally:
+        gen.close()
+    assert gen.session.proc.returncode < 0  # ended by a signal: an idle worker's close waits for its exit 0

@@ -162,6 +162,7 @@ def worker_env(job: dict[str, Any], threads: Threads | None, inprocess: bool) ->
     env.setdefault("VLLM_CPU_KVCACHE_SPACE", str(job.get("kv_cache_gb", 1)))
     env.update((threads or Threads()).env())
     env["HEADSTART_VLLM_INPROCESS"] = "1" if inprocess else "0"
+    env["HEADSTART_PARENT_PID"] = str(os.getpid())  # the worker ends itself once we are gone
     if inprocess:
         env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     iomp = Path(str(vllm_python())).parent.parent / "lib" / "libiomp5.so"

@@ -49,6 +49,7 @@ class VLLMSession:
                                      env=worker_env(job, threads, inprocess=True), bufsize=1, start_new_session=True)
         self._sel = selectors.DefaultSelector()
         self._sel.register(self.proc.stdout, selectors.EVENT_READ)
+        self._pending = False  # a batch was sent and its answer not read: the worker is busy with it
         self.method = self._read(START_TIMEOUT_S, "start").get("method")
 
     def _read(self, timeout_s: float, what: str) -> dict[str, Any]:
@@ -76,6 +77,13 @@ class VLLMSession:
     def generate(self, prompts: list[list[int]], params: list[dict[str, Any]],
                  stop_token_ids: list[int]) -> list[dict[str, Any]]:
         tokens = sum(p["max_tokens"] for p in params)
+        self.send(prompts, params, stop_token_ids)
+        answer = self._read(START_TIMEOUT_S + tokens / TOKENS_PER_S_FLOOR, "a batch")["outputs"]
+        self._pending = False
+        return answer
+
+    def send(self, prompts: list[list[int]], params: list[dict[str, Any]], stop_token_ids: list[int]) -> None:
+        """Hand the worker a batch without waiting for its answer (`generate` waits)."""
         try:
             self.proc.stdin.write(json.dumps({"prompts": prompts, "params": params,
                                               "stop_token_ids": stop_token_ids}) + "\n")
@@ -83,9 +91,14 @@ class VLLMSession:
         except (BrokenPipeError, OSError):
             self.close()
             raise VLLMError(f"vLLM's worker is gone; its log: {self.log_path}\n" + _tail(self.log_path)) from None
-        return self._read(START_TIMEOUT_S + tokens / TOKENS_PER_S_FLOOR, "a batch")["outputs"]
+        self._pending = True
 
     def close(self) -> None:
+        """An idle worker is told to stop (end of input) and waited for. A busy one, whose answer nobody
+        will read (an interrupt or an error mid-batch), is ended at once: waiting for its batch could
+        outlast the caller's own exit and leave vLLM computing for nobody."""
+        if self.proc.poll() is None and self._pending:
+            end_group(self.proc)
         if self.proc.poll() is None:
             try:
                 self.proc.stdin.close()

@@ -23,7 +23,9 @@ from __future__ import annotations
 import gc
 import json
 import os
+import signal
 import sys
+import threading
 import time
 
 SPEC_COUNTERS = {"vllm:spec_decode_num_drafts": "drafts", "vllm:spec_decode_num_draft_tokens": "draft_tokens",
@@ -147,7 +149,45 @@ def serve(job: dict) -> int:
     return 0
 
 
+def exit_with_parent(poll_s: float = 1.0) -> None:
+    """End this worker (its whole process group when it leads one) once the headstart process that
+    started it is gone. headstart names itself in HEADSTART_PARENT_PID; a headstart killed mid-batch
+    (SIGKILL, a watchdog, a crash) cannot end us itself, and vLLM would go on computing for nobody
+    until the batch ends. Nothing is watched when the variable is unset (the worker run by hand)."""
+    want = os.environ.get("HEADSTART_PARENT_PID")
+    if not want:
+        return
+
+    def end() -> None:
+        log(f"headstart (PID {want}) is gone: ending")
+        if os.getpgrp() == os.getpid():  # started in a session of our own: vLLM's helpers go too
+            os.killpg(os.getpgrp(), signal.SIGKILL)
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    pid, first_parent = int(want), os.getppid()
+
+    def gone() -> bool:
+        if first_parent == pid and os.getppid() != pid:  # headstart started us itself, and we were reparented
+            return True
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return True
+        except PermissionError:
+            pass
+        return False
+
+    def watch() -> None:
+        while not gone():
+            time.sleep(poll_s)
+        end()
+
+    log(f"watching headstart (PID {want})")
+    threading.Thread(target=watch, name="exit-with-parent", daemon=True).start()
+
+
 def main() -> int:
+    exit_with_parent()
     if len(sys.argv) == 3 and sys.argv[1] == "--serve":
         with open(sys.argv[2]) as f:
             return serve(json.load(f))
