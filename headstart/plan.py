@@ -352,7 +352,9 @@ def make_plan(recipe: Recipe, target_cfg: dict[str, Any], *, device: str = "H100
         + (f"; {head_active / 1e6:.0f} M of the head's parameters active per token" if head_active != head_params
            else "") + ")",
         "host memory while loading: each rank reads its tensors one at a time from the memory-mapped safetensors "
-        "files onto its device, so a rank's host peak is its largest tensor (page cache aside)",
+        "files onto its device, so a rank's host peak is its largest tensor (page cache aside); precompute then "
+        "writes each batch's states into its shard file as they come (fp8 quantised on the device, 2,048 rows at a "
+        "time), so no rank holds a shard in memory, whatever precompute.shard_tokens is",
     ]
     return Plan(recipe=recipe.name or "", device=device, capacity=capacity_gb * GB, phases=phases_made,
                 disk_bytes_per_token=disk, assumptions=assumptions, serving=serving)

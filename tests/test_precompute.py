@@ -233,18 +233,22 @@ def test_damaged_records_and_faults_are_one_line(tmp_path, model_dir, capsys, mo
     assert "cannot" in capsys.readouterr().err.strip().splitlines()[-1]
 
 
-def test_a_full_disk_while_writing_a_shard_is_named(tmp_path, monkeypatch):
-    from safetensors import SafetensorError
+def test_a_shard_that_cannot_be_written_is_named_and_nothing_is_kept(tmp_path):
+    """A real write failure (the file-size limit, as a full disk would be): the error names the shard
+    and the OS's reason, and no temporary is left."""
+    import subprocess
+    import sys
 
-    from headstart.precompute import shards
-
-    def full(*a, **k):
-        raise SafetensorError("Error while serializing: IoError(Os { code: 28, kind: StorageFull })")
-
-    monkeypatch.setattr(shards, "save_file", full)
-    with pytest.raises(DataError, match="could not write the shard .*StorageFull.*nothing was kept"):
-        shards.write_shard(tmp_path / "shard-00000.safetensors", 0, torch.ones(3), torch.ones(3), [3],
-                           torch.ones(3, 4), None, "bf16")
+    code = ("import resource, signal, sys, torch; from pathlib import Path; "
+            "from headstart.errors import DataError; from headstart.precompute import shards; "
+            "signal.signal(signal.SIGXFSZ, signal.SIG_IGN); resource.setrlimit(resource.RLIMIT_FSIZE, (4096, 4096))\n"
+            "try:\n"
+            f"    shards.write_shard(Path({str(tmp_path)!r}) / 'shard-00000.safetensors', 0, torch.ones(64), "
+            "torch.ones(64), [64], torch.ones(64, 256), None, 'bf16')\n"
+            "except DataError as e:\n    print(e)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert "shard-00000.safetensors: could not write the shard (File too large); nothing was kept" in out.stdout
     assert list(tmp_path.iterdir()) == []
 
 
@@ -292,3 +296,72 @@ def test_a_shard_truncated_during_training_is_named_not_a_bus_error(tmp_path, mo
         f.truncate(victim.stat().st_size // 2)
     with pytest.raises(DataError, match=r"shard-00001.safetensors: shard 1 has .* bytes, the manifest says"):
         seqs.load([last])
+
+
+def test_a_shard_written_batch_by_batch_holds_what_one_write_holds(tmp_path):
+    """ShardWriter lays the file out first and puts each batch's rows in place: the same tensors as the
+    whole shard written at once (a plain safetensors file), the fp8 error over the whole shard, and a
+    batch that does not fit or a shard left short is refused with nothing kept."""
+    from safetensors.torch import load_file
+
+    from headstart.precompute import shards
+
+    torch.manual_seed(0)
+    n, d, a = 50, 16, 3
+    ids, mask, lens = torch.arange(n), (torch.arange(n) % 3 == 0).to(torch.uint8), [20, 7, 23]
+    h, aux = torch.randn(n, d) * torch.rand(n, 1) * 9, torch.randn(n, a, d)
+    for storage in ("fp8", "bf16"):
+        whole = shards.write_shard(tmp_path / f"whole-{storage}.safetensors", 0, ids, mask, lens, h, aux, storage)
+        with shards.ShardWriter(tmp_path / f"parts-{storage}.safetensors", 0, ids, mask, lens, d, a, storage) as w:
+            for lo, hi in ((0, 13), (13, 14), (14, 50)):
+                w.add(h[lo:hi], aux[lo:hi])
+            parts = w.close()
+        one, many = load_file(tmp_path / whole.name), load_file(tmp_path / parts.name)
+        assert one.keys() == many.keys() and all(torch.equal(one[k].view(torch.uint8) if one[k].dtype ==
+                                                            torch.float8_e4m3fn else one[k], many[k].view(torch.uint8)
+                                                            if many[k].dtype == torch.float8_e4m3fn else many[k])
+                                                for k in one)
+        back = shards.load_shard(tmp_path / parts.name)
+        assert back.seq_lens == lens and torch.equal(back.input_ids, ids) and torch.equal(back.loss_mask, mask)
+        torch.testing.assert_close(back.hidden.float(), h, rtol=0.07, atol=0.07)
+        if storage == "fp8":
+            q, s = shards.to_fp8(h)
+            direct = float((shards.from_fp8(q, s) - h).norm() / h.norm())
+            assert parts.fp8_rel_error == pytest.approx(direct, rel=1e-6) and whole.fp8_rel_error == pytest.approx(
+                direct, rel=1e-6)
+        else:
+            assert parts.fp8_rel_error is None and torch.equal(back.hidden, h.bfloat16())
+    w = shards.ShardWriter(tmp_path / "short.safetensors", 7, ids, mask, lens, d, a, "fp8")
+    with pytest.raises(ValueError, match="shard 7: a batch of \\(5, 8\\) hidden states .* does not fit"):
+        w.add(torch.ones(5, 8), torch.ones(5, a, 8))
+    w = shards.ShardWriter(tmp_path / "short.safetensors", 7, ids, mask, lens, d, a, "fp8")
+    w.add(h[:10], aux[:10])
+    with pytest.raises(ValueError, match="shard 7: 10 of 50 rows written"):
+        w.close()
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
+        f"{k}-{s}.safetensors" for k in ("whole", "parts") for s in ("fp8", "bf16"))
+
+
+def test_precompute_writes_each_batch_before_the_next_forward(tmp_path, model_dir, monkeypatch):
+    """A rank holds one batch of states on the host, not a shard's (51.8 GB for one 4M-token shard of
+    a 1B target on an H200): every batch reaches its shard's file before the next forward runs."""
+    from headstart.precompute import run as run_mod
+    from headstart.precompute.shards import ShardWriter
+
+    events = []
+    forward, add = run_mod.EngineForward.__call__, ShardWriter.add
+
+    def spy_forward(self, seqs, aux):
+        events.append(("forward", sum(len(s) for s in seqs)))
+        return forward(self, seqs, aux)
+
+    def spy_add(self, hidden, aux):
+        events.append(("add", hidden.shape[0]))
+        return add(self, hidden, aux)
+
+    monkeypatch.setattr(run_mod.EngineForward, "__call__", spy_forward)
+    monkeypatch.setattr(ShardWriter, "add", spy_add)
+    manifest = run_precompute(load_recipe(_recipe(tmp_path, model_dir, storage="fp8")), progress=False)
+    assert len(events) > 2 * len(manifest["shards"])  # several batches per shard
+    assert events[0::2] == [("forward", m) for _, m in events[1::2]] and all(e[0] == "add" for e in events[1::2])
+    verify(tmp_path / "r" / "precompute")

@@ -12,6 +12,7 @@ config); resuming against anything else is refused, naming what differs.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import json
@@ -27,7 +28,7 @@ from headstart.console import status
 from headstart.errors import DataError
 from headstart.fileio import exclusive_lock, read_json_object, remove_stale_temporaries
 from headstart.nn.attention import AttentionBackend
-from headstart.precompute.shards import ShardRecord, read_record, shard_name, write_json_atomic, write_shard
+from headstart.precompute.shards import ShardRecord, ShardWriter, read_record, shard_name, write_json_atomic
 
 FORMAT = "headstart-precompute/1"
 CONVENTION = {
@@ -283,19 +284,22 @@ def _run(recipe: Recipe, out: Path, header: dict[str, Any], resume: bool, rank: 
         a, b = shards[i]
         rows = ds.select(range(a, b))
         seqs = [list(r) for r in rows["input_ids"]]
-        hs, auxs = [], []
-        for ba, bb in plan_batches([len(s) for s in seqs], recipe.precompute.batch_tokens):
-            h, x = forward(seqs[ba:bb], aux)
-            hs.append(h.cpu())
-            if x is not None:
-                auxs.append(x.cpu())
-            bar.update(sum(len(s) for s in seqs[ba:bb]))
-        if not writer:
-            continue
-        ids = torch.tensor([t for s in seqs for t in s])
-        mask = torch.tensor([m for r in rows["loss_mask"] for m in r], dtype=torch.uint8)
-        rec = write_shard(out / shard_name(i), i, ids, mask, [len(s) for s in seqs], torch.cat(hs),
-                          torch.cat(auxs) if auxs else None, recipe.precompute.storage)
+        # each batch goes to its place in the file as it comes (quantised on the device): a rank holds one
+        # batch of states on the host, not the shard's
+        shard = contextlib.nullcontext() if not writer else ShardWriter(
+            out / shard_name(i), i, torch.tensor([t for s in seqs for t in s]),
+            torch.tensor([m for r in rows["loss_mask"] for m in r], dtype=torch.uint8), [len(s) for s in seqs],
+            model.config.hidden_size, len(aux), recipe.precompute.storage)
+        with shard as w:
+            for ba, bb in plan_batches([len(s) for s in seqs], recipe.precompute.batch_tokens):
+                h, x = forward(seqs[ba:bb], aux)
+                if w is not None:
+                    w.add(h, x)
+                del h, x
+                bar.update(sum(len(s) for s in seqs[ba:bb]))
+            if w is None:
+                continue
+            rec = w.close()
         written_bytes += rec.bytes
         bar.set_postfix(shard=i, written=f"{written_bytes / 1e6:.1f}MB")
     bar.close()
