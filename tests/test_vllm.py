@@ -405,7 +405,8 @@ def test_a_busy_vllm_session_is_ended_at_close_not_waited_for(tmp_path):
     try:
         assert "watching headstart (PID" in (tmp_path / "vllm.log").read_text()  # and it ends itself if we die
         prompt = gen.encode([{"role": "user", "content": "Tell me a long story about a lighthouse."}])
-        gen.session.send([prompt] * 8, [{"max_tokens": 400, "temperature": 0.0, "top_p": 1.0, "seed": 0}] * 8, [])
+        for i in range(8):
+            gen.session.submit(f"r{i}", prompt, {"max_tokens": 400, "temperature": 0.0, "top_p": 1.0, "seed": 0}, [])
     finally:
         gen.close()
     assert gen.session.proc.returncode < 0  # ended by a signal: an idle worker's close waits for its exit 0

@@ -10,6 +10,7 @@ template (so both engines see the same tokens) and the text decoded by it as our
 from __future__ import annotations
 
 import json
+import os
 import selectors
 import subprocess
 import time
@@ -33,7 +34,8 @@ from headstart.engines.vllm_runner import (
 
 
 class VLLMSession:
-    """`with VLLMSession(job, workdir) as s: s.generate(prompts, params)`; the worker's log is
+    """`with VLLMSession(job, workdir) as s:`, then `s.submit(id, ...)` any time and `s.collect()` for the
+    requests that have finished since: a stream, as our engine's add_request / step. The worker's log is
     workdir/vllm.log. The engine runs in the worker's own process (no spawns)."""
 
     def __init__(self, job: dict[str, Any], workdir: Path, threads: Threads | None = None) -> None:
@@ -45,59 +47,84 @@ class VLLMSession:
         (workdir / "job.json").write_text(json.dumps(job))
         self._log = open(self.log_path, "w")
         self.proc = subprocess.Popen([str(vllm_python()), "-P", str(WORKER), "--serve", str(workdir / "job.json")],
-                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._log, text=True,
-                                     env=worker_env(job, threads, inprocess=True), bufsize=1, start_new_session=True)
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._log,
+                                     env=worker_env(job, threads, inprocess=True), start_new_session=True)
         self._sel = selectors.DefaultSelector()
         self._sel.register(self.proc.stdout, selectors.EVENT_READ)
-        self._pending = False  # a batch was sent and its answer not read: the worker is busy with it
+        self._buf = b""
+        self.in_flight: dict[str, int] = {}  # request id -> its max_tokens: sent, not yet answered
         self.method = self._read(START_TIMEOUT_S, "start").get("method")
 
-    def _read(self, timeout_s: float, what: str) -> dict[str, Any]:
+    def _line(self, timeout_s: float) -> bytes | None:
+        """One line of the worker's answers; None when none came within timeout_s (0: only one already here)."""
         deadline = time.monotonic() + timeout_s
-        while True:
+        while b"\n" not in self._buf:
             left = deadline - time.monotonic()
-            if left <= 0:
-                self.close()
-                raise VLLMError(f"vLLM gave no answer to {what} within {timeout_s:.0f} s; its log: {self.log_path}\n"
-                                + _tail(self.log_path))
-            if self._sel.select(timeout=min(left, 5.0)):
-                line = self.proc.stdout.readline()
-                if line:
-                    try:
-                        return json.loads(line)
-                    except ValueError:
-                        self.close()
-                        raise VLLMError(f"vLLM's worker answered {what} with {line[:80]!r}, not JSON; its log: "
-                                        f"{self.log_path}\n" + _tail(self.log_path)) from None
-            if self.proc.poll() is not None:
+            if not self._sel.select(timeout=max(0.0, min(left, 5.0))):
+                if self.proc.poll() is not None:
+                    self._log.close()
+                    raise VLLMError(f"vLLM stopped (exit {self.proc.returncode}); its log: {self.log_path}\n"
+                                    + _tail(self.log_path))
+                if left <= 0:
+                    return None
+                continue
+            chunk = os.read(self.proc.stdout.fileno(), 1 << 20)
+            if not chunk:
+                self.proc.wait(timeout=30)
                 self._log.close()
-                raise VLLMError(f"vLLM stopped (exit {self.proc.returncode}) during {what}; its log: "
-                                f"{self.log_path}\n" + _tail(self.log_path))
+                raise VLLMError(f"vLLM stopped (exit {self.proc.returncode}); its log: {self.log_path}\n"
+                                + _tail(self.log_path))
+            self._buf += chunk
+        line, self._buf = self._buf.split(b"\n", 1)
+        return line
 
-    def generate(self, prompts: list[list[int]], params: list[dict[str, Any]],
-                 stop_token_ids: list[int]) -> list[dict[str, Any]]:
-        tokens = sum(p["max_tokens"] for p in params)
-        self.send(prompts, params, stop_token_ids)
-        answer = self._read(START_TIMEOUT_S + tokens / TOKENS_PER_S_FLOOR, "a batch")["outputs"]
-        self._pending = False
-        return answer
-
-    def send(self, prompts: list[list[int]], params: list[dict[str, Any]], stop_token_ids: list[int]) -> None:
-        """Hand the worker a batch without waiting for its answer (`generate` waits)."""
+    def _read(self, timeout_s: float, what: str) -> dict[str, Any]:
+        line = self._line(timeout_s)
+        if line is None:
+            self.close()
+            raise VLLMError(f"vLLM gave no answer to {what} within {timeout_s:.0f} s; its log: {self.log_path}\n"
+                            + _tail(self.log_path))
         try:
-            self.proc.stdin.write(json.dumps({"prompts": prompts, "params": params,
-                                              "stop_token_ids": stop_token_ids}) + "\n")
+            return json.loads(line)
+        except ValueError:
+            self.close()
+            raise VLLMError(f"vLLM's worker answered {what} with {line[:80]!r}, not JSON; its log: "
+                            f"{self.log_path}\n" + _tail(self.log_path)) from None
+
+    def submit(self, request_id: str, prompt: list[int], params: dict[str, Any], stop_token_ids: list[int]) -> None:
+        """Hand the worker one request; it joins the running batch at vLLM's next step."""
+        if request_id in self.in_flight:
+            raise ValueError(f"request {request_id!r} is already with vLLM")
+        try:
+            self.proc.stdin.write((json.dumps({"id": request_id, "prompt": prompt, "params": params,
+                                               "stop_token_ids": stop_token_ids}) + "\n").encode())
             self.proc.stdin.flush()
         except (BrokenPipeError, OSError):
             self.close()
             raise VLLMError(f"vLLM's worker is gone; its log: {self.log_path}\n" + _tail(self.log_path)) from None
-        self._pending = True
+        self.in_flight[request_id] = params["max_tokens"]
+
+    def collect(self) -> list[dict[str, Any]]:
+        """The requests finished since the last call ({"id", "token_ids", "finish_reason"}): waits for
+        the first (as long as every token in flight may take at the slowest rate), takes the others that
+        are already here."""
+        if not self.in_flight:
+            return []
+        outs = [self._read(START_TIMEOUT_S + sum(self.in_flight.values()) / TOKENS_PER_S_FLOOR, "a request")]
+        while (line := self._line(0)) is not None:
+            outs.append(json.loads(line))
+        for o in outs:
+            if self.in_flight.pop(o.get("id"), None) is None:
+                self.close()
+                raise VLLMError(f"vLLM's worker answered request {o.get('id')!r}, which was not asked; its log: "
+                                f"{self.log_path}")
+        return outs
 
     def close(self) -> None:
-        """An idle worker is told to stop (end of input) and waited for. A busy one, whose answer nobody
+        """An idle worker is told to stop (end of input) and waited for. A busy one, whose answers nobody
         will read (an interrupt or an error mid-batch), is ended at once: waiting for its batch could
         outlast the caller's own exit and leave vLLM computing for nobody."""
-        if self.proc.poll() is None and self._pending:
+        if self.proc.poll() is None and self.in_flight:
             end_group(self.proc)
         if self.proc.poll() is None:
             try:
@@ -124,7 +151,7 @@ class GeneratedText:
 
 
 class VLLMGenerator:
-    """regenerate's engine surface (`encode`, `generate`, `model.fingerprint()`, `stop_ids`) on vLLM."""
+    """regenerate's engine surface (`encode`, `submit` / `collect`, `model.fingerprint()`, `stop_ids`) on vLLM."""
 
     def __init__(self, model_dir: str | Path, dtype: str, max_batch_size: int, seed: int, workdir: Path,
                  max_model_len: int | None = None) -> None:
@@ -146,17 +173,23 @@ class VLLMGenerator:
         out = self.tokenizer.apply_chat_template(messages, tokenize=True, add_generation_prompt=True)
         return list(out["input_ids"] if hasattr(out, "keys") else out)
 
-    def generate(self, prompts: list[Any], params: list[Any]) -> list[GeneratedText]:
-        ids = [self.encode(p) for p in prompts]
-        for i, p in enumerate(ids):
-            if len(p) + 1 > self.max_model_len:
-                raise VLLMError(f"request {i}: the prompt has {len(p)} tokens; the model's context is "
-                                f"{self.max_model_len}")
-        reqs = [{"max_tokens": min(s.max_tokens, self.max_model_len - len(p)), "temperature": s.temperature,
-                 "top_p": s.top_p, "seed": s.seed} for s, p in zip(params, ids)]
-        outs = self.session.generate(ids, reqs, self.stop_ids)
-        return [GeneratedText(o["token_ids"], self.tokenizer.decode(o["token_ids"], skip_special_tokens=True),
-                              o["finish_reason"]) for o in outs]
+    def submit(self, request_id: str, messages: list[dict[str, str]], params: Any) -> None:
+        """One conversation's next turn into the running batch (regenerate's stream)."""
+        ids = self.encode(messages)
+        if len(ids) + 1 > self.max_model_len:
+            raise VLLMError(f"request {request_id!r}: the prompt has {len(ids)} tokens; the model's context is "
+                            f"{self.max_model_len}")
+        self.session.submit(request_id, ids, {"max_tokens": min(params.max_tokens, self.max_model_len - len(ids)),
+                                              "temperature": params.temperature, "top_p": params.top_p,
+                                              "seed": params.seed}, self.stop_ids)
+
+    def collect(self) -> list[tuple[str, GeneratedText]]:
+        """The turns finished since the last call, as (request id, text)."""
+        return [(o["id"], self._text(o)) for o in self.session.collect()]
+
+    def _text(self, out: dict[str, Any]) -> GeneratedText:
+        return GeneratedText(out["token_ids"], self.tokenizer.decode(out["token_ids"], skip_special_tokens=True),
+                             out["finish_reason"])
 
     def close(self) -> None:
         self.session.close()

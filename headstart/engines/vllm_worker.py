@@ -2,7 +2,7 @@
 vLLM pins its own transformers, so the two meet only through files. Standard library + vllm only.
 
     python vllm_worker.py JOB.json RESULT.json     # a batch of timed tasks (eval, tests, benchmarks)
-    python vllm_worker.py --serve JOB.json         # requests on stdin, one JSON line each (regenerate)
+    python vllm_worker.py --serve JOB.json         # a stream of requests on stdin, one JSON line each
 
 JOB.json (written by headstart.engines.vllm_runner):
     model, dtype, max_model_len, kv_cache_gb, threads (null: vLLM's default binding)
@@ -126,26 +126,50 @@ def run(job: dict) -> dict:
 
 
 def serve(job: dict) -> int:
-    """One engine (job["engines"]["main"]); per stdin line {"prompts": [[ids]], "params": [{max_tokens,
-    temperature, top_p, seed}], "stop_token_ids": [...]} one stdout line {"outputs": [{"token_ids",
-    "finish_reason"}]}. vLLM logs to stdout too: the protocol keeps the original stdout for itself and
-    everything else (fd 1 included, for C-level prints) goes to stderr."""
+    """One engine (job["engines"]["main"]) fed as a stream: per stdin line one request {"id", "prompt":
+    [ids], "params": {max_tokens, temperature, top_p, seed}, "stop_token_ids": [...]}, per finished request
+    one stdout line {"id", "token_ids", "finish_reason"}, in the order they finish. Requests that arrive
+    while others decode join the running batch at the next step (continuous batching), so the slots of
+    the ones that finish are filled at once; end of input ends the worker once the last request is out.
+    vLLM logs to stdout too: the protocol keeps the original stdout for itself and everything else (fd 1
+    included, for C-level prints) goes to stderr."""
+    import selectors
+
     proto = os.fdopen(os.dup(1), "w", buffering=1)
     os.dup2(2, 1)
     sys.stdout = sys.stderr
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
+    from vllm.sampling_params import RequestOutputKind
 
     llm = start(job, job["engines"].get("main"))
+    engine = llm.llm_engine
     proto.write(json.dumps({"ready": True, "method": method_of(llm)}) + "\n")
-    for line in sys.stdin:
-        req = json.loads(line)
-        params = [SamplingParams(max_tokens=p["max_tokens"], temperature=p["temperature"], top_p=p.get("top_p", 1.0),
-                                 seed=p.get("seed"), stop_token_ids=req.get("stop_token_ids") or [],
-                                 detokenize=False) for p in req["params"]]
-        outs = llm.generate([TokensPrompt(prompt_token_ids=ids) for ids in req["prompts"]], params, use_tqdm=False)
-        proto.write(json.dumps({"outputs": [{"token_ids": list(o.outputs[0].token_ids),
-                                             "finish_reason": o.outputs[0].finish_reason} for o in outs]}) + "\n")
+    sel = selectors.DefaultSelector()
+    sel.register(0, selectors.EVENT_READ)
+    pending, reading = b"", True
+    while reading or engine.has_unfinished_requests():
+        busy = engine.has_unfinished_requests()
+        while reading and sel.select(0 if busy else None):  # take what has come; wait only when idle
+            chunk = os.read(0, 1 << 20)
+            if not chunk:
+                reading = False
+                break
+            *lines, pending = (pending + chunk).split(b"\n")
+            for line in lines:
+                req = json.loads(line)
+                p = req["params"]
+                params = SamplingParams(max_tokens=p["max_tokens"], temperature=p["temperature"],
+                                        top_p=p.get("top_p", 1.0), seed=p.get("seed"),
+                                        stop_token_ids=req.get("stop_token_ids") or [], detokenize=False)
+                params.output_kind = RequestOutputKind.FINAL_ONLY
+                engine.add_request(str(req["id"]), TokensPrompt(prompt_token_ids=req["prompt"]), params)
+            busy = True
+        if engine.has_unfinished_requests():
+            for out in engine.step():
+                if out.finished:
+                    proto.write(json.dumps({"id": out.request_id, "token_ids": list(out.outputs[0].token_ids),
+                                            "finish_reason": out.outputs[0].finish_reason}) + "\n")
     return 0
 
 
