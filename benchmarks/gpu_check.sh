@@ -22,7 +22,11 @@
 #   options: --out DIR (default runs/gpu-check), --python PY (use this interpreter, install nothing),
 #            --wheels DIR (offline: install from these wheels, no index; see setup_env),
 #            --budget SECONDS for every step after the installs (default 480 on a GPU, none with --cpu):
-#            a step gets at most what is left (else FAIL 'no time left'), so the summary always prints
+#            a step gets at most what is left (else FAIL 'no time left'), so the summary always prints;
+#            --only STEP,STEP,... runs those steps (and setup) alone. All of it takes more than one
+#            10-minute device call (H200, 2026-12-04): run it as two calls on the warm machine,
+#              --only flashinfer,inputs,plan,precompute,train,eval,export
+#              --only flashinfer,inputs,deepseek-auto,deepseek-refusal,cuda-tests   (the models are reused)
 #
 # Every run writes into a new directory DIR/<mode>-<time>/ (logs/, peaks/, the run's outputs); the
 # random models are kept in DIR/models-<shape>/ and reused. Nothing is ever deleted. Exit status: 0
@@ -30,7 +34,8 @@
 set -euo pipefail
 
 usage() { sed -n '2,/^set -euo/{/^#/p}' "$0" | sed 's/^# \{0,1\}//'; }
-MODE=gpu OUT_BASE="" PY_GIVEN="" WHEELS="${HEADSTART_WHEELS:-}" BUDGET=""
+MODE=gpu OUT_BASE="" PY_GIVEN="" WHEELS="${HEADSTART_WHEELS:-}" BUDGET="" ONLY=""
+ALL_STEPS=",setup,flashinfer,inputs,plan,precompute,train,eval,export,deepseek-auto,deepseek-refusal,cuda-tests,"
 while [ $# -gt 0 ]; do
     case "$1" in
         --cpu) MODE=cpu ;;
@@ -38,6 +43,7 @@ while [ $# -gt 0 ]; do
         --python) PY_GIVEN=${2:?--python needs an interpreter}; shift ;;
         --wheels) WHEELS=${2:?--wheels needs a directory}; shift ;;
         --budget) BUDGET=${2:?--budget needs seconds}; shift ;;
+        --only) ONLY=${2:?--only needs a comma-separated list of steps}; shift ;;
         -h|--help) usage; exit 0 ;;
         *) echo "gpu_check.sh: unknown argument '${1:0:40}' (see --help)" >&2; exit 2 ;;
     esac
@@ -50,6 +56,9 @@ BUDGET=$(echo "$BUDGET" | sed 's/^0*\([0-9]\)/\1/')  # decimal: a leading 0 woul
 if [ "${#BUDGET}" -gt 5 ] || [ "$BUDGET" -gt 86400 ]; then
     echo "gpu_check.sh: --budget $BUDGET: at most 86400 seconds (a day; the lent device has minutes)" >&2; exit 2
 fi
+for s in ${ONLY//,/ }; do
+    case $ALL_STEPS in *",$s,"*) ;; *) echo "gpu_check.sh: --only: no step '${s:0:30}' (steps:${ALL_STEPS//,/ })" >&2; exit 2 ;; esac
+done
 if [ -n "$WHEELS" ] && [ ! -d "$WHEELS" ]; then
     echo "gpu_check.sh: --wheels ${WHEELS:0:80}: no such directory (the wheels to install offline)" >&2; exit 2
 fi
@@ -268,6 +277,7 @@ STEPS=() BUDGET_FROM=""
 step() {  # step NAME SECONDS COMMAND...
     local name=$1 limit=$2 log=$RUN/logs/$1.log start=$SECONDS rc=0 smi_pid="" status left
     shift 2
+    if [ -n "$ONLY" ] && [ "$name" != setup ]; then case ",$ONLY," in *",$name,"*) ;; *) return ;; esac; fi
     if [ "$BUDGET" -gt 0 ] && [ -n "$BUDGET_FROM" ]; then
         left=$((BUDGET - (SECONDS - BUDGET_FROM)))
         if [ "$left" -lt 15 ]; then

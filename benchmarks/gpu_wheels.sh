@@ -7,7 +7,7 @@
 #   - FlashInfer 0.2.14.post1 built here from its sdist (py3-none-any, 5.4 MB, kernels compiled on the GPU
 #     at first use). PyPI's FlashInfer 0.7 wheel is 101 MB: over the 64 MiB a device call carries.
 #
-#   bash benchmarks/gpu_wheels.sh .whl          # here (pip reaches PyPI); .whl must be git-ignored
+#   bash benchmarks/gpu_wheels.sh .whl          # here (pip reaches PyPI); .gitignore ignores /.whl/
 # then, on the lent machine (the device tool carries .whl):
 #   python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site
 #   bash benchmarks/gpu_check.sh --python python3 --out /tmp/gc

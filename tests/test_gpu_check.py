@@ -89,13 +89,23 @@ def test_the_table_fails_when_a_measured_peak_exceeds_the_plan(tmp_path, capsys)
 
 
 def test_bad_options_are_one_line_before_any_step(tmp_path):
-    """A missing --python / --wheels and an absurd --budget: exit 2 with one line, no step run."""
+    """A missing --python / --wheels, an absurd --budget and an unknown --only step: exit 2 with one line, no
+    step run."""
     import subprocess
 
     for args, said in ((["--python", str(tmp_path / "nope")], "--python"), (["--wheels", str(tmp_path / "nope")],
                        "--wheels"), (["--budget", "99999999999"], "--budget 99999999999: at most 86400"),
-                       (["--budget", "1h"], "--budget takes whole seconds")):
+                       (["--budget", "1h"], "--budget takes whole seconds"),
+                       (["--only", "train,cuda_tests"], "--only: no step 'cuda_tests'")):
         p = subprocess.run(["bash", str(SCRIPT), "--cpu", "--out", str(tmp_path / "out"), *args], cwd=tmp_path,
                            capture_output=True, text=True, timeout=60)
         assert p.returncode == 2 and said in p.stderr and len(p.stderr.strip().splitlines()) == 1, (args, p.stderr)
         assert "FAIL" not in p.stdout
+
+
+def test_only_runs_the_steps_named(tmp_path):
+    """--only: the steps named (and setup), nothing else in the summary; the dry run's models are built."""
+    p = subprocess.run(["bash", str(SCRIPT), "--cpu", "--out", str(tmp_path / "out"), "--python", sys.executable,
+                        "--only", "inputs,deepseek-refusal"], cwd=tmp_path, capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-2000:]
+    assert _statuses(p.stdout) == {"setup": "PASS", "inputs": "PASS", "deepseek-refusal": "PASS"}, p.stdout[-3000:]

@@ -241,14 +241,19 @@ def test_a_shard_that_cannot_be_written_is_named_and_nothing_is_kept(tmp_path):
 
     code = ("import resource, signal, sys, torch; from pathlib import Path; "
             "from headstart.errors import DataError; from headstart.precompute import shards; "
-            "signal.signal(signal.SIGXFSZ, signal.SIG_IGN); resource.setrlimit(resource.RLIMIT_FSIZE, (4096, 4096))\n"
-            "try:\n"
-            f"    shards.write_shard(Path({str(tmp_path)!r}) / 'shard-00000.safetensors', 0, torch.ones(64), "
-            "torch.ones(64), [64], torch.ones(64, 256), None, 'bf16')\n"
-            "except DataError as e:\n    print(e)")
+            "signal.signal(signal.SIGXFSZ, signal.SIG_IGN)\n"
+            "def limit():\n    resource.setrlimit(resource.RLIMIT_FSIZE, (4096, resource.RLIM_INFINITY))\n"
+            f"path = Path({str(tmp_path)!r}) / 'shard-00000.safetensors'\n"
+            "w = shards.ShardWriter(path, 0, torch.ones(64), torch.ones(64), [64], 256, 0, 'bf16')\n"
+            "limit()  # the layout is written: the rows at their offsets are not\n"
+            "try:\n    w.add(torch.ones(64, 256), None)\n    w.close()\nexcept DataError as e:\n    print(e)\n"
+            "try:\n    shards.write_shard(path, 0, torch.ones(64), torch.ones(64), [64], torch.ones(64, 256), "
+            "None, 'bf16')\nexcept DataError as e:\n    print(e)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
-    assert "shard-00000.safetensors: could not write the shard (File too large); nothing was kept" in out.stdout
+    said = out.stdout.splitlines()
+    assert len(said) == 2 and all(line.endswith("shard-00000.safetensors: could not write the shard (File too "
+                                                 "large); nothing was kept") for line in said), out.stdout
     assert list(tmp_path.iterdir()) == []
 
 
@@ -307,13 +312,13 @@ def test_a_shard_written_batch_by_batch_holds_what_one_write_holds(tmp_path):
     from headstart.precompute import shards
 
     torch.manual_seed(0)
-    n, d, a = 50, 16, 3
-    ids, mask, lens = torch.arange(n), (torch.arange(n) % 3 == 0).to(torch.uint8), [20, 7, 23]
-    h, aux = torch.randn(n, d) * torch.rand(n, 1) * 9, torch.randn(n, a, d)
+    n, d, a = 4500, 16, 3  # the last batch spans three of the writer's 2,048-row quantisation chunks
+    ids, mask, lens = torch.arange(n), (torch.arange(n) % 3 == 0).to(torch.uint8), [20, 7, 4473]
+    h, aux = torch.randn(n, d) * torch.rand(n, 1) * 9, torch.randn(n, a, d) * torch.rand(n, a, 1) * 5
     for storage in ("fp8", "bf16"):
         whole = shards.write_shard(tmp_path / f"whole-{storage}.safetensors", 0, ids, mask, lens, h, aux, storage)
         with shards.ShardWriter(tmp_path / f"parts-{storage}.safetensors", 0, ids, mask, lens, d, a, storage) as w:
-            for lo, hi in ((0, 13), (13, 14), (14, 50)):
+            for lo, hi in ((0, 13), (13, 14), (14, n)):
                 w.add(h[lo:hi], aux[lo:hi])
             parts = w.close()
         one, many = load_file(tmp_path / whole.name), load_file(tmp_path / parts.name)
@@ -324,19 +329,22 @@ def test_a_shard_written_batch_by_batch_holds_what_one_write_holds(tmp_path):
         back = shards.load_shard(tmp_path / parts.name)
         assert back.seq_lens == lens and torch.equal(back.input_ids, ids) and torch.equal(back.loss_mask, mask)
         torch.testing.assert_close(back.hidden.float(), h, rtol=0.07, atol=0.07)
-        if storage == "fp8":
+        if storage == "fp8":  # every row of both tensors: each state's own quantisation
+            assert torch.equal(back.hidden, shards.from_fp8(*shards.to_fp8(h)))
+            assert torch.equal(back.aux_hidden, shards.from_fp8(*shards.to_fp8(aux)))
             q, s = shards.to_fp8(h)
             direct = float((shards.from_fp8(q, s) - h).norm() / h.norm())
             assert parts.fp8_rel_error == pytest.approx(direct, rel=1e-6) and whole.fp8_rel_error == pytest.approx(
                 direct, rel=1e-6)
         else:
             assert parts.fp8_rel_error is None and torch.equal(back.hidden, h.bfloat16())
+            assert torch.equal(back.aux_hidden, aux.bfloat16())
     w = shards.ShardWriter(tmp_path / "short.safetensors", 7, ids, mask, lens, d, a, "fp8")
     with pytest.raises(ValueError, match="shard 7: a batch of \\(5, 8\\) hidden states .* does not fit"):
         w.add(torch.ones(5, 8), torch.ones(5, a, 8))
     w = shards.ShardWriter(tmp_path / "short.safetensors", 7, ids, mask, lens, d, a, "fp8")
     w.add(h[:10], aux[:10])
-    with pytest.raises(ValueError, match="shard 7: 10 of 50 rows written"):
+    with pytest.raises(ValueError, match="shard 7: 10 of 4500 rows written"):
         w.close()
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
         f"{k}-{s}.safetensors" for k in ("whole", "parts") for s in ("fp8", "bf16"))

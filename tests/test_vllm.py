@@ -154,34 +154,36 @@ def test_the_worker_ends_itself_once_headstart_is_gone(through_wrapper):
 
     worker = (f"import sys, time; sys.path.insert(0, {str(WORKER.parent)!r}); import vllm_worker; "
               "vllm_worker.exit_with_parent(0.05); print('watching', flush=True); time.sleep(600)")
-    argv = ["sh", "-c", '"$0" -c "$1"; true', sys.executable, worker] if through_wrapper else [sys.executable, "-c",
-                                                                                                worker]
+    argv = ["sh", "-c", '"$0" -c "$1"; sleep 600', sys.executable, worker] if through_wrapper else [
+        sys.executable, "-c", worker]
     headstart = ("import os, subprocess, sys, time; "
                  "env = dict(os.environ, HEADSTART_PARENT_PID=str(os.getpid())); "
                  f"w = subprocess.Popen({argv!r}, env=env, start_new_session=True, stdout=subprocess.PIPE, text=True); "
                  "print(w.pid, w.stdout.readline().strip(), flush=True); time.sleep(600)")
     middle = subprocess.Popen([sys.executable, "-c", headstart], stdout=subprocess.PIPE, text=True)
-    pid = None
+    pid = wrapper = None
     try:
         pid_text, said = middle.stdout.readline().split()
         assert said == "watching"
         pid = int(pid_text)
         if through_wrapper:  # the wrapper's child (found by parentage: no other process is touched)
-            pid = next(int(p) for p in os.listdir("/proc") if p.isdigit() and _parent(int(p)) == pid)
+            wrapper, pid = pid, next(int(p) for p in os.listdir("/proc") if p.isdigit() and _parent(int(p)) == pid)
         time.sleep(0.5)  # ten of the watch's polls
         assert _running(pid), "the worker ended while headstart was alive"
-        middle.send_signal(signal.SIGKILL)
-        if through_wrapper:  # reaped: gone from /proc (direct: left a zombie, so only the reparenting shows it)
-            middle.wait(timeout=30)
+        middle.send_signal(signal.SIGKILL)  # and not reaped yet: a zombie, which has ended all the same
         deadline = time.monotonic() + 30  # a hang guard, not a speed requirement
         while _running(pid) and time.monotonic() < deadline:
             time.sleep(0.05)
         assert not _running(pid), "the worker outlived headstart"
+        if wrapper is not None:  # the worker leads no process group here: it ends itself, not its caller's group
+            assert _running(wrapper), "the worker's end took the wrapper script with it"
     finally:
         middle.kill()
         middle.wait(timeout=30)
         if pid is not None and _running(pid):
             os.kill(pid, signal.SIGKILL)
+        if wrapper is not None:  # the wrapper leads its own group (its `sleep` too)
+            os.killpg(wrapper, signal.SIGKILL)
 
 
 # ------------------------------------------------------------------ every family, run in vLLM

@@ -181,6 +181,9 @@ def exit_with_parent(poll_s: float = 1.0) -> None:
     want = os.environ.get("HEADSTART_PARENT_PID")
     if not want:
         return
+    if not want.isdigit():
+        log(f"HEADSTART_PARENT_PID={want[:20]!r} is not a PID: not watching for headstart's end")
+        return
 
     def end() -> None:
         log(f"headstart (PID {want}) is gone: ending")
@@ -193,6 +196,14 @@ def exit_with_parent(poll_s: float = 1.0) -> None:
     def gone() -> bool:
         if first_parent == pid and os.getppid() != pid:  # headstart started us itself, and we were reparented
             return True
+        if os.path.isdir("/proc/self"):  # Linux: a zombie (dead, not yet reaped by its parent) has ended too
+            try:
+                with open(f"/proc/{pid}/stat") as f:
+                    return f.read().rsplit(")", 1)[1].split()[0] in ("Z", "X")
+            except (FileNotFoundError, ProcessLookupError):
+                return True
+            except (OSError, IndexError):
+                return False
         try:
             os.kill(pid, 0)
         except ProcessLookupError:

@@ -265,6 +265,8 @@ def _run(recipe: Recipe, out: Path, header: dict[str, Any], resume: bool, rank: 
     _check_output_dir(out, header, resume, rank if writer else -1)
     if writer:
         remove_stale_temporaries(out)  # shards of a killed process; live ranks' are kept
+    if torch.distributed.is_initialized():  # a shard's temporary lives while it is computed: no rank opens one
+        torch.distributed.barrier()         # before every rank (on any node: PIDs are per host) has cleaned up
     lengths = list(ds["num_tokens"])
     shards = plan_shards(lengths, recipe.precompute.shard_tokens)
     mine = [i for i in range(len(shards)) if i % world == rank]

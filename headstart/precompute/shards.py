@@ -143,8 +143,10 @@ class ShardWriter:
     def add(self, hidden: torch.Tensor, aux: torch.Tensor | None) -> None:
         """The next rows: hidden (m, d), aux (m, A, d) or None; quantised where they are."""
         m = hidden.shape[0]
-        if hidden.shape[1:] != (self.d,) or self._row_at + m > self.n or (aux is None) != (not self.aux_layers) or (
+        fits = hidden.dim() == 2 and hidden.shape[1] == self.d and self._row_at + m <= self.n
+        if not fits or (aux is None) != (not self.aux_layers) or (
                 aux is not None and aux.shape != (m, self.aux_layers, self.d)):
+            self.abort()
             raise ValueError(f"shard {self.index}: a batch of {tuple(hidden.shape)} hidden states"
                              f"{'' if aux is None else f' and {tuple(aux.shape)} aux states'} does not fit rows "
                              f"{self._row_at}.. of {self.n} x {self.d} with {self.aux_layers} aux layers")
