@@ -16,7 +16,7 @@ import subprocess
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 from headstart.engines.vllm_runner import (
     DTYPES,
@@ -62,21 +62,22 @@ class VLLMSession:
             left = deadline - time.monotonic()
             if not self._sel.select(timeout=max(0.0, min(left, 5.0))):
                 if self.proc.poll() is not None:
-                    self._log.close()
-                    raise VLLMError(f"vLLM stopped (exit {self.proc.returncode}); its log: {self.log_path}\n"
-                                    + _tail(self.log_path))
+                    self._stopped()
                 if left <= 0:
                     return None
                 continue
             chunk = os.read(self.proc.stdout.fileno(), 1 << 20)
-            if not chunk:
+            if not chunk:  # end of its output: the worker is ending
                 self.proc.wait(timeout=30)
-                self._log.close()
-                raise VLLMError(f"vLLM stopped (exit {self.proc.returncode}); its log: {self.log_path}\n"
-                                + _tail(self.log_path))
+                self._stopped()
             self._buf += chunk
         line, self._buf = self._buf.split(b"\n", 1)
         return line
+
+    def _stopped(self) -> NoReturn:
+        self._log.close()
+        raise VLLMError(f"vLLM stopped (exit {self.proc.returncode}); its log: {self.log_path}\n"
+                        + _tail(self.log_path))
 
     def _read(self, timeout_s: float, what: str) -> dict[str, Any]:
         line = self._line(timeout_s)
@@ -84,6 +85,9 @@ class VLLMSession:
             self.close()
             raise VLLMError(f"vLLM gave no answer to {what} within {timeout_s:.0f} s; its log: {self.log_path}\n"
                             + _tail(self.log_path))
+        return self._parse(line, what)
+
+    def _parse(self, line: bytes, what: str) -> dict[str, Any]:
         try:
             return json.loads(line)
         except ValueError:
@@ -112,7 +116,7 @@ class VLLMSession:
             return []
         outs = [self._read(START_TIMEOUT_S + sum(self.in_flight.values()) / TOKENS_PER_S_FLOOR, "a request")]
         while (line := self._line(0)) is not None:
-            outs.append(json.loads(line))
+            outs.append(self._parse(line, "a request"))
         for o in outs:
             if self.in_flight.pop(o.get("id"), None) is None:
                 self.close()

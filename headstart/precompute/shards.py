@@ -106,7 +106,7 @@ class ShardWriter:
             size = math.prod(shape) * dt.itemsize
             self._offsets[k] = (at, at + size)
             at += size
-        self._shapes, self._rows = shapes, rows
+        self._shapes = shapes
         self._data_bytes = at
         # room for the header with the largest fp8 error text, rounded up to 8 bytes
         self._header_len = -(-len(self._header(-1.2345678901234567e-300)) // 8) * 8
