@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -412,3 +413,63 @@ def test_a_busy_vllm_session_is_ended_at_close_not_waited_for(tmp_path):
     finally:
         gen.close()
     assert gen.session.proc.returncode < 0  # ended by a signal: an idle worker's close waits for its exit 0
+
+
+@pytest.mark.vllm
+@needs_vllm
+def test_requests_sent_while_vllm_answers_never_deadlock(tmp_path):
+    """A worker blocked writing answers takes no input: headstart's request writes must read answers
+    meanwhile. Before, regenerate with batch_size 128 hung for ever with both processes in a pipe write.
+    Both pipes are cut to one page here so that a few requests fill them."""
+    import fcntl
+    import termios
+    import threading
+
+    from headstart.assets import resolve_model
+    from headstart.engines.vllm_session import VLLMGenerator
+
+    gen = VLLMGenerator(resolve_model("smollm2-135m"), "fp32", 16, 0, tmp_path)
+    s = gen.session
+    try:
+        for f in (s.proc.stdin, s.proc.stdout):
+            fcntl.fcntl(f.fileno(), fcntl.F_SETPIPE_SZ, 4096)
+        params = {"max_tokens": 48, "temperature": 0.0, "top_p": 1.0, "seed": 0}
+        short = gen.encode([{"role": "user", "content": "Name three colours."}])
+        for i in range(16):  # ~16 x 300 B of answers: more than the pipe holds, so the worker blocks writing
+            s.submit(f"a{i}", short, params, [])
+        waiting = bytearray(4)
+        deadline = time.monotonic() + 600
+        while time.monotonic() < deadline:
+            fcntl.ioctl(s.proc.stdout.fileno(), termios.FIONREAD, waiting)
+            if int.from_bytes(waiting, "little") >= 3000:
+                break
+            time.sleep(0.2)
+        else:
+            pytest.fail("vLLM wrote no answers within 600 s")
+        long = gen.encode([{"role": "user", "content": "Summarise: " + "the lighthouse keeper rang the bell " * 20}])
+        failed = []
+
+        def more():  # ~20 x 1.3 kB of requests: more than the pipe holds
+            try:
+                for i in range(20):
+                    s.submit(f"b{i}", long, params, [])
+            except Exception as e:  # noqa: BLE001 - reported below
+                failed.append(e)
+
+        sender = threading.Thread(target=more, daemon=True)
+        sender.start()
+        sender.join(timeout=120)
+        assert not sender.is_alive(), "submit blocked for 120 s: both pipes full (a deadlock)"
+        assert not failed, failed
+        answers = {}
+        while s.in_flight:
+            answers.update((o["id"], o["token_ids"]) for o in s.collect())
+        assert sorted(answers) == sorted([f"a{i}" for i in range(16)] + [f"b{i}" for i in range(20)])
+        assert len({tuple(answers[f"a{i}"]) for i in range(16)}) == 1  # greedy: one prompt, one answer
+        assert len({tuple(answers[f"b{i}"]) for i in range(20)}) == 1
+    finally:
+        if s.proc.poll() is None and s.in_flight:
+            from headstart.engines.vllm_runner import end_group
+
+            end_group(s.proc)  # unblocks a deadlocked sender (its write fails)
+        gen.close()

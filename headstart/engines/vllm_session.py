@@ -51,9 +51,47 @@ class VLLMSession:
                                      env=worker_env(job, threads, inprocess=True), start_new_session=True)
         self._sel = selectors.DefaultSelector()
         self._sel.register(self.proc.stdout, selectors.EVENT_READ)
+        # Requests are written without blocking, reading answers meanwhile (_send): a worker blocked writing
+        # answers nobody reads takes no input, and a blocked write here would wait for it for ever.
+        os.set_blocking(self.proc.stdin.fileno(), False)
+        self._io = selectors.DefaultSelector()
+        self._io.register(self.proc.stdin, selectors.EVENT_WRITE)
+        self._io.register(self.proc.stdout, selectors.EVENT_READ)
         self._buf = b""
         self.in_flight: dict[str, int] = {}  # request id -> its max_tokens: sent, not yet answered
         self.method = self._read(START_TIMEOUT_S, "start").get("method")
+
+    def _take(self) -> None:
+        """What the worker has written (at least a byte: call when its output is readable) into the buffer."""
+        chunk = os.read(self.proc.stdout.fileno(), 1 << 20)
+        if not chunk:  # end of its output: the worker is ending
+            self.proc.wait(timeout=30)
+            self._stopped()
+        self._buf += chunk
+
+    def _send(self, data: bytes) -> None:
+        """data to the worker's input, its answers read into the buffer while the pipe is full. Gives up
+        when neither moves for START_TIMEOUT_S (a worker that takes no input and writes nothing)."""
+        view, fd = memoryview(data), self.proc.stdin.fileno()
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while view:
+            events = self._io.select(timeout=5.0)
+            for key, _ in events:
+                if key.fileobj is self.proc.stdout:
+                    self._take()
+                    continue
+                try:
+                    view = view[os.write(fd, view):]
+                except BlockingIOError:
+                    continue
+            if events:
+                deadline = time.monotonic() + START_TIMEOUT_S
+            elif self.proc.poll() is not None:
+                self._stopped()
+            elif time.monotonic() > deadline:
+                self.close()
+                raise VLLMError(f"vLLM took no request and answered nothing for {START_TIMEOUT_S:.0f} s; its log: "
+                                f"{self.log_path}\n" + _tail(self.log_path))
 
     def _line(self, timeout_s: float) -> bytes | None:
         """One line of the worker's answers; None when none came within timeout_s (0: only one already here)."""
@@ -66,11 +104,7 @@ class VLLMSession:
                 if left <= 0:
                     return None
                 continue
-            chunk = os.read(self.proc.stdout.fileno(), 1 << 20)
-            if not chunk:  # end of its output: the worker is ending
-                self.proc.wait(timeout=30)
-                self._stopped()
-            self._buf += chunk
+            self._take()
         line, self._buf = self._buf.split(b"\n", 1)
         return line
 
@@ -100,10 +134,9 @@ class VLLMSession:
         if request_id in self.in_flight:
             raise ValueError(f"request {request_id!r} is already with vLLM")
         try:
-            self.proc.stdin.write((json.dumps({"id": request_id, "prompt": prompt, "params": params,
-                                               "stop_token_ids": stop_token_ids}) + "\n").encode())
-            self.proc.stdin.flush()
-        except (BrokenPipeError, OSError):
+            self._send((json.dumps({"id": request_id, "prompt": prompt, "params": params,
+                                    "stop_token_ids": stop_token_ids}) + "\n").encode())
+        except OSError:  # a broken pipe: the worker is gone
             self.close()
             raise VLLMError(f"vLLM's worker is gone; its log: {self.log_path}\n" + _tail(self.log_path)) from None
         self.in_flight[request_id] = params["max_tokens"]
