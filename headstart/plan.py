@@ -21,7 +21,7 @@ from typing import Any
 
 from headstart.config import Recipe
 from headstart.errors import HeadstartError
-from headstart.sizing import chunk_row_bytes, loss_chunk_rows
+from headstart.sizing import FLASHINFER_WORKSPACE_MB, QUANT_ROWS, chunk_row_bytes, loss_chunk_rows
 
 GB = 1e9
 # Headroom kept free on a device: the CUDA context, the caching allocator's fragmentation, NCCL buffers.
@@ -190,26 +190,46 @@ def make_plan(recipe: Recipe, target_cfg: dict[str, Any], *, device: str = "H100
         how = f"1/{shard} tensor-parallel shard" if shard > 1 else "the whole target on every rank"
         return Term("target weights", held * act, f"{held / 1e9:.2f} B parameters ({how})")
 
-    def forward_terms(tokens: int) -> list[Term]:
-        # The widest transient of a no-grad layer: the fused gate/up output (2I/tp) beside qkv and the residual,
-        # or the attention: q, K, V and the output padded per length bucket (under 2x the rows) beside their
-        # unpadded forms, K/V expanded to the query heads (on CUDA) and MLA expanded; captured states are kept.
+    def forward_terms(tokens: int, storage: str = "") -> list[Term]:
+        # The widest transient of a no-grad layer beside its input, the residual and the normed copy: the fused
+        # gate/up output (2I/tp) with the activated product (I/tp, taken in place), or the attention: q, K, V and
+        # the output padded per length bucket (under 2x the rows) beside their unpadded forms, K/V expanded to the
+        # query heads (on CUDA) and MLA expanded; or, after the last layer, the aux states stacked (and
+        # concatenated) beside their list. Captured states are kept throughout (measured on CPU:
+        # tests/test_precompute_memory.py).
         hd = (c.qk_nope_head_dim + c.qk_rope_head_dim) if _is_deepseek(c) else c.head_dim
-        attn = 12 * c.num_attention_heads / tp * hd
-        per = max(2 * c.intermediate_size / tp + 4 * d, attn + 2 * d)
-        how = "2 I/tp + 4 d" if per == 2 * c.intermediate_size / tp + 4 * d else \
-            f"12 x {c.num_attention_heads // tp} heads x {hd} (attention, padded per length bucket) + 2 d"
-        wide = tokens * per * act
-        return [Term("target activations", wide, f"{tokens:,} tokens x ({how}) x {act} B"),
+        heads = c.num_attention_heads // tp
+        if _is_deepseek(c):  # MLA expanded for prefill: q, kv_b's keys and values, query and keys rebuilt, v padded
+            width, rest = max(hd, c.v_head_dim), 2 * hd + c.qk_nope_head_dim + c.v_head_dim
+            attn = (heads * (12 * width + rest) + 2 * d,
+                    f"{heads} heads x (12 x {width} + {rest}) (MLA expanded, padded per length bucket) + 2 d")
+        else:
+            attn = (heads * 12 * hd + 2 * d, f"12 x {heads} heads x {hd} (attention, padded per length bucket) + 2 d")
+        options = [(3 * c.intermediate_size / tp + 3 * d, "3 I/tp + 3 d"), attn,
+                   ((1 + aux) * d, f"(1 + {aux}) d: the aux states stacked")]
+        if _is_deepseek(c) and c.n_routed_experts:  # each token's k rows gathered, their gate/up, product and outputs
+            k, mi = c.num_experts_per_tok, c.moe_intermediate_size
+            options.append((k * (4 * mi + 2 * d) + 3 * d, f"{k} routed x (4 x {mi} + 2 d) + 3 d"))
+        per, how = max(options, key=lambda o: o[0])
+        wide, note = tokens * per * act, f"{tokens:,} tokens x ({how}) x {act} B"
+        rows = min(tokens, QUANT_ROWS)
+        quant = rows * max(1, aux) * d * (3 * 4 + 1)  # fp32 copy, |x| and x / scale, the e4m3 rows
+        if storage == "fp8" and quant > wide:
+            wide, note = quant, f"the fp8 quantisation after the forward: {rows:,} rows x {max(1, aux)} x d x 13 B"
+        return [Term("target activations", wide, note),
                 Term("captured hidden states", tokens * d * (1 + aux) * act,
-                     f"{tokens:,} tokens x d x (1 + {aux} aux layers)")]
+                     f"{tokens:,} tokens x d x (1 + {aux} aux layers)"),
+                Term("token metadata", tokens * (4 * 8 + 2 * hd * 4),
+                     f"{tokens:,} tokens x (ids, positions, slots, lengths: int64; rope cos and sin: fp32)")]
 
     wanted = phases or (("precompute",) if tr.source == "shards" else ()) + ("train", "validation", "eval")
     if "precompute" in wanted:
         ph = Phase("precompute", ranks)
-        ph.terms = [target_term(tp), *forward_terms(pc.batch_tokens),
+        ph.terms = [target_term(tp), *forward_terms(pc.batch_tokens, pc.storage),
                     Term("KV pages", (pc.batch_tokens + 64 * 16) * kv_bytes_per_token,
                          f"one batch of {pc.batch_tokens:,} tokens + 64 pages")]
+        if device != "CPU RAM" and recipe.engine.backend in ("auto", "flashinfer") and pc.backend == "engine":
+            ph.terms.append(Term("FlashInfer workspace", FLASHINFER_WORKSPACE_MB << 20, "the backend's buffer"))
         ph.host_bytes = largest_tensor
         plan_phases.append(ph)
     # Training: the target whole on every rank, or its tensor-parallel shard beside whole copies of

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 CPU_LOSS_CHUNK = 256  # rows: the logits of a chunk stay in the CPU's caches
 LOSS_CHUNK_GPU_BYTES = 2 << 30  # a GPU's chunk: its live fp32 logits (every TTT step's log q, the teacher's, a grad)
+QUANT_ROWS = 2048  # precompute's fp8 quantisation: rows at a time, so its fp32 copies stay small on any device
+FLASHINFER_WORKSPACE_MB = 128  # the buffer the FlashInfer backend hands its wrappers, one per backend
 
 
 def chunk_row_bytes(vocab: int, loss_steps: int, lk: bool = False, full_vocab: int | None = None) -> int:

@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from headstart.kernels import MAX_ROWS, kernel_dtype_ok, mask_key_sets
 from headstart.kernels import rowwise as rowwise_kernels
 from headstart.nn.attention import AttentionMetadata, KVPages
+from headstart.sizing import FLASHINFER_WORKSPACE_MB
 
 
 @dataclass
@@ -220,7 +221,7 @@ class FlashInferAttention:
 
     name = "flashinfer"
 
-    def __init__(self, device: torch.device, workspace_mb: int = 128) -> None:
+    def __init__(self, device: torch.device, workspace_mb: int = FLASHINFER_WORKSPACE_MB) -> None:
         import flashinfer  # noqa: F401 - fail early with a clear message if missing
 
         self._flashinfer = flashinfer

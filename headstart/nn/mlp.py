@@ -30,5 +30,13 @@ class GatedMLP(nn.Module):
         self.act = _ACTIVATIONS[act]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # (N, D) -> (N, D)
-        gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)  # (N, I) each
-        return self.tp.all_reduce(self.down_proj(self.act(gate) * up))
+        gate_up = self.gate_up_proj(x)
+        gate, up = gate_up.split(self.intermediate, dim=-1)  # (N, I) each
+        if torch.is_grad_enabled():
+            return self.tp.all_reduce(self.down_proj(self.act(gate) * up))
+        # Without autograd (the engine, precompute) the product is taken in place and the fused output
+        # dropped before down_proj: 3 I per token at the peak instead of 4 I, the same bits.
+        a = self.act(gate)
+        a.mul_(up)
+        del gate_up, gate, up
+        return self.tp.all_reduce(self.down_proj(a))

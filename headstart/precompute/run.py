@@ -77,6 +77,9 @@ def plan_batches(lengths: list[int], batch_tokens: int) -> list[tuple[int, int]]
     return out
 
 
+SHARD_LABEL = "headstart.precompute.shard"
+
+
 class EngineForward:
     """The serving forward: our model, our attention backend (FlashInfer on CUDA), fresh-prefill
     metadata over a paged KV cache, exactly as the engine prefills a batch of prompts."""
@@ -108,6 +111,8 @@ class EngineForward:
             need += pages
         groups.append(cur)
         outs = [self._forward(g, aux_layers) for g in groups]
+        if len(outs) == 1:  # no copy
+            return outs[0]
         h = torch.cat([o[0] for o in outs])
         aux = torch.cat([o[1] for o in outs]) if aux_layers else None
         return h, aux
@@ -292,7 +297,8 @@ def _run(recipe: Recipe, out: Path, header: dict[str, Any], resume: bool, rank: 
             out / shard_name(i), i, torch.tensor([t for s in seqs for t in s]),
             torch.tensor([m for r in rows["loss_mask"] for m in r], dtype=torch.uint8), [len(s) for s in seqs],
             model.config.hidden_size, len(aux), recipe.precompute.storage)
-        with shard as w:
+        # the label marks the shard's forwards and writes in a profiler's trace (tests/test_precompute_memory.py)
+        with shard as w, torch.profiler.record_function(SHARD_LABEL):
             for ba, bb in plan_batches([len(s) for s in seqs], recipe.precompute.batch_tokens):
                 h, x = forward(seqs[ba:bb], aux)
                 if w is not None:

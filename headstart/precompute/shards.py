@@ -30,9 +30,9 @@ from safetensors import safe_open
 
 from headstart.errors import DataError
 from headstart.fileio import apply_umask, sha256_file
+from headstart.sizing import QUANT_ROWS  # fp32 copies of QUANT_ROWS x (1 + A) x d, wherever the states are
 
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
-QUANT_ROWS = 2048  # rows quantised at a time: fp32 copies of 2,048 x (1 + A) x d, wherever the states are
 
 
 def shard_name(index: int) -> str:
