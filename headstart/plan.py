@@ -209,7 +209,9 @@ def make_plan(recipe: Recipe, target_cfg: dict[str, Any], *, device: str = "H100
                    ((1 + aux) * d, f"(1 + {aux}) d: the aux states stacked")]
         if _is_deepseek(c) and c.n_routed_experts:  # each token's k rows gathered, their gate/up, product and outputs
             k, mi = c.num_experts_per_tok, c.moe_intermediate_size
-            options.append((k * (4 * mi + 2 * d) + 3 * d, f"{k} routed x (4 x {mi} + 2 d) + 3 d"))
+            # then y beside its product with the fp32 router weights, y promoted to fp32 inside (bf16: 1 + 2 + 2 d)
+            wide = max(4 * mi, (1 + 8 // act) * d)
+            options.append((k * wide + 3 * d, f"{k} routed x max(4 x {mi}, {1 + 8 // act} d) + 3 d"))
         per, how = max(options, key=lambda o: o[0])
         wide, note = tokens * per * act, f"{tokens:,} tokens x ({how}) x {act} B"
         rows = min(tokens, QUANT_ROWS)
@@ -225,9 +227,11 @@ def make_plan(recipe: Recipe, target_cfg: dict[str, Any], *, device: str = "H100
     wanted = phases or (("precompute",) if tr.source == "shards" else ()) + ("train", "validation", "eval")
     if "precompute" in wanted:
         ph = Phase("precompute", ranks)
-        ph.terms = [target_term(tp), *forward_terms(pc.batch_tokens, pc.storage),
-                    Term("KV pages", (pc.batch_tokens + 64 * 16) * kv_bytes_per_token,
-                         f"one batch of {pc.batch_tokens:,} tokens + 64 pages")]
+        # a sequence longer than batch_tokens is a batch of its own, and the KV pool holds it
+        one = max(pc.batch_tokens, recipe.data.max_length)
+        ph.terms = [target_term(tp), *forward_terms(one, pc.storage),
+                    Term("KV pages", (one + 64 * 16) * kv_bytes_per_token,
+                         f"one batch of {one:,} tokens + 64 pages")]
         if device != "CPU RAM" and recipe.engine.backend in ("auto", "flashinfer") and pc.backend == "engine":
             ph.terms.append(Term("FlashInfer workspace", FLASHINFER_WORKSPACE_MB << 20, "the backend's buffer"))
         ph.host_bytes = largest_tensor

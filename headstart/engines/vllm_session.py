@@ -71,9 +71,10 @@ class VLLMSession:
 
     def _send(self, data: bytes) -> None:
         """data to the worker's input, its answers read into the buffer while the pipe is full. Gives up
-        when neither moves for START_TIMEOUT_S (a worker that takes no input and writes nothing)."""
+        when neither moves for as long as collect waits (the worker takes input between vLLM's steps)."""
         view, fd = memoryview(data), self.proc.stdin.fileno()
-        deadline = time.monotonic() + START_TIMEOUT_S
+        patience = START_TIMEOUT_S + sum(self.in_flight.values()) / TOKENS_PER_S_FLOOR
+        deadline = time.monotonic() + patience
         while view:
             events = self._io.select(timeout=5.0)
             for key, _ in events:
@@ -85,12 +86,12 @@ class VLLMSession:
                 except BlockingIOError:
                     continue
             if events:
-                deadline = time.monotonic() + START_TIMEOUT_S
+                deadline = time.monotonic() + patience
             elif self.proc.poll() is not None:
                 self._stopped()
             elif time.monotonic() > deadline:
                 self.close()
-                raise VLLMError(f"vLLM took no request and answered nothing for {START_TIMEOUT_S:.0f} s; its log: "
+                raise VLLMError(f"vLLM took no request and answered nothing for {patience:.0f} s; its log: "
                                 f"{self.log_path}\n" + _tail(self.log_path))
 
     def _line(self, timeout_s: float) -> bytes | None:
@@ -171,6 +172,8 @@ class VLLMSession:
                 end_group(self.proc)
         if not self._log.closed:
             self._log.close()
+        self._sel.close()
+        self._io.close()
 
     def __enter__(self) -> VLLMSession:
         return self

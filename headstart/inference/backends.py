@@ -150,20 +150,22 @@ class TorchAttention:
             return self._forward_rows(*state, q, kc, vc, meta, scale)
         plan: _TorchPlan = state
         b = plan.pages.shape[0]
+        if plan.per_seq is not None:  # each sequence's keys gathered alone: never padded to the batch's longest
+            outs = []
+            for s, (row, ql, kv, mask, causal) in enumerate(plan.per_seq):
+                pages = plan.pages[s, : -(-kv // kc.shape[1])]
+                keys, values = (c[pages].view(-1, hkv, dh)[:kv] for c in (kc, vc))
+                outs.append(_sdpa(q[row:row + ql], keys, values, mask, causal, scale))
+            return torch.cat(outs) if len(outs) > 1 else outs[0]
         keys = kc[plan.pages].view(b, -1, hkv, dh)[:, : plan.kv_width]  # (B, L, Hkv, Dh)
         values = vc[plan.pages].view(b, -1, hkv, dh)[:, : plan.kv_width]
-        gqa = q.shape[1] != hkv
-        if plan.per_seq is None:
-            if keys.dtype != torch.float32 and (b > 1 or plan.kv_width > 128):
-                return _decode_attention(q, keys, values, plan.decode_mask, scale)
-            out = F.scaled_dot_product_attention(
-                q.unsqueeze(2), keys.transpose(1, 2), values.transpose(1, 2), attn_mask=plan.decode_mask,
-                scale=scale, enable_gqa=gqa,
-            )  # (B, Hq, 1, Dh)
-            return out.squeeze(2)
-        outs = [_sdpa(q[row:row + ql], keys[s, :kv], values[s, :kv], mask, causal, scale)
-                for s, (row, ql, kv, mask, causal) in enumerate(plan.per_seq)]
-        return torch.cat(outs) if len(outs) > 1 else outs[0]
+        if keys.dtype != torch.float32 and (b > 1 or plan.kv_width > 128):
+            return _decode_attention(q, keys, values, plan.decode_mask, scale)
+        out = F.scaled_dot_product_attention(
+            q.unsqueeze(2), keys.transpose(1, 2), values.transpose(1, 2), attn_mask=plan.decode_mask,
+            scale=scale, enable_gqa=q.shape[1] != hkv,
+        )  # (B, Hq, 1, Dh)
+        return out.squeeze(2)
 
     @staticmethod
     def _forward_rows(mod: Any, plan: _RowPlan, q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor,

@@ -113,7 +113,10 @@ class RoutedExperts(nn.Module):
             gu, down = (p.weight.to(dtype).transpose(-2, -1) for p in (self.gate_up_proj, self.down_proj))
             h = torch._grouped_mm(x[tokens].to(dtype), gu, offs=ends)
             gate, up = h.split(self.intermediate, dim=-1)
-            y = torch._grouped_mm((self.act(gate) * up).to(dtype), down, offs=ends)
+            a = (self.act(gate) * up).to(dtype)
+            del h, gate, up  # not needed by the weighting below (autograd keeps what it saved)
+            y = torch._grouped_mm(a, down, offs=ends)
+            del a
             return torch.zeros_like(x).index_add_(0, tokens, (y * w[:, None]).to(x.dtype))
         out = torch.zeros_like(x)
         start = 0
