@@ -69,11 +69,15 @@ class VLLMSession:
             self._stopped()
         self._buf += chunk
 
+    def _patience(self) -> float:
+        """How long the worker may stay silent: a start, and every token in flight at the slowest rate."""
+        return START_TIMEOUT_S + sum(self.in_flight.values()) / TOKENS_PER_S_FLOOR
+
     def _send(self, data: bytes) -> None:
         """data to the worker's input, its answers read into the buffer while the pipe is full. Gives up
         when neither moves for as long as collect waits (the worker takes input between vLLM's steps)."""
         view, fd = memoryview(data), self.proc.stdin.fileno()
-        patience = START_TIMEOUT_S + sum(self.in_flight.values()) / TOKENS_PER_S_FLOOR
+        patience = self._patience()
         deadline = time.monotonic() + patience
         while view:
             events = self._io.select(timeout=5.0)
@@ -148,7 +152,7 @@ class VLLMSession:
         are already here."""
         if not self.in_flight:
             return []
-        outs = [self._read(START_TIMEOUT_S + sum(self.in_flight.values()) / TOKENS_PER_S_FLOOR, "a request")]
+        outs = [self._read(self._patience(), "a request")]
         while (line := self._line(0)) is not None:
             outs.append(self._parse(line, "a request"))
         for o in outs:
