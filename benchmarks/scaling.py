@@ -28,6 +28,7 @@ import json
 import math
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import yaml
@@ -88,10 +89,21 @@ def _recipe(base: dict, out: Path, name: str, source: str | None, shards: Path, 
     return path
 
 
-def _train(path: Path, run: Path) -> None:
+def _train(path: Path, run: Path, deadline: float | None) -> None:
+    """Train (or continue) one run; with a deadline (--minutes), as much of it as the time left allows."""
+    if (run / "head-final").exists():
+        return
+    box = []
+    if deadline is not None:
+        left = (deadline - time.monotonic()) / 60
+        if left <= 0:
+            raise SystemExit(f"--minutes: time is up before {run.name}; rerun the same command to continue")
+        box = ["--minutes", f"{left:.2f}"]
+    _headstart("train", str(path), "--no-progress", *box,
+               *(["--resume"] if (run / "checkpoints" / "last.ckpt").exists() else []))
     if not (run / "head-final").exists():
-        _headstart("train", str(path), "--no-progress",
-                   *(["--resume"] if (run / "checkpoints" / "last.ckpt").exists() else []))
+        raise SystemExit(f"--minutes: {run.name} stopped at its time box (checkpointed); rerun the same command to "
+                         "continue it")
 
 
 def _val_rows(run: Path) -> list[dict]:
@@ -116,7 +128,10 @@ def main() -> None:
     ap.add_argument("--prompts", type=int, default=32, help="held-out prompts per validation")
     ap.add_argument("--max-tokens", type=int, default=128, help="new tokens per held-out prompt")
     ap.add_argument("--out", type=Path, default=ROOT / "runs" / "scaling")
+    ap.add_argument("--minutes", type=float, help="a piece of the work: stop (checkpointed) after this long; a rerun "
+                                                   "continues")
     args = ap.parse_args()
+    deadline = time.monotonic() + args.minutes * 60 if args.minutes else None
     try:
         sizes = sorted({int(s) for s in args.sizes.split(",")})
     except ValueError:
@@ -147,7 +162,7 @@ def main() -> None:
     tokens_run = f"tokens-{args.steps}-v{args.points}-{evals}"
     _train(_recipe(base, out, tokens_run, source, shards, {
         **val, "max_steps": args.steps, "val_every_steps": args.steps // args.points,
-        "ckpt_every_steps": max(10, args.steps // 20)}), out / tokens_run)
+        "ckpt_every_steps": max(10, args.steps // 20)}), out / tokens_run, deadline)
     curve = _val_rows(out / tokens_run)
     by_size = {}
     for n in sizes:
@@ -155,7 +170,7 @@ def main() -> None:
         _train(_recipe(base, out, name, source, shards, {
             **val, "max_steps": args.size_steps, "val_every_steps": 0,
             "ckpt_every_steps": max(10, args.size_steps // 10),
-            "max_sequences": n if n < len(lengths) else None}), out / name)
+            "max_sequences": n if n < len(lengths) else None}), out / name, deadline)
         last = _val_rows(out / name)[-1]
         final = json.loads((out / name / "metrics.json").read_text())
         by_size[n] = {**last, "unique_tokens": sum(lengths[:n]), "tau_se": standard_error(final["accept_histogram"])}

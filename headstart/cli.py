@@ -128,6 +128,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = verbs.add_parser("train", help="fit the recipe's head (shards or online), validating with the engine")
     _add_recipe_args(p)
     p.add_argument("--resume", action="store_true", help="continue from output_dir/checkpoints/last.ckpt")
+    p.add_argument("--minutes", type=float, default=None,
+                   help="a piece of a long run (a time limit): checkpoint and stop at the first step after this "
+                        "long; --resume continues it exactly")
     p.add_argument("--no-progress", action="store_true", help="no progress bar (logs only)")
     _add_tp_arg(p)
     p.set_defaults(func=commands.cmd_train)

@@ -142,9 +142,10 @@ def cmd_train(args: argparse.Namespace) -> int:
     recipe = load_recipe(args.recipe, args.overrides)
     tr = recipe.trainer
     flags = ["--resume"] * args.resume + ["--no-progress"] * args.no_progress
+    flags += ["--minutes", str(args.minutes)] if args.minutes is not None else []
     check_train_launch(tr, torchrun_line("train", args.recipe, args.overrides, flags, tr.devices, tr.num_nodes))
     check_regenerated_source(recipe, args.recipe)
-    metrics = run_train(recipe, resume=args.resume, progress=not args.no_progress)
+    metrics = run_train(recipe, resume=args.resume, progress=not args.no_progress, minutes=args.minutes)
     if int(__import__("os").environ.get("RANK", "0")) == 0:
         keys = ("step", "tokens", "val_loss", "tau", "alpha", "top1_per_step")
         print("train: " + json.dumps({k: metrics.get(k) for k in keys}))

@@ -136,3 +136,46 @@ def test_fsdp_on_two_gloo_ranks_equals_one_process_and_resumes_sharded(tmp_path,
     p = _torchrun(2, ["train", str(cut), "--no-progress", "--resume", "--set", "train.max_steps=3", *fsdp])
     assert p.wait() == 0, p.stderr.read().decode()[-2000:]
     _same_heads(tmp_path / "two", tmp_path / "cut", chat_model_dir)
+
+
+def test_a_time_boxed_run_stops_on_a_step_with_a_checkpoint_and_resumes_exactly(tmp_path, chat_model_dir, capsys):
+    """train --minutes: past the time box the run checkpoints the optimizer step it is on (grad_accum 2:
+    never between micro-batches) and stops cleanly, without a validation of its own or head-final; --resume
+    then ends it as one run would: the same losses, validations at the same steps, the same head."""
+    train = {"max_steps": 5, "grad_accum": 2, "ckpt_every_steps": 4, "val_every_steps": 2, "val_prompts": 1}
+    one = _recipe(tmp_path, chat_model_dir, name="one", train=train)
+    assert main(["train", str(one), "--no-progress"]) == 0
+    two = _recipe(tmp_path, chat_model_dir, name="two", train=train)
+    out = tmp_path / "two"
+    capsys.readouterr()
+    assert main(["train", str(two), "--no-progress", "--minutes", "0"]) == 2
+    assert "--minutes 0.0: must be > 0" in capsys.readouterr().err
+    assert main(["train", str(two), "--no-progress", "--minutes", "1e-9"]) == 0  # up before the first step ends
+    err = capsys.readouterr().err
+    assert "stopped at step 1 of 5 (--minutes)" in err and "rerun with --resume" in err
+    assert (out / "checkpoints" / "last.ckpt").is_file() and not (out / "head-final").exists()
+    assert list(_losses(out)) == [1] and not [r for r in _curve(out) if r["kind"] == "val"]
+    assert main(["train", str(two), "--no-progress", "--resume", "--minutes", "1e-9"]) == 0  # step 2, validated
+    assert "stopped at step 2 of 5" in capsys.readouterr().err
+    assert main(["train", str(two), "--no-progress", "--resume"]) == 0
+    a, b = _losses(tmp_path / "one"), _losses(out)
+    assert list(b) == [1, 2, 3, 4, 5] and b == pytest.approx(a, rel=1e-6)
+    assert [int(r["step"]) for r in _curve(out) if r["kind"] == "val"] == [2, 4, 5]
+    ta = load_head(tmp_path / "one" / "head-final", load_llama(chat_model_dir, "fp32")).state_dict()
+    tb = load_head(out / "head-final", load_llama(chat_model_dir, "fp32")).state_dict()
+    for k in ta:
+        torch.testing.assert_close(ta[k], tb[k], rtol=0, atol=0)
+
+
+def test_a_time_boxed_run_on_two_gloo_ranks_stops_both_on_one_step(tmp_path, chat_model_dir):
+    """Rank 0's clock decides for both ranks (a rank stopping alone would leave the other waiting in its
+    gradient all-reduce): both stop at step 1, and --resume on two ranks ends the run."""
+    two = _recipe(tmp_path, chat_model_dir, train={"max_steps": 3, "val_every_steps": 0, "val_prompts": 1}, n=64)
+    ranks = ["--set", "trainer.devices=2", "--set", "trainer.accelerator=cpu"]
+    p = _cli(["train", str(two), "--no-progress", *ranks, "--minutes", "1e-9"])
+    assert p.wait(timeout=600) == 0
+    assert "stopped at step 1 of 3 (--minutes)" in p.stderr.read().decode()
+    assert list(_losses(tmp_path / "run")) == [1] and not (tmp_path / "run" / "head-final").exists()
+    p = _cli(["train", str(two), "--no-progress", *ranks, "--resume"])
+    assert p.wait(timeout=600) == 0, p.stderr.read().decode()[-2000:]
+    assert list(_losses(tmp_path / "run")) == [1, 2, 3] and (tmp_path / "run" / "head-final").is_dir()

@@ -13,6 +13,7 @@ import contextlib
 import json
 import os
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -80,6 +81,7 @@ class Outputs(L.Callback):
         self.seen_step = 0
         self.last_val_step = -1
         self.last_ckpt_step = -1
+        self.stopped_early = False  # by the time box (--minutes): no validation, no head-final, resumable
 
     def on_train_start(self, trainer: L.Trainer, module: HeadModule) -> None:
         self.seen_step = self.last_ckpt_step = trainer.global_step
@@ -105,9 +107,24 @@ class Outputs(L.Callback):
         if ve and step % ve == 0 and step < trainer.max_steps:
             module.sync_tokens()
             self.validate(trainer, module)
+        if self.run.deadline is not None and step < trainer.max_steps and self._time_up(trainer):
+            if self.last_ckpt_step != step:
+                self.checkpoint(trainer)
+            self.stopped_early = trainer.should_stop = True
+
+    def _time_up(self, trainer: L.Trainer) -> bool:
+        """Rank 0's clock decides for every rank: ranks that stopped on different steps would wait on each
+        other's collectives for ever."""
+        return bool(trainer.strategy.broadcast(time.monotonic() >= self.run.deadline, src=0))
 
     def on_train_end(self, trainer: L.Trainer, module: HeadModule) -> None:
         module.log_row()
+        if self.stopped_early:
+            if trainer.is_global_zero:
+                status(f"train: stopped at step {trainer.global_step} of {trainer.max_steps} (--minutes); "
+                       f"{run_dir(self.run.recipe) / 'checkpoints' / 'last.ckpt'} holds it: rerun with --resume to "
+                       "continue")
+            return
         if trainer.global_step != self.last_ckpt_step:
             self.checkpoint(trainer)
         if trainer.global_step != self.last_val_step:
@@ -195,13 +212,15 @@ def global_rank(devices: int) -> int:
 class TrainRun:
     """Everything one `headstart train` builds: target, head, data, module, trainer."""
 
-    def __init__(self, recipe: Recipe, *, resume: bool = False, progress: bool = True) -> None:
+    def __init__(self, recipe: Recipe, *, resume: bool = False, progress: bool = True,
+                 deadline: float | None = None) -> None:
         from headstart.assets import resolve_model
         from headstart.data.dataset import build_dataset
         from headstart.hardware import describe, resolve_dtype, resolve_precision
         from headstart.models import load_target
 
         self.recipe, self.progress = recipe, progress
+        self.deadline = deadline  # time.monotonic() after which the run checkpoints and stops (--minutes)
         cfg, tr = recipe.train, recipe.trainer
         self.rank = global_rank(tr.devices)
         self.world = tr.devices * tr.num_nodes
@@ -424,9 +443,15 @@ def join_tensor_parallel(size: int, devices: int, num_nodes: int, use_cuda: bool
     return tp
 
 
-def run_train(recipe: Recipe, *, resume: bool = False, progress: bool = True) -> dict[str, Any]:
+def run_train(recipe: Recipe, *, resume: bool = False, progress: bool = True,
+              minutes: float | None = None) -> dict[str, Any]:
     """Train the recipe's head; returns the last validation's metrics. The output_dir is checked
-    before the target loads, and held by one run at a time (a second one refuses at once)."""
+    before the target loads, and held by one run at a time (a second one refuses at once). `minutes`
+    time-boxes the run from this call: at the first optimizer step past it, a checkpoint and a clean
+    stop (no validation, no head-final) that --resume continues as if never stopped."""
+    if minutes is not None and not minutes > 0:
+        raise ConfigError(f"--minutes {minutes}: must be > 0")
+    deadline = time.monotonic() + minutes * 60 if minutes is not None else None
     # Ranks torchrun (or a hand-set environment) started all come, or are named; a tensor-parallel run
     # meets when it joins its groups (join_tensor_parallel, after its own checks).
     from headstart.launch import launch_env, rendezvous
@@ -444,11 +469,11 @@ def run_train(recipe: Recipe, *, resume: bool = False, progress: bool = True) ->
     with exclusive_lock(lock_path(out, rank), what=f"train into {out}"):
         if rank == 0:
             remove_crash_leftovers(out)
-        return _train(recipe, resume, progress)
+        return _train(recipe, resume, progress, deadline)
 
 
-def _train(recipe: Recipe, resume: bool, progress: bool) -> dict[str, Any]:
-    run = TrainRun(recipe, resume=resume, progress=progress)
+def _train(recipe: Recipe, resume: bool, progress: bool, deadline: float | None) -> dict[str, Any]:
+    run = TrainRun(recipe, resume=resume, progress=progress, deadline=deadline)
     try:
         metrics = run.fit()
         import torch.distributed as dist
