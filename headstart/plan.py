@@ -299,7 +299,7 @@ def make_plan(recipe: Recipe, target_cfg: dict[str, Any], *, device: str = "H100
                              "shared by the layers (fused kernels keep no scores)"))
     if hc.head_type in (*CHAIN_HEADS, "draft_lm"):
         ph.terms.append(_padded_attention_term(recipe, c, hc, gb, on_gpu))
-    if tr.ttt_steps > 1 and hc.head_type in CHAIN_HEADS:
+    if tr.ttt_steps > 1 and hc.head_type in CHAIN_HEADS and on_gpu:  # the CPU's merged steps take no mask
         # headstart.train.ttt runs each unrolled step as one fused SDPA call per length bucket: no scores
         # are kept, but step j keeps its additive (L_b, L_b (j + 1)) mask per bucket length for the backward
         # pass (shared by the layers and sequences). Bucket lengths at least halve from one to the next, so
@@ -405,13 +405,22 @@ def _padded_attention_term(recipe: Recipe, c: Any, hc: Any, act: int, on_gpu: bo
         per_row = layers * (heads * (k_dim + v_dim) + wide * (k_dim + v_dim))
         how = f"{layers} layer(s) x (q and output x {heads} heads + K/V x {wide} heads) x (k + v)"
         name = "attention (padded rows)"
-    else:
+    elif on_gpu:
         t = tr.ttt_steps
         per_row = layers * t * (kv_heads * (k_dim + v_dim) + heads * k_dim) + 2 * t * wide * (k_dim + v_dim)
         how = (f"({layers} layer(s) x {t} steps x (own K/V x {kv_heads} heads x (k + v) + q x {heads} heads x k), "
                f"+ the last step's {t} K/V copies x {wide} heads x (k + v) and their gradients, rebuilt in backward)")
         name = "TTT attention (padded rows)"
-    return Term(name, rows * per_row * act,
+    else:  # train.ttt_cpu.MergedStep: q, own K/V, merged output, fp32 log-sum-exp and diagonal scores per step
+        t = tr.ttt_steps
+        kept = layers * t * (kv_heads * (k_dim + v_dim) + heads * (k_dim + v_dim) + heads * (1 + t) * 4 / act)
+        # the last step's backward in flight: fp32 dq, K/V gradients of every step, two expanded copies
+        flight = (heads * k_dim + 2 * t * kv_heads * (k_dim + v_dim) + 2 * heads * (k_dim + v_dim)) * 4 / act
+        per_row = kept + flight
+        how = (f"({layers} layer(s) x {t} steps x (own K/V x {kv_heads} heads + q and output x {heads} heads) x "
+               f"(k + v) + fp32 log-sum-exp and scores, + the last step's fp32 gradients in backward)")
+        name = "TTT attention (padded rows)"
+    return Term(name, int(rows * per_row * act),
                 f"2 x {tr.batch_tokens:,} padded rows (length buckets) x {how}, k = {k_dim}, v = {v_dim}, x {act} B")
 
 

@@ -173,18 +173,19 @@ def test_a_recipe_that_would_not_fit_is_refused_by_its_largest_term():
 
 
 def test_train_and_precompute_refuse_before_loading(tiny, tmp_path, capsys):
-    """On this CPU the device is the machine's RAM: a recipe whose TTT scores exceed it is refused by
-    name, before the target loads or any output is written."""
+    """On this CPU the device is the machine's RAM: a recipe whose activations exceed it is refused by
+    name, before the target loads or any output is written (no TTT mask term on CPU: its merged steps
+    take none)."""
     text = (f"output_dir: {tmp_path / 'run'}\ntarget:\n  model: {tiny}\n  dtype: fp32\n"
             "data:\n  source: sharegpt\n  max_length: 400000\n"
             "train:\n  source: online\n  batch_tokens: 4000000\n  ttt_steps: 3\n")
     recipe = tmp_path / "r.yaml"
     recipe.write_text(text)
-    with pytest.raises(PlanError, match="'TTT attention masks'"):
+    with pytest.raises(PlanError, match="'head activations'"):
         check_fits(load_recipe(recipe), json.loads((tiny / "config.json").read_text()), torch.device("cpu"),
                    ("train",), "config.json")
     assert main(["train", str(recipe)]) == 2
-    assert "'TTT attention masks'" in capsys.readouterr().err
+    assert "'head activations'" in capsys.readouterr().err
     recipe.write_text(text + "precompute:\n  batch_tokens: 20000000\n")
     assert main(["precompute", str(recipe)]) == 2
     assert "precompute: needs" in capsys.readouterr().err

@@ -2,6 +2,7 @@
 sequences (against the looped reference, tests/ttt_reference.py), the teacher once per chunk for every
 step, one host sync per micro-batch, train.compile."""
 
+import contextlib
 import json
 from pathlib import Path
 
@@ -226,12 +227,19 @@ def test_an_error_of_the_compiled_call_is_raised_and_compile_stays_on(capsys):
     assert "mtp.forward_hidden runs eagerly: it did not compile (TorchRuntimeError" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("merged", [True, False], ids=["cpu-merged", "masked"])
 @pytest.mark.parametrize("kind", ["mtp", "eagle3", "deepseek_mtp"])
-def test_batched_ttt_attention_equals_the_looped_one_with_its_gradient(target, deepseek_target, kind, monkeypatch):
+def test_batched_ttt_attention_equals_the_looped_one_with_its_gradient(target, deepseek_target, kind, merged,
+                                                                        monkeypatch):
     """One attention call per unrolled step over all packed rows gives what the loop over sequences and
     query blocks gave (tests/ttt_reference.py), forward and backward, at fp32, on sequences of several
-    lengths (a neighbour leaking in, or a key off by one row, shows)."""
+    lengths (a neighbour leaking in, or a key off by one row, shows): on CPU's merged steps (causal flash +
+    diagonal keys) and on the masked steps CUDA runs."""
     from ttt_reference import use_looped
+
+    from headstart.train.ttt import UnrolledAttention
+
+    monkeypatch.setattr(UnrolledAttention, "merged_on_cpu", merged)
 
     model = deepseek_target if kind == "deepseek_mtp" else target
     kw = {"aux_layer_ids": [0, 1, 2]} if kind == "eagle3" else {}
@@ -289,23 +297,33 @@ def test_batched_ttt_attention_keeps_no_scores_for_backward(target, monkeypatch)
             attn_mask = torch.zeros(n, n).masked_fill(torch.ones(n, n, dtype=torch.bool).triu(1), float("-inf"))
         return torch.softmax(q @ k.transpose(-1, -2) * scale + attn_mask, dim=-1) @ v
 
+    monkeypatch.setattr(ttt.UnrolledAttention, "merged_on_cpu", False)
+    assert scores_saved() == []  # the masked steps CUDA runs
     monkeypatch.setattr(ttt.F, "scaled_dot_product_attention", plain)
     assert scores_saved()
 
 
-def test_ttt_attention_calls_do_not_grow_with_the_sequences(target):
+@pytest.mark.parametrize("merged", [True, False], ids=["cpu-merged", "masked"])
+def test_ttt_attention_calls_do_not_grow_with_the_sequences(target, merged, monkeypatch):
     """The same 48 rows packed as 1, 4 or 12 sequences (one length bucket each) run the same aten ops (no
-    loop over sequences): each step's attention once forward and once in the backward's recompute."""
+    loop over sequences): masked, each step's attention once forward and once in the backward's recompute;
+    CPU's merged steps, one flash call forward and one flash backward per step (no recompute)."""
     from torch.profiler import profile
 
+    from headstart.train.ttt import UnrolledAttention
+
+    monkeypatch.setattr(UnrolledAttention, "merged_on_cpu", merged)
     head = build_head(HeadConfig(head_type="mtp"), target)
+    names = ("aten::_scaled_dot_product_flash_attention_for_cpu",
+             "aten::_scaled_dot_product_flash_attention_for_cpu_backward") if merged else \
+        ("aten::scaled_dot_product_attention",)
     counts = []
     for lens in ((49,), (13, 13, 13, 13), (5,) * 12 + (1,)):
         b = _batch(target, lens=lens)
         with profile() as prof:
             outs, _, _ = unroll(head, b, 3)
             sum(o.sum() for o in outs).backward()
-        counts.append(sum(e.count for e in prof.key_averages() if e.key == "aten::scaled_dot_product_attention"))
+        counts.append(sum(e.count for e in prof.key_averages() if e.key in names))
     assert counts[0] == counts[1] == counts[2] == 2 * 3 * head.kv_layers(), counts
 
 
@@ -373,3 +391,37 @@ def test_the_sync_counter_flags_the_ops_whose_cuda_kernels_read_back():
     assert counter.syncs == ["aten.bincount.default", "aten.index.Tensor", "aten.repeat_interleave.Tensor",
                              "aten._unique2.default", "aten.masked_select.default", "aten.equal.default",
                              "aten._local_scalar_dense.default"], counter.syncs
+
+
+@pytest.mark.parametrize("autocast", [False, True], ids=["fp32", "bf16-autocast"])
+def test_the_cpu_merged_step_equals_the_masked_step_with_its_gradients(autocast):
+    """ttt_cpu.MergedStep (causal flash over step-0 keys merged with the diagonal keys by log-sum-exp; the
+    flash backward given the merged output and log-sum-exp) against SDPA with step j's mask through plain
+    autograd: outputs and every input's gradient, steps 0-3, grouped and plain heads, rows shorter than j
+    (no step-0 key at all), one row."""
+    from headstart.train.ttt import UnrolledAttention, _step_attention
+    from headstart.train.ttt_cpu import MergedStep
+
+    g = torch.Generator().manual_seed(0)
+    ctx = torch.autocast("cpu", dtype=torch.bfloat16) if autocast else contextlib.nullcontext()
+    tol = {"rtol": 2e-2, "atol": 4e-2} if autocast else {"rtol": 1e-5, "atol": 1e-5}
+    for j in range(4):
+        for b, n, hq, hkv, d in ((2, 9, 6, 2, 8), (1, 3, 4, 4, 16), (3, 1, 2, 1, 4), (2, 40, 4, 2, 8)):
+            leaves = [torch.randn(b, n, hq, d, generator=g)] + [torch.randn(b, n, hkv, d, generator=g)
+                                                               for _ in range(2 * (j + 1))]
+            grad = torch.randn(b, n, hq, d, generator=g)
+            mask = None if j == 0 else UnrolledAttention().mask(j, n, torch.bfloat16 if autocast else torch.float32,
+                                                               torch.device("cpu"))
+
+            def run(fn):
+                xs = [t.clone().requires_grad_() for t in leaves]
+                with ctx:
+                    ys = [x.to(torch.bfloat16) for x in xs] if autocast else xs  # what autocast's linears hand on
+                    out = fn(ys[0], ys[1:])
+                out.float().backward(grad)
+                return [out.float(), *(x.grad for x in xs)]
+
+            got = run(lambda q, kvs: MergedStep.apply(q, j, 0.3, *kvs))
+            want = run(lambda q, kvs: _step_attention(q, tuple(kvs), mask, j, 0.3))
+            for i, (x, y) in enumerate(zip(got, want)):
+                torch.testing.assert_close(x, y, **tol, msg=lambda m: f"j={j} n={n} hq={hq} tensor {i}: {m}")

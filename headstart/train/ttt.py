@@ -20,6 +20,7 @@ import torch.nn.functional as F
 
 from headstart.heads.base import DraftHead, PackedBatch, Shifted, shift_for_head
 from headstart.nn.attention import AttentionMetadata, additive_mask, fused_kv, packed_metadata, padded_layout
+from headstart.train.ttt_cpu import MergedStep
 
 
 def _step_attention(q: torch.Tensor, kvs: tuple[torch.Tensor, ...], mask: torch.Tensor | None, j: int,
@@ -75,9 +76,11 @@ class UnrolledAttention:
     step-0 keys at positions <= p - j and in each copy only its own position, where p - j + j' >= 0. SDPA
     then runs its fused kernel (flash on CPU, memory-efficient on CUDA), which keeps no (H, n, n) scores
     for backward. What a layer keeps for backward (`_RecomputedStep`) is each step's padded queries and
-    own K/V (shared by the later steps) and per step and bucket length the mask; `plan` counts them."""
+    own K/V (shared by the later steps) and per step and bucket length the mask; `plan` counts them.
+    On CPU the steps run as ttt_cpu.MergedStep instead: no mask, 2-4x less attention work, no recompute."""
 
     name = "unrolled"
+    merged_on_cpu = True  # CPU: ttt_cpu.MergedStep (no mask, no recompute); tests switch it off to run the masked path
     expands_mla = True  # MLA heads run expanded here (models.deepseek_mla.MLAttention._expanded)
 
     def __init__(self) -> None:
@@ -108,8 +111,11 @@ class UnrolledAttention:
         j = len(cache) - 1
         outs = []
         for b, qb in enumerate(lay.pad(q)):
-            mask = None if j == 0 else self.mask(j, qb.shape[1], q.dtype, q.device)
             kvs = [t for kc, vc in cache for t in (kc[b], vc[b])]
+            if q.device.type == "cpu" and self.merged_on_cpu:  # no mask: causal flash + the j diagonal keys (ttt_cpu), no recompute
+                outs.append(MergedStep.apply(qb, j, scale, *kvs))
+                continue
+            mask = None if j == 0 else self.mask(j, qb.shape[1], q.dtype, q.device)
             outs.append(_RecomputedStep.apply(qb, mask, j, scale, *kvs))  # (B_b, L_b, H, D)
         return lay.unpad(outs)  # (N, H, D)
 
