@@ -393,35 +393,38 @@ def test_the_sync_counter_flags_the_ops_whose_cuda_kernels_read_back():
                              "aten._local_scalar_dense.default"], counter.syncs
 
 
+def _merged_and_masked(j, leaves, grad, autocast):
+    """[output, gradient of each input] of ttt_cpu.MergedStep and of SDPA with step j's mask (plain autograd)."""
+    from headstart.train.ttt import UnrolledAttention, _step_attention
+    from headstart.train.ttt_cpu import MergedStep
+
+    n = leaves[0].shape[1]
+    mask = None if j == 0 else UnrolledAttention().mask(j, n, torch.bfloat16 if autocast else torch.float32,
+                                                       torch.device("cpu"))
+    results = []
+    for merged in (True, False):
+        xs = [t.clone().requires_grad_() for t in leaves]
+        with torch.autocast("cpu", dtype=torch.bfloat16) if autocast else contextlib.nullcontext():
+            ys = [x.to(torch.bfloat16) for x in xs] if autocast else xs  # what autocast's linears hand on
+            out = MergedStep.apply(ys[0], j, 0.3, *ys[1:]) if merged else _step_attention(ys[0], tuple(ys[1:]), mask,
+                                                                                           j, 0.3)
+        out.float().backward(grad)
+        results.append([out.float(), *(x.grad for x in xs)])
+    return results
+
+
 @pytest.mark.parametrize("autocast", [False, True], ids=["fp32", "bf16-autocast"])
 def test_the_cpu_merged_step_equals_the_masked_step_with_its_gradients(autocast):
     """ttt_cpu.MergedStep (causal flash over step-0 keys merged with the diagonal keys by log-sum-exp; the
     flash backward given the merged output and log-sum-exp) against SDPA with step j's mask through plain
     autograd: outputs and every input's gradient, steps 0-3, grouped and plain heads, rows shorter than j
     (no step-0 key at all), one row."""
-    from headstart.train.ttt import UnrolledAttention, _step_attention
-    from headstart.train.ttt_cpu import MergedStep
-
     g = torch.Generator().manual_seed(0)
-    ctx = torch.autocast("cpu", dtype=torch.bfloat16) if autocast else contextlib.nullcontext()
     tol = {"rtol": 2e-2, "atol": 4e-2} if autocast else {"rtol": 1e-5, "atol": 1e-5}
     for j in range(4):
         for b, n, hq, hkv, d in ((2, 9, 6, 2, 8), (1, 3, 4, 4, 16), (3, 1, 2, 1, 4), (2, 40, 4, 2, 8)):
             leaves = [torch.randn(b, n, hq, d, generator=g)] + [torch.randn(b, n, hkv, d, generator=g)
                                                                for _ in range(2 * (j + 1))]
-            grad = torch.randn(b, n, hq, d, generator=g)
-            mask = None if j == 0 else UnrolledAttention().mask(j, n, torch.bfloat16 if autocast else torch.float32,
-                                                               torch.device("cpu"))
-
-            def run(fn):
-                xs = [t.clone().requires_grad_() for t in leaves]
-                with ctx:
-                    ys = [x.to(torch.bfloat16) for x in xs] if autocast else xs  # what autocast's linears hand on
-                    out = fn(ys[0], ys[1:])
-                out.float().backward(grad)
-                return [out.float(), *(x.grad for x in xs)]
-
-            got = run(lambda q, kvs: MergedStep.apply(q, j, 0.3, *kvs))
-            want = run(lambda q, kvs: _step_attention(q, tuple(kvs), mask, j, 0.3))
+            got, want = _merged_and_masked(j, leaves, torch.randn(b, n, hq, d, generator=g), autocast)
             for i, (x, y) in enumerate(zip(got, want)):
-                torch.testing.assert_close(x, y, **tol, msg=lambda m: f"j={j} n={n} hq={hq} tensor {i}: {m}")
+                torch.testing.assert_close(x, y, **tol, msg=f"j={j} n={n} hq={hq}: tensor {i} differs")

@@ -112,7 +112,7 @@ class UnrolledAttention:
         outs = []
         for b, qb in enumerate(lay.pad(q)):
             kvs = [t for kc, vc in cache for t in (kc[b], vc[b])]
-            if q.device.type == "cpu" and self.merged_on_cpu:  # no mask: causal flash + the j diagonal keys (ttt_cpu), no recompute
+            if q.device.type == "cpu" and self.merged_on_cpu:  # causal flash + the j diagonal keys, no recompute
                 outs.append(MergedStep.apply(qb, j, scale, *kvs))
                 continue
             mask = None if j == 0 else self.mask(j, qb.shape[1], q.dtype, q.device)
