@@ -98,7 +98,7 @@ def _train(path: Path, run: Path, deadline: float | None) -> None:
         left = (deadline - time.monotonic()) / 60
         if left <= 0:
             raise SystemExit(f"--minutes: time is up before {run.name}; rerun the same command to continue")
-        box = ["--minutes", f"{left:.2f}"]
+        box = ["--minutes", repr(left)]  # not rounded: under 0.005 min "0.00" would be refused (> 0)
     _headstart("train", str(path), "--no-progress", *box,
                *(["--resume"] if (run / "checkpoints" / "last.ckpt").exists() else []))
     if not (run / "head-final").exists():
@@ -131,7 +131,9 @@ def main() -> None:
     ap.add_argument("--minutes", type=float, help="a piece of the work: stop (checkpointed) after this long; a rerun "
                                                    "continues")
     args = ap.parse_args()
-    deadline = time.monotonic() + args.minutes * 60 if args.minutes else None
+    if args.minutes is not None and not args.minutes > 0:
+        raise SystemExit(f"--minutes {args.minutes}: must be > 0")
+    deadline = time.monotonic() + args.minutes * 60 if args.minutes is not None else None
     try:
         sizes = sorted({int(s) for s in args.sizes.split(",")})
     except ValueError:

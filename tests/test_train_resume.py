@@ -179,3 +179,29 @@ def test_a_time_boxed_run_on_two_gloo_ranks_stops_both_on_one_step(tmp_path, cha
     p = _cli(["train", str(two), "--no-progress", *ranks, "--resume"])
     assert p.wait(timeout=600) == 0, p.stderr.read().decode()[-2000:]
     assert list(_losses(tmp_path / "run")) == [1, 2, 3] and (tmp_path / "run" / "head-final").is_dir()
+
+
+def test_a_time_boxed_stop_on_a_checkpoint_and_validation_step_keeps_the_validated_best(tmp_path, chat_model_dir):
+    """A time box that ends on a step that both checkpoints and validates: the periodic checkpoint is
+    written before that validation, so the stop must checkpoint again, or --resume starts from a best tau
+    that misses the last validation (and a worse head could later replace head-best)."""
+    train = {"max_steps": 4, "ckpt_every_steps": 2, "val_every_steps": 2, "val_prompts": 1}
+    path = _recipe(tmp_path, chat_model_dir, train=train)
+    out = tmp_path / "run"
+    assert main(["train", str(path), "--no-progress", "--minutes", "1e-9"]) == 0  # step 1
+    assert main(["train", str(path), "--no-progress", "--resume", "--minutes", "1e-9"]) == 0  # step 2: ckpt + val
+    tau = json.loads((out / "metrics.json").read_text())["tau"]
+    assert tau is not None and json.loads((out / "metrics.json").read_text())["step"] == 2
+    state = torch.load(out / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=False)
+    assert state["global_step"] == 2
+    assert [s["best_tau"] for k, s in state["callbacks"].items() if "Outputs" in k] == [tau]
+
+
+def test_a_time_box_that_ends_on_the_last_step_finishes_the_run(tmp_path, chat_model_dir, capsys):
+    """Past the box on the run's last step there is nothing left to resume: the run ends as usual (final
+    validation, head-final), not with a stop that a --resume would have to finish."""
+    path = _recipe(tmp_path, chat_model_dir, train={"max_steps": 1, "val_every_steps": 0, "val_prompts": 1})
+    assert main(["train", str(path), "--no-progress", "--minutes", "1e-9"]) == 0
+    assert "(--minutes)" not in capsys.readouterr().err
+    assert (tmp_path / "run" / "head-final").is_dir()
+    assert [int(r["step"]) for r in _curve(tmp_path / "run") if r["kind"] == "val"] == [1]

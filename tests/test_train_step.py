@@ -428,3 +428,17 @@ def test_the_cpu_merged_step_equals_the_masked_step_with_its_gradients(autocast)
             got, want = _merged_and_masked(j, leaves, torch.randn(b, n, hq, d, generator=g), autocast)
             for i, (x, y) in enumerate(zip(got, want)):
                 torch.testing.assert_close(x, y, **tol, msg=f"j={j} n={n} hq={hq}: tensor {i} differs")
+
+
+def test_cpu_ttt_attention_runs_the_merged_steps_by_default(target):
+    """Without the tests' switch, CPU's unrolled steps are ttt_cpu.MergedStep (what plan's CPU terms count)."""
+    from torch.profiler import profile
+
+    head = build_head(HeadConfig(head_type="mtp"), target)
+    b = _batch(target, lens=(9, 4))
+    with profile() as prof:
+        outs, _, _ = unroll(head, b, 3)
+        sum(o.sum() for o in outs).backward()
+    keys = {e.key for e in prof.key_averages()}
+    assert "aten::_scaled_dot_product_flash_attention_for_cpu_backward" in keys
+    assert "aten::scaled_dot_product_attention" not in keys

@@ -108,8 +108,8 @@ class Outputs(L.Callback):
             module.sync_tokens()
             self.validate(trainer, module)
         if self.run.deadline is not None and step < trainer.max_steps and self._time_up(trainer):
-            if self.last_ckpt_step != step:
-                self.checkpoint(trainer)
+            if self.last_ckpt_step != step or self.last_val_step == step:  # a checkpoint before this step's
+                self.checkpoint(trainer)  # validation lacks its best tau: --resume would start from an older one
             self.stopped_early = trainer.should_stop = True
 
     def _time_up(self, trainer: L.Trainer) -> bool:
