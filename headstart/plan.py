@@ -89,7 +89,7 @@ class Plan:
 # The train terms for what one micro-batch keeps for backward (tests/test_training_memory.py and
 # benchmarks/gpu_check.py compare autograd's saved bytes with their sum).
 ACTIVATION_TERMS = ("head activations", "chunked loss", "TTT attention (padded rows)", "attention (padded rows)",
-                    "TTT attention masks", "block attention mask")
+                    "TTT attention masks", "block attention mask", "fused loss gradients")
 
 
 def _dtype_bytes(dtype: str) -> int:
@@ -281,6 +281,13 @@ def make_plan(recipe: Recipe, target_cfg: dict[str, Any], *, device: str = "H100
                          f"; {tr.loss}: + each step's q and the teacher's p on them"
                          + (f", + the teacher's {c.vocab_size:,}-token logits and softmax" if vd != c.vocab_size
                             else "") if lk else ""))]
+    if not on_gpu and hc.head_type == "eagle3" and hc.draft_vocab_size:
+        # train.fused_loss: the gradients of the draft lm_head and of its input rows, per step and loss term,
+        # taken in the forward pass and kept for backward (instead of a recompute)
+        comps = 3 if lk else 1
+        ph.terms.append(Term("fused loss gradients", loss_steps * comps * (vd + tr.batch_tokens) * d * 4,
+                             f"{loss_steps} steps x {comps} loss term(s) x ({vd:,} lm_head rows + {tr.batch_tokens:,} "
+                             "rows) x d x fp32"))
     if hc.head_type == "dflash":  # anchored blocks instead of token rows; every layer's context K/V and scores
         bs = hc.block_size or 8
         q = min(recipe.head.max_anchors, tr.batch_tokens) * bs

@@ -168,3 +168,47 @@ def test_the_module_passes_the_recipes_lk_hyper_parameters(target, monkeypatch):
     assert seen and set(seen) == {("lk_lambda", 0.5, 1.25)}
     default, _, _ = _losses(target, b, "lk", "mtp")
     assert float(a) != float(default)
+
+
+@pytest.mark.parametrize("autocast", [False, True], ids=["fp32", "bf16-autocast"])
+@pytest.mark.parametrize("norm_output", [True, False])
+@pytest.mark.parametrize("loss", ["kl", "lk_lambda", "lk_alpha"])
+def test_the_fused_chunks_equal_the_checkpointed_ones(target, monkeypatch, loss, norm_output, autocast):
+    """train.fused_loss (CPU, eagle3's own draft lm_head: the gradient taken in the forward pass) against the
+    checkpointed chunks: two TTT steps over different rows, chunks of 5 rows, statistics on, the steps
+    combined as the module does (decay, per-row means, LK's lambda) — the sums, the statistics and the
+    gradients of both steps' states and of every head parameter (the norm's too when it is not the output's)."""
+    import headstart.train.fused_loss as fused
+    from headstart.train.losses import distill_steps
+
+    head, _ = _draft_vocab_head(target)
+    head.config.norm_output = norm_output
+    b = _batch(target)
+    g = torch.Generator().manual_seed(3)
+    states = [torch.randn(b.input_ids.numel(), 64, generator=g) * 2 for _ in range(2)]
+    rows = [torch.tensor([0, 3, 4, 9, 10, 20, 30, 31]), torch.tensor([1, 3, 9, 12, 13, 20, 28])]
+
+    def run():
+        head.zero_grad(set_to_none=True)
+        hh = [s.clone().requires_grad_() for s in states]
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            parts = distill_steps(head, hh, b.hidden, rows, None, chunk=5, with_stats=True, lk=loss != "kl")
+        total = sum(0.8 ** j * objective(part, loss) for j, part in enumerate(parts))
+        total.backward()
+        sums = [torch.stack([p.kl, p.alpha, p.neglog_alpha, p.correct, p.accept, p.mass]).detach() for p in parts]
+        return sums, [h.grad for h in hh], {n: p.grad for n, p in head.named_parameters() if p.grad is not None}
+
+    calls = []
+    real = fused.FusedChunks.apply
+    monkeypatch.setattr(fused.FusedChunks, "apply", lambda *a: calls.append(1) or real(*a))
+    got = run()
+    assert calls, "the fused path did not run"
+    monkeypatch.setattr(fused, "fused_projection", lambda head, device: None)
+    want = run()
+    tol = {"rtol": 2e-2, "atol": 2e-3} if autocast else {"rtol": 1e-5, "atol": 1e-6}
+    for x, y in zip(got[0] + got[1], want[0] + want[1]):
+        torch.testing.assert_close(x, y, **tol)
+    assert set(got[2]) == set(want[2]) and "lm_head.weight" in got[2]
+    assert ("norm.weight" in got[2]) == (not norm_output)
+    for name in got[2]:
+        torch.testing.assert_close(got[2][name], want[2][name], **tol, msg=name)

@@ -97,6 +97,13 @@ class Eagle3Head(DraftHead):
         head = self.lm_head if self.lm_head is not None else self.target.lm_head
         return head(h if self.config.norm_output else self.norm(h)).float()
 
+    def logit_projection(self) -> tuple | None:
+        """(pre, weight) with compute_logits(h) == linear(pre(h), weight), where the projection is the head's
+        own draft lm_head (train.fused_loss takes the loss's gradient in its forward pass); else None."""
+        if self.lm_head is None:
+            return None
+        return (lambda h: h) if self.config.norm_output else self.norm, self.lm_head.weight
+
     def to_target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
         return draft_to_target(draft_ids, self.d2t)
 

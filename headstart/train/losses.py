@@ -191,7 +191,18 @@ def distill_steps(head: DraftHead, head_h: list[torch.Tensor], target_h: torch.T
         draft_ids = torch.arange(d2t.numel(), device=d2t.device) + d2t  # draft id i -> target id i + d2t[i]
     kl = torch.zeros(len(rows), 3, device=device) + zero
     stats_sum = torch.zeros(len(rows), 3, device=device)
-    if with_kl:
+    from headstart.train.fused_loss import FusedChunks, fused_projection
+
+    wants_grad = torch.is_grad_enabled() and any(h.requires_grad for h in head_h)
+    proj = fused_projection(head, device) if with_kl and wants_grad else None
+    if proj is not None:  # the gradient taken in the forward pass: no chunk computed twice (fused_loss)
+        pre, weight = proj
+        got: list = []
+        kl = kl + FusedChunks.apply(weight, head, draft_ids, target_h[union_d], member, pieces, with_stats, lk, got,
+                                    *(pre(h[union_d]) for h in head_h))
+        if with_stats:
+            stats_sum = stats_sum + torch.stack(got)
+    elif with_kl:
         for piece in pieces:
             piece = piece.to(device, non_blocking=True)
             r, w = union_d[piece], member[:, piece]
