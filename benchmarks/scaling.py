@@ -1,7 +1,8 @@
 """The data-scaling curve of a head recipe: the engine's held-out tau (greedy, the recipe's k) against
 training tokens, and against unique conversations at a fixed token budget, with a log-linear fit of each.
 
-Two sets of runs from the same shards, each run the recipe apart from the keys named here:
+Two sets of runs from the same shards (or, --online, the same conversations with no shards), each run the recipe
+apart from the keys named here:
 - tokens: one run of --steps steps over all the training conversations, validated --points times on the
   same held-out prompts (train.val_every_steps; --prompts prompts x --max-tokens tokens each);
 - conversations: one run per --sizes N, trained on the first N conversations only (train.max_sequences)
@@ -73,7 +74,7 @@ def standard_error(histogram: list[int]) -> float:
     return math.sqrt(sum(c * (i - mean) ** 2 for i, c in enumerate(histogram)) / n / n)
 
 
-def _recipe(base: dict, out: Path, name: str, source: str | None, shards: Path, train: dict) -> Path:
+def _recipe(base: dict, out: Path, name: str, source: str | None, shards: Path | None, train: dict) -> Path:
     r = json.loads(json.dumps(base))
     r.pop("regenerate", None)
     r["name"] = f"scaling-{name}"
@@ -83,7 +84,8 @@ def _recipe(base: dict, out: Path, name: str, source: str | None, shards: Path, 
     r.setdefault("logging", {})["wandb"] = False
     # the training split's shards where the script looks for them; no epoch cap under a size's token budget
     r.setdefault("precompute", {}).update(split="train", output_dir=None)
-    r.setdefault("train", {}).update(source="shards", shards_dir=str(shards), epochs=None, **train)
+    where = {"source": "shards", "shards_dir": str(shards)} if shards else {"source": "online", "shards_dir": None}
+    r.setdefault("train", {}).update(**where, epochs=None, **train)
     path = out / f"{name}.yaml"
     atomic_write_text(path, yaml.safe_dump(r, sort_keys=False))
     return path
@@ -104,6 +106,23 @@ def _train(path: Path, run: Path, deadline: float | None) -> None:
     if not (run / "head-final").exists():
         raise SystemExit(f"--minutes: {run.name} stopped at its time box (checkpointed); rerun the same command to "
                          "continue it")
+
+
+def _shard_lengths(shards: Path) -> list[int]:
+    from headstart.train.data import ShardSequences
+
+    return ShardSequences(shards).lengths
+
+
+def _train_lengths(path: Path) -> list[int]:
+    """Token counts of the recipe's training split, in its order (what train.max_sequences cuts)."""
+    from headstart.assets import resolve_model
+    from headstart.data.dataset import build_dataset
+    from headstart.recipe_io import load_recipe
+
+    recipe = load_recipe(path)
+    train = build_dataset(recipe.data, str(resolve_model(recipe.target.model)), progress=False).train
+    return [len(ids) for ids in train["input_ids"]]
 
 
 def _val_rows(run: Path) -> list[dict]:
@@ -128,6 +147,8 @@ def main() -> None:
     ap.add_argument("--prompts", type=int, default=32, help="held-out prompts per validation")
     ap.add_argument("--max-tokens", type=int, default=128, help="new tokens per held-out prompt")
     ap.add_argument("--out", type=Path, default=ROOT / "runs" / "scaling")
+    ap.add_argument("--online", action="store_true", help="no shards: every run computes the target's states in its "
+                                                          "steps (train.source online; no disk, nothing to carry)")
     ap.add_argument("--minutes", type=float, help="a piece of the work: stop (checkpointed) after this long; a rerun "
                                                    "continues")
     args = ap.parse_args()
@@ -146,15 +167,15 @@ def main() -> None:
     out = args.out.resolve()
     out.mkdir(parents=True, exist_ok=True)
     source = str(Path(args.source).resolve()) if args.source else None
-    shards = args.shards.resolve() if args.shards else out / "shards" / "precompute"
-    if not (shards / "manifest.json").is_file():
+    if args.online and args.shards:
+        raise SystemExit("--online and --shards: give one")
+    shards = None if args.online else args.shards.resolve() if args.shards else out / "shards" / "precompute"
+    if shards and not (shards / "manifest.json").is_file():
         if args.shards:
             raise SystemExit(f"--shards {args.shards}: no finished precompute there (no manifest.json)")
         path = _recipe(base, out, "shards", source, shards, {})
         _headstart("precompute", str(path), *(["--resume"] if (shards / "run.json").exists() else []))
-    from headstart.train.data import ShardSequences
-
-    lengths = ShardSequences(shards).lengths
+    lengths = _train_lengths(_recipe(base, out, "data", source, None, {})) if args.online else _shard_lengths(shards)
     if len({min(n, len(lengths)) for n in sizes}) < len(sizes):
         raise SystemExit(f"--sizes {args.sizes!r}: the shards hold {len(lengths):,} conversations; give at most one "
                          "size at or above that (it trains on all of them)")
@@ -176,7 +197,8 @@ def main() -> None:
         last = _val_rows(out / name)[-1]
         final = json.loads((out / name / "metrics.json").read_text())
         by_size[n] = {**last, "unique_tokens": sum(lengths[:n]), "tau_se": standard_error(final["accept_histogram"])}
-    result = {"cpu": cpu_name(), "recipe": args.recipe.name, "shards": str(shards), "conversations": len(lengths),
+    result = {"cpu": cpu_name(), "recipe": args.recipe.name, "shards": str(shards) if shards else "online",
+              "conversations": len(lengths),
               "args": {k: str(v) for k, v in vars(args).items()}, "tokens_curve": curve, "size_curve": by_size}
     xs, ys = [r["tokens"] for r in curve], [r["tau"] for r in curve]
     result["tokens_fit"] = fit = fit_log(xs, ys)
