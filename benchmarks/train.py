@@ -36,6 +36,7 @@ VARIANTS = {  # name: (draft vocab, ttt steps, source, loss, head family)
     "eagle3_vd8192_ttt1": (8192, 1, "shards", "ours", "eagle3"),
     "eagle3_vd8192_ttt2": (8192, 2, "shards", "ours", "eagle3"),
     "eagle3_vd8192_ttt3": (8192, 3, "shards", "ours", "eagle3"),
+    "online_eagle3_vd8192_ttt2": (8192, 2, "online", "ours", "eagle3"),  # the eagle31 recipes' step, target inside
 }
 BASELINE = "full_ttt1"
 
