@@ -468,8 +468,8 @@ def test_two_ranks_from_shards_equal_one_process(tmp_path, chat_model_dir, strat
     """From shards only rank 0 (which validates) loads the whole target; rank 1 holds the embedding,
     norm and lm_head, and its head starts from rank 0's (DDP broadcasts it; under FSDP the set-up
     does). The trained head equals one process accumulating the two micro-batches. An eagle3 head with its
-    own draft lm_head: DDP runs the fused chunked loss (train.fused_loss), FSDP's sharded lm_head the
-    checkpointed chunks."""
+    own draft lm_head: both strategies run the fused chunked loss (train.fused_loss; under FSDP2 on the
+    unsharded weight that fully_shard swaps in for the root's forward)."""
     train = {"max_steps": 3, "val_every_steps": 3, "val_prompts": 2, "source": "shards"}
     extra = "  init_from_target: true\n  aux_layer_ids: [0, 1, 2]\n  draft_vocab_size: 96\n"
     one = _recipe(tmp_path, chat_model_dir, name="one", head="eagle3", train={**train, "grad_accum": 2}, n=64,

@@ -91,8 +91,11 @@ class FusedChunks(torch.autograd.Function):
 
 def fused_projection(head: object, device: torch.device) -> tuple | None:
     """(pre, weight) of the head's logits (compute_logits(h) == linear(pre(h), weight)) where the fused path
-    runs: on CPU, for a trained projection of the head's own that is a plain tensor (an FSDP-sharded one
-    is gathered by its module's hooks only: the checkpointed path runs there)."""
+    runs: on CPU, for a trained projection of the head's own that is a plain tensor. Under FSDP2 the losses
+    run inside the root's forward (module.HeadStep), where fully_shard has swapped the unsharded plain
+    parameters in: the fused path runs there too, and its gradient reaches the unsharded weight's .grad,
+    which FSDP reduce-scatters (tests/test_fused_corners.py). A still-sharded DTensor weight (a call
+    outside the root's forward) takes the checkpointed chunks."""
     if device.type != "cpu" or not hasattr(head, "logit_projection"):
         return None
     proj = head.logit_projection()
