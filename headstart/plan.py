@@ -282,7 +282,7 @@ def make_plan(recipe: Recipe, target_cfg: dict[str, Any], *, device: str = "H100
                          + (f", + the teacher's {c.vocab_size:,}-token logits and softmax" if vd != c.vocab_size
                             else "") if lk else ""))]
     if not on_gpu and hc.head_type == "eagle3" and hc.draft_vocab_size:
-        # train.fused_loss: the gradients of the draft lm_head and of its input rows, per step and loss term,
+        # train.losses.FusedChunks: the gradients of the draft lm_head and of its input rows, per step and loss term,
         # taken in the forward pass and kept for backward (instead of a recompute)
         comps = 3 if lk else 1
         ph.terms.append(Term("fused loss gradients", loss_steps * comps * (vd + tr.batch_tokens) * d * 4,

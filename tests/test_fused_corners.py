@@ -1,4 +1,4 @@
-"""train.fused_loss (CPU, eagle3's own draft lm_head) against the checkpointed chunks in corner cases: no
+"""train.losses.FusedChunks (CPU, eagle3's own draft lm_head) against the checkpointed chunks in corner cases: no
 supervised row at all, a step with none, a scaled upstream gradient and a second backward, a draft vocabulary
 as large as the target's, held-out (no_grad) numbers, and under FSDP2, where the losses run inside the root's
 forward on the unsharded weight."""
@@ -13,7 +13,7 @@ import test_train_parts as parts
 import torch
 from test_losses_lk import _draft_vocab_head
 
-import headstart.train.fused_loss as fused
+import headstart.train.losses as fused
 from headstart.heads import HeadConfig, build_head
 from headstart.train.losses import distill_steps, objective
 

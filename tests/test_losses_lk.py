@@ -174,11 +174,11 @@ def test_the_module_passes_the_recipes_lk_hyper_parameters(target, monkeypatch):
 @pytest.mark.parametrize("norm_output", [True, False])
 @pytest.mark.parametrize("loss", ["kl", "lk_lambda", "lk_alpha"])
 def test_the_fused_chunks_equal_the_checkpointed_ones(target, monkeypatch, loss, norm_output, autocast):
-    """train.fused_loss (CPU, eagle3's own draft lm_head: the gradient taken in the forward pass) against the
+    """train.losses.FusedChunks (CPU, eagle3's own draft lm_head: the gradient taken in the forward pass) against the
     checkpointed chunks: two TTT steps over different rows, chunks of 5 rows, statistics on, the steps
     combined as the module does (decay, per-row means, LK's lambda) — the sums, the statistics and the
     gradients of both steps' states and of every head parameter (the norm's too when it is not the output's)."""
-    import headstart.train.fused_loss as fused
+    import headstart.train.losses as fused
     from headstart.train.losses import distill_steps
 
     head, _ = _draft_vocab_head(target)

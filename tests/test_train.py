@@ -465,20 +465,17 @@ def _same_heads(a, b, model_dir):
 
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
 def test_two_ranks_from_shards_equal_one_process(tmp_path, chat_model_dir, strategy):
-    """From shards only rank 0 (which validates) loads the whole target; rank 1 holds the embedding,
-    norm and lm_head, and its head starts from rank 0's (DDP broadcasts it; under FSDP the set-up
-    does). The trained head equals one process accumulating the two micro-batches. An eagle3 head with its
-    own draft lm_head: both strategies run the fused chunked loss (train.fused_loss; under FSDP2 on the
-    unsharded weight that fully_shard swaps in for the root's forward)."""
+    """From shards only rank 0 (which validates) loads the whole target; rank 1 holds the embedding, norm and
+    lm_head, its head starts from rank 0's. The trained eagle3 head (own draft lm_head: FusedChunks under both
+    strategies) equals one process accumulating the two micro-batches."""
     train = {"max_steps": 3, "val_every_steps": 3, "val_prompts": 2, "source": "shards"}
     extra = "  init_from_target: true\n  aux_layer_ids: [0, 1, 2]\n  draft_vocab_size: 96\n"
-    one = _recipe(tmp_path, chat_model_dir, name="one", head="eagle3", train={**train, "grad_accum": 2}, n=64,
-                  extra=extra)
+    one = _recipe(tmp_path, chat_model_dir, "one", 64, "eagle3", train={**train, "grad_accum": 2}, extra=extra)
     assert main(["precompute", str(one)]) == 0
     p = _cli(["train", str(one), "--no-progress"])
     assert p.wait() == 0, p.stderr.read().decode()[-2000:]
-    two = _recipe(tmp_path, chat_model_dir, name="two", head="eagle3",
-                  train={**train, "shards_dir": tmp_path / "one" / "precompute"}, n=64, extra=extra)
+    two = _recipe(tmp_path, chat_model_dir, "two", 64, "eagle3", {**train, "shards_dir": tmp_path / "one/precompute"},
+                  extra=extra)
     launch = _cli if strategy == "ddp" else lambda args: _torchrun(2, args)  # Lightning spawns DDP ranks itself
     p = launch(["train", str(two), "--no-progress", "--set", "trainer.devices=2", "--set", "trainer.accelerator=cpu",
                 "--set", f"trainer.strategy={strategy}"])

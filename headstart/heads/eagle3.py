@@ -99,7 +99,7 @@ class Eagle3Head(DraftHead):
 
     def logit_projection(self) -> tuple | None:
         """(pre, weight) with compute_logits(h) == linear(pre(h), weight), where the projection is the head's
-        own draft lm_head (train.fused_loss takes the loss's gradient in its forward pass); else None."""
+        own draft lm_head (train.losses.FusedChunks takes the loss's gradient in its forward pass); else None."""
         if self.lm_head is None:
             return None
         return (lambda h: h) if self.config.norm_output else self.norm, self.lm_head.weight
