@@ -106,21 +106,8 @@ def _chunk_kl(head: DraftHead, draft_ids: torch.Tensor | None, target_h: torch.T
     only the V_d lm_head rows (the full-vocabulary normaliser cancels), so the teacher's side costs
     V_d rows too; the full vocabulary is computed only when statistics or the LK losses (whose p is not
     renormalised) ask for it."""
-    with torch.no_grad():
-        want = not stats
-        if draft_ids is not None and not (want or lk):
-            t_logits = restricted_target_logits(head, target_h)  # (R, Vd)
-        else:
-            t_logits = target_logits(head, target_h)  # (R, V)
-        if want or lk:
-            top = t_logits.argmax(-1)
-            p_full = torch.softmax(t_logits, dim=-1)
-            if draft_ids is not None:
-                p_full = p_full[:, draft_ids]
-                t_logits = t_logits[:, draft_ids]  # restricted to the draft vocab, renormalised below
-        logp = torch.log_softmax(t_logits, dim=-1)
-        p = logp.exp()
-        del t_logits
+    want = not stats
+    logp, p, top, p_full = _teacher(head, draft_ids, target_h, want or lk)
     kls = []
     none = torch.zeros(2, device=target_h.device)
     for w, hh in zip(weights, head_h):
@@ -135,6 +122,26 @@ def _chunk_kl(head: DraftHead, draft_ids: torch.Tensor | None, target_h: torch.T
         acc = _Acceptance.apply(logits, p_full, w) if lk else none
         kls.append(torch.cat([_ForwardKL.apply(logits, logp, p, w)[None], acc]))
     return torch.stack(kls)
+
+
+@torch.no_grad()
+def _teacher(head: DraftHead, draft_ids: torch.Tensor | None, target_h: torch.Tensor,
+             full: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """A chunk's teacher: (log p, p) over the draft vocabulary, renormalised (only its V_d lm_head rows are
+    computed unless `full`), and with `full` also the target's argmax and its full-vocabulary p read on the
+    draft tokens, not renormalised (statistics, LK); else None for those two."""
+    if draft_ids is not None and not full:
+        t_logits = restricted_target_logits(head, target_h)  # (R, Vd)
+    else:
+        t_logits = target_logits(head, target_h)  # (R, V)
+    top = p_full = None
+    if full:
+        top = t_logits.argmax(-1)
+        p_full = torch.softmax(t_logits, dim=-1)
+        if draft_ids is not None:
+            p_full, t_logits = p_full[:, draft_ids], t_logits[:, draft_ids]  # renormalised below
+    logp = torch.log_softmax(t_logits, dim=-1)
+    return logp, logp.exp(), top, p_full
 
 
 def restricted_target_logits(head: DraftHead, target_h: torch.Tensor) -> torch.Tensor:
@@ -264,16 +271,7 @@ class FusedChunks(torch.autograd.Function):
             piece = piece.to(device)
             th, w_rows = target_h[piece], member[:, piece]
             full = with_stats or lk
-            t_logits = restricted_target_logits(head, th) if draft_ids is not None and not full else \
-                target_logits(head, th)
-            if full:
-                top = t_logits.argmax(-1)
-                p_full = torch.softmax(t_logits, dim=-1)
-                if draft_ids is not None:
-                    p_full, t_logits = p_full[:, draft_ids], t_logits[:, draft_ids]
-            logp = torch.log_softmax(t_logits, dim=-1)
-            p = logp.exp()
-            del t_logits
+            logp, p, top, p_full = _teacher(head, draft_ids, th, full)
             for s, zs in enumerate(z):
                 w = w_rows[s]
                 zc = zs[piece].detach().to(dtype)
