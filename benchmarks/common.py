@@ -53,6 +53,31 @@ def print_arms(results: dict[str, dict[str, object]]) -> None:
 
 
 BENCHMARKS = Path(__file__).resolve().parent
+ROOT = BENCHMARKS.parent
+
+
+def headstart_cli(*args: str) -> None:
+    """`headstart ARGS` in this interpreter, from the repository root; raises if it fails."""
+    print("+ headstart", " ".join(args), flush=True)
+    subprocess.run([sys.executable, "-m", "headstart.cli", *args], check=True, cwd=ROOT)
+
+
+def train_arm(recipe: Path, run: Path, deadline: float | None) -> None:
+    """Train (or continue from its last checkpoint) one run; with a deadline (time.monotonic(), from a script's
+    --minutes), as much of it as the time left allows, then exit naming the command that continues it."""
+    if (run / "head-final").exists():
+        return
+    box = []
+    if deadline is not None:
+        left = (deadline - time.monotonic()) / 60
+        if left <= 0:
+            raise SystemExit(f"--minutes: time is up before {run.name}; rerun the same command to continue")
+        box = ["--minutes", repr(left)]  # not rounded: under 0.005 min "0.00" would be refused (> 0)
+    headstart_cli("train", str(recipe), "--no-progress", *box,
+                  *(["--resume"] if (run / "checkpoints" / "last.ckpt").exists() else []))
+    if not (run / "head-final").exists():
+        raise SystemExit(f"--minutes: {run.name} stopped at its time box (checkpointed); rerun the same command to "
+                         "continue it")
 
 
 @contextlib.contextmanager

@@ -17,11 +17,11 @@ vocabulary size and schedule shape. An arm's TTT defaults to its recipe's.
         --shards runs/smollm2-135m-eagle31/precompute --cost eagle31=1.95 \\
         --arms mtp:4e-3,mtp:8e-3,eagle31:4e-3,eagle31:8e-3
     # the LK losses against the KL at equal steps and data (issue "A head that reaches tau 2"):
-    .venv/bin/python benchmarks/head_budget.py --source sharegpt --limit 1000 --mtp-steps 150 --cost eagle31=1 \
+    .venv/bin/python benchmarks/head_budget.py --source sharegpt --limit 1000 --mtp-steps 150 --cost eagle31=1 \\
         --prompts 32 --max-tokens 128 --arms eagle31:4e-3,eagle31:4e-3:2:lk
-    .venv/bin/python benchmarks/head_budget.py --source runs/sharegpt-all/regenerated.jsonl \
-        --shards runs/smollm2-135m-eagle31-all/precompute --cost eagle31=1.95 \
-        --arms eagle31:4e-3,eagle31:4e-3:2:lk,eagle31:4e-3:2:lk_alpha
+    .venv/bin/python benchmarks/head_budget.py --source runs/sharegpt-all/regenerated.jsonl \\
+        --shards runs/smollm2-135m-eagle31-all/precompute --mtp-steps 1100 --cost eagle31=1 --prompts 64 \\
+        --max-tokens 128 --arms eagle31:4e-3,eagle31:4e-3:2:lk,eagle31:4e-3@head.init_from_target=true --minutes 86
 
 Everything lands under runs/head-budget/ and resumes: rerunning skips what is done.
 """
@@ -30,14 +30,15 @@ from __future__ import annotations
 
 import argparse
 import json
-import subprocess
-import sys
+import time
 from pathlib import Path
 
 import yaml
-from common import arm_result, print_arms
+from common import arm_result, headstart_cli, print_arms, train_arm
 
+from headstart.errors import ConfigError
 from headstart.fileio import atomic_write_text
+from headstart.recipe_io import apply_overrides, recipe_from_dict
 
 ROOT = Path(__file__).resolve().parents[1]
 RECIPE = ROOT / "recipes" / "smollm2-135m-mtp.yaml"
@@ -69,10 +70,10 @@ def _positive(text: str, what: str) -> float:
     return x
 
 
-def _headstart(*args: str) -> None:
-    cmd = [sys.executable, "-m", "headstart.cli", *args]
-    print("+ headstart", " ".join(args), flush=True)
-    subprocess.run(cmd, check=True, cwd=ROOT)
+def _slug(item: str) -> str:
+    """An arm's @key=value in its run's name: the key's last part and the value, e.g. init_from_target-true."""
+    key, _, value = item.partition("=")
+    return f"{key.rsplit('.', 1)[-1]}-{value}".replace("/", "_")
 
 
 def shards(base: dict, source: str) -> Path:
@@ -82,7 +83,7 @@ def shards(base: dict, source: str) -> Path:
     atomic_write_text(path, yaml.safe_dump(r, sort_keys=False))
     out = OUT / "shards" / "precompute"
     if not (out / "manifest.json").exists():
-        _headstart("precompute", str(path), *(["--resume"] if (out / "run.json").exists() else []))
+        headstart_cli("precompute", str(path), *(["--resume"] if (out / "run.json").exists() else []))
     return out
 
 
@@ -95,15 +96,21 @@ def main() -> None:
     ap.add_argument("--cost", action="append", default=[], metavar="FAMILY=X",
                     help="a step of FAMILY's recipe (its TTT) in mtp steps (benchmarks/train.md), repeatable")
     ap.add_argument("--arms", default="mtp:2e-3,eagle3:2e-3",
-                    help="family:lr[:ttt[:loss]] (ttt: the arm's train.ttt_steps, default the recipe's; loss: its "
-                         "train.loss, kl (default), lk, lk_lambda or lk_alpha, at the same steps as kl)")
+                    help="family:lr[:ttt[:loss]][@key=value...] (ttt: the arm's train.ttt_steps, default the "
+                         "recipe's; loss: its train.loss, kl (default), lk, lk_lambda or lk_alpha, at the same steps "
+                         "as kl; @key=value: any other recipe key, e.g. @head.init_from_target=true)")
     ap.add_argument("--ttt-cost", action="append", default=[], metavar="TTT=X",
                     help="a step with train.ttt_steps TTT in TTT-1 steps of its family (repeatable)")
     ap.add_argument("--shards", help="shards precomputed already with the eagle3 aux layers (2, 15, 27) and the last "
                                      "state from --source, e.g. runs/smollm2-135m-eagle31/precompute")
     ap.add_argument("--prompts", type=int, default=16, help="held-out prompts for the engine's acceptance")
     ap.add_argument("--max-tokens", type=int, default=64, help="new tokens per held-out prompt")
+    ap.add_argument("--minutes", type=float, help="a piece of the work: stop (checkpointed) after this long; the same "
+                                                   "command continues")
     args = ap.parse_args()
+    if args.minutes is not None and not args.minutes > 0:
+        raise SystemExit(f"--minutes {args.minutes}: must be > 0")
+    deadline = time.monotonic() + args.minutes * 60 if args.minutes is not None else None
     cost = {"mtp": 1.0}
     for c in args.cost:
         fam, _, x = c.partition("=")
@@ -120,7 +127,10 @@ def main() -> None:
         ttt_cost[int(t)] = _positive(x, f"--ttt-cost {c!r}")
     arms = []
     for spec in args.arms.split(","):
-        fam, lr, ttt_text, loss = (spec.split(":") + ["", ""])[:4] if spec.count(":") in (1, 2, 3) else ("",) * 4
+        head, *sets = spec.split("@")
+        if any("=" not in item for item in sets):
+            raise SystemExit(f"arm {spec!r}: each @ is followed by key=value, e.g. @head.init_from_target=true")
+        fam, lr, ttt_text, loss = (head.split(":") + ["", ""])[:4] if head.count(":") in (1, 2, 3) else ("",) * 4
         loss = loss or "kl"
         if fam not in FAMILIES or not (ttt_text == "" or (ttt_text.isdigit() and int(ttt_text) >= 1)) \
                 or loss not in ("kl", "lk", "lk_lambda", "lk_alpha"):
@@ -140,7 +150,7 @@ def main() -> None:
         steps = round(args.mtp_steps / price)
         if steps < 1:
             raise SystemExit(f"arm {spec!r}: {args.mtp_steps} mtp steps buy no step of it (cost {price:g})")
-        arms.append((fam, rate, ttt, steps, loss))
+        arms.append((fam, rate, ttt, steps, loss, sets))
     if args.shards and not (Path(args.shards) / "manifest.json").is_file():
         raise SystemExit(f"--shards {args.shards}: no finished precompute there (no manifest.json)")
     from headstart.assets import DATASETS
@@ -149,24 +159,32 @@ def main() -> None:
     if args.limit is not None:
         for base in bases.values():
             base["data"]["limit"] = args.limit
-    OUT.mkdir(parents=True, exist_ok=True)
-    shards_dir = Path(args.shards).resolve() if args.shards else shards(bases["eagle3"], source)
-    results = {}
-    for fam, lr, ttt, steps, loss in arms:
+    results, recipes = {}, {}
+    for fam, lr, ttt, steps, loss, sets in arms:
         base = bases[fam]
         name = f"{fam}-lr{lr:g}-{steps}" + (f"-ttt{ttt}" if ttt != base["train"]["ttt_steps"] else "") \
-            + (f"-{loss}" if loss != "kl" else "")
+            + (f"-{loss}" if loss != "kl" else "") + "".join(f"-{_slug(item)}" for item in sets)
+        if name in recipes:
+            raise SystemExit(f"--arms: two arms make the same run {name}")
         r = _recipe(base, name, fam, source)
         r["train"].update(max_steps=steps, lr=lr, ttt_steps=ttt, loss=loss, warmup_steps=min(30, steps // 10),
                           val_every_steps=0,
                           val_prompts=args.prompts, val_max_tokens=args.max_tokens,
-                          ckpt_every_steps=max(10, steps // 4), shards_dir=str(shards_dir))
+                          ckpt_every_steps=max(10, steps // 4))
+        try:  # an arm's own keys, checked as `headstart train --set` checks them, before anything runs
+            recipe_from_dict(r, f"arm {name}", apply_overrides(r, sets))
+        except ConfigError as e:
+            raise SystemExit(f"arm {name}: {e}") from None
+        recipes[name] = (r, fam, lr, ttt, steps, loss, sets)
+    OUT.mkdir(parents=True, exist_ok=True)
+    shards_dir = Path(args.shards).resolve() if args.shards else shards(bases["eagle3"], source)
+    for name, (r, fam, lr, ttt, steps, loss, sets) in recipes.items():
+        r["train"]["shards_dir"] = str(shards_dir)
         path = OUT / f"{name}.yaml"
         atomic_write_text(path, yaml.safe_dump(r, sort_keys=False))
-        arm = OUT / name
-        if not (arm / "head-final").exists():
-            _headstart("train", str(path), *(["--resume"] if (arm / "checkpoints" / "last.ckpt").exists() else []))
-        results[name] = arm_result(arm, family=fam, lr=lr, ttt=ttt, steps=steps, loss=loss)
+        train_arm(path, OUT / name, deadline)
+        results[name] = arm_result(OUT / name, family=fam, lr=lr, ttt=ttt, steps=steps, loss=loss,
+                                   **({"set": sets} if sets else {}))
     print(f"\nHeads at equal CPU time: a step costs {cost} mtp steps (TTT: {ttt_cost}); {args.prompts} held-out "
           f"prompts x {args.max_tokens} tokens, greedy k = {bases['mtp']['head']['k']}")
     print_arms(results)

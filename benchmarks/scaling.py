@@ -9,6 +9,8 @@ apart from the keys named here:
   for --size-steps steps each (the same tokens, the same schedule), validated at its end. "First N" is the
   training split's order (the source file's): a size is a prefix, not a random sample, and with
   data.split_key id_prefix the chunks X_0, X_1 of one ShareGPT chat are neighbouring rows, each counted.
+  Without --sizes only the tokens run is made (results and plot of that curve); a later call with --sizes and the
+  same tokens settings finds that run finished and adds the size runs.
 Every point is tau of the run's own engine validation: the same prompts, the same code path as `headstart
 eval`. The fit is tau = a + b ln(x) (acceptance grows log-linearly with data: Scylla, arXiv 2505.07858),
 with the local slope between neighbouring points (where the curve bends) and what it predicts at 10x.
@@ -27,22 +29,15 @@ import argparse
 import csv
 import json
 import math
-import subprocess
-import sys
 import time
 from pathlib import Path
 
 import yaml
-from common import cpu_name
+from common import cpu_name, headstart_cli, train_arm
 
 from headstart.fileio import atomic_write_text
 
 ROOT = Path(__file__).resolve().parents[1]
-
-
-def _headstart(*args: str) -> None:
-    print("+ headstart", " ".join(args), flush=True)
-    subprocess.run([sys.executable, "-m", "headstart.cli", *args], check=True, cwd=ROOT)
 
 
 def fit_log(xs: list[float], ys: list[float]) -> dict[str, float]:
@@ -91,23 +86,6 @@ def _recipe(base: dict, out: Path, name: str, source: str | None, shards: Path |
     return path
 
 
-def _train(path: Path, run: Path, deadline: float | None) -> None:
-    """Train (or continue) one run; with a deadline (--minutes), as much of it as the time left allows."""
-    if (run / "head-final").exists():
-        return
-    box = []
-    if deadline is not None:
-        left = (deadline - time.monotonic()) / 60
-        if left <= 0:
-            raise SystemExit(f"--minutes: time is up before {run.name}; rerun the same command to continue")
-        box = ["--minutes", repr(left)]  # not rounded: under 0.005 min "0.00" would be refused (> 0)
-    _headstart("train", str(path), "--no-progress", *box,
-               *(["--resume"] if (run / "checkpoints" / "last.ckpt").exists() else []))
-    if not (run / "head-final").exists():
-        raise SystemExit(f"--minutes: {run.name} stopped at its time box (checkpointed); rerun the same command to "
-                         "continue it")
-
-
 def _shard_lengths(shards: Path) -> list[int]:
     from headstart.train.data import ShardSequences
 
@@ -142,8 +120,9 @@ def main() -> None:
                                                 "(default: precomputed into OUT/shards)")
     ap.add_argument("--steps", type=int, required=True, help="steps of the tokens run (the longest)")
     ap.add_argument("--points", type=int, default=6, help="validations of the tokens run (>= 5 for the curve)")
-    ap.add_argument("--sizes", required=True, help="conversation counts for the second curve, e.g. 100,200,400")
-    ap.add_argument("--size-steps", type=int, required=True, help="steps of each size run (the fixed token budget)")
+    ap.add_argument("--sizes", help="conversation counts for the second curve, e.g. 100,200,400 (none: the tokens "
+                                     "curve alone; a later call with --sizes reuses its run)")
+    ap.add_argument("--size-steps", type=int, help="steps of each size run (the fixed token budget)")
     ap.add_argument("--prompts", type=int, default=32, help="held-out prompts per validation")
     ap.add_argument("--max-tokens", type=int, default=128, help="new tokens per held-out prompt")
     ap.add_argument("--out", type=Path, default=ROOT / "runs" / "scaling")
@@ -155,14 +134,9 @@ def main() -> None:
     if args.minutes is not None and not args.minutes > 0:
         raise SystemExit(f"--minutes {args.minutes}: must be > 0")
     deadline = time.monotonic() + args.minutes * 60 if args.minutes is not None else None
-    try:
-        sizes = sorted({int(s) for s in args.sizes.split(",")})
-    except ValueError:
-        raise SystemExit(f"--sizes {args.sizes!r}: expected comma-separated conversation counts") from None
-    if len(sizes) < 2 or sizes[0] < 1:
-        raise SystemExit(f"--sizes {args.sizes!r}: at least two counts, each >= 1")
-    if args.points < 2 or args.steps < args.points or args.size_steps < 1:
-        raise SystemExit("--points >= 2, --steps >= --points and --size-steps >= 1")
+    sizes = _sizes(args.sizes, args.size_steps)
+    if args.points < 2 or args.steps < args.points:
+        raise SystemExit("--points >= 2 and --steps >= --points")
     base = yaml.safe_load(args.recipe.read_text())
     out = args.out.resolve()
     out.mkdir(parents=True, exist_ok=True)
@@ -174,7 +148,7 @@ def main() -> None:
         if args.shards:
             raise SystemExit(f"--shards {args.shards}: no finished precompute there (no manifest.json)")
         path = _recipe(base, out, "shards", source, shards, {})
-        _headstart("precompute", str(path), *(["--resume"] if (shards / "run.json").exists() else []))
+        headstart_cli("precompute", str(path), *(["--resume"] if (shards / "run.json").exists() else []))
     lengths = _train_lengths(_recipe(base, out, "data", source, None, {})) if args.online else _shard_lengths(shards)
     if len({min(n, len(lengths)) for n in sizes}) < len(sizes):
         raise SystemExit(f"--sizes {args.sizes!r}: the shards hold {len(lengths):,} conversations; give at most one "
@@ -183,14 +157,14 @@ def main() -> None:
     # a run's name carries what its points depend on: a rerun with other settings trains anew, never mixes
     evals = f"p{args.prompts}x{args.max_tokens}"
     tokens_run = f"tokens-{args.steps}-v{args.points}-{evals}"
-    _train(_recipe(base, out, tokens_run, source, shards, {
+    train_arm(_recipe(base, out, tokens_run, source, shards, {
         **val, "max_steps": args.steps, "val_every_steps": args.steps // args.points,
         "ckpt_every_steps": max(10, args.steps // 20)}), out / tokens_run, deadline)
     curve = _val_rows(out / tokens_run)
     by_size = {}
     for n in sizes:
         name = f"convs-{min(n, len(lengths))}-{args.size_steps}-{evals}"
-        _train(_recipe(base, out, name, source, shards, {
+        train_arm(_recipe(base, out, name, source, shards, {
             **val, "max_steps": args.size_steps, "val_every_steps": 0,
             "ckpt_every_steps": max(10, args.size_steps // 10),
             "max_sequences": n if n < len(lengths) else None}), out / name, deadline)
@@ -204,8 +178,9 @@ def main() -> None:
     result["tokens_fit"] = fit = fit_log(xs, ys)
     result["tokens_slopes"] = local_slopes(xs, ys)
     ns = [min(n, len(lengths)) for n in sizes]
-    result["size_fit"] = sfit = fit_log(ns, [by_size[n]["tau"] for n in sizes])
-    result["size_slopes"] = local_slopes(ns, [by_size[n]["tau"] for n in sizes])
+    if sizes:
+        result["size_fit"] = fit_log(ns, [by_size[n]["tau"] for n in sizes])
+        result["size_slopes"] = local_slopes(ns, [by_size[n]["tau"] for n in sizes])
     atomic_write_text(out / "results.json", json.dumps(result, indent=2))
     _plot(result, out / "scaling.png")
     k = base["head"]["k"]
@@ -219,6 +194,29 @@ def main() -> None:
               f"{' / '.join(f'{a:.2f}' for a in r['accept_rate_per_pos'])} | {slope} |")
     print(f"\nfit tau = {fit['a']:.3f} + {fit['b']:.4f} ln(tokens), R^2 {fit['r2']:.3f}; at 10x the longest run "
           f"({10 * xs[-1]:,} tokens) it predicts tau {fit['a'] + fit['b'] * math.log(10 * xs[-1]):.3f}\n")
+    if sizes:
+        _print_sizes(result, sizes, ns, lengths)
+    print(f"\n{out / 'results.json'}, {out / 'scaling.png'}")
+
+
+def _sizes(text: str | None, steps: int | None) -> list[int]:
+    if text is None:
+        if steps is not None:
+            raise SystemExit("--size-steps without --sizes")
+        return []
+    try:
+        sizes = sorted({int(s) for s in text.split(",")})
+    except ValueError:
+        raise SystemExit(f"--sizes {text!r}: expected comma-separated conversation counts") from None
+    if len(sizes) < 2 or sizes[0] < 1:
+        raise SystemExit(f"--sizes {text!r}: at least two counts, each >= 1")
+    if steps is None or steps < 1:
+        raise SystemExit("--sizes needs --size-steps >= 1")
+    return sizes
+
+
+def _print_sizes(result: dict, sizes: list[int], ns: list[int], lengths: list[int]) -> None:
+    by_size, sfit = result["size_curve"], result["size_fit"]
     print("| conversations | unique tokens | training tokens | tau (± s.e.) | accept rate per position |")
     print("|---|---|---|---|---|")
     for n in sizes:
@@ -228,7 +226,6 @@ def main() -> None:
               f"{' / '.join(f'{a:.2f}' for a in r['accept_rate_per_pos'])} |")
     print(f"\nfit tau = {sfit['a']:.3f} + {sfit['b']:.4f} ln(conversations), R^2 {sfit['r2']:.3f}; at 10x "
           f"({10 * ns[-1]:,} conversations) it predicts tau {sfit['a'] + sfit['b'] * math.log(10 * ns[-1]):.3f}")
-    print(f"\n{out / 'results.json'}, {out / 'scaling.png'}")
 
 
 def _plot(result: dict, path: Path) -> None:
@@ -237,12 +234,15 @@ def _plot(result: dict, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
-    for ax, xs, ys, fit, label in (
-            (a, [r["tokens"] for r in result["tokens_curve"]], [r["tau"] for r in result["tokens_curve"]],
-             result["tokens_fit"], "training tokens"),
-            (b, [min(int(n), result["conversations"]) for n in result["size_curve"]],
-             [r["tau"] for r in result["size_curve"].values()], result["size_fit"], "unique conversations")):
+    sized = bool(result["size_curve"])
+    fig, axes = plt.subplots(1, 2 if sized else 1, figsize=(11 if sized else 6, 4), squeeze=False)
+    a, b = axes[0][0], axes[0][-1]
+    panels = [(a, [r["tokens"] for r in result["tokens_curve"]], [r["tau"] for r in result["tokens_curve"]],
+               result["tokens_fit"], "training tokens")]
+    if sized:
+        panels.append((b, [min(int(n), result["conversations"]) for n in result["size_curve"]],
+                       [r["tau"] for r in result["size_curve"].values()], result["size_fit"], "unique conversations"))
+    for ax, xs, ys, fit, label in panels:
         se = [r.get("tau_se", 0.0) for r in (result["tokens_curve"] if ax is a else result["size_curve"].values())]
         ax.errorbar(xs, ys, yerr=se, fmt="o-", capsize=3, label="tau (engine, held-out, greedy; ± s.e.)")
         grid = [xs[0] * (10 * xs[-1] / xs[0]) ** (i / 50) for i in range(51)]
@@ -255,7 +255,8 @@ def _plot(result: dict, path: Path) -> None:
         ax.set_ylabel("tau")
         ax.grid(alpha=0.3, which="both")
         ax.legend(fontsize=8)
-    b.set_title("at a fixed training-token budget", fontsize=9)
+    if sized:
+        b.set_title("at a fixed training-token budget", fontsize=9)
     fig.suptitle(f"{result['recipe']}: {result['cpu']}", fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=110)

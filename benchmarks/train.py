@@ -37,6 +37,7 @@ VARIANTS = {  # name: (draft vocab, ttt steps, source, loss, head family)
     "eagle3_vd8192_ttt2": (8192, 2, "shards", "ours", "eagle3"),
     "eagle3_vd8192_ttt3": (8192, 3, "shards", "ours", "eagle3"),
     "online_eagle3_vd8192_ttt2": (8192, 2, "online", "ours", "eagle3"),  # the eagle31 recipes' step, target inside
+    "eagle3_vd8192_ttt2_lk": (8192, 2, "shards", "ours_lk", "eagle3"),  # the same step with train.loss lk (LK lambda)
 }
 BASELINE = "full_ttt1"
 
@@ -67,6 +68,7 @@ def run_variant(variant: str, batch_tokens: int, steps: int) -> dict:
     recipe = recipe_from_dict({
         "data": {"source": "sharegpt", "max_length": 1024, "limit": 400},
         "train": {"source": source, "batch_tokens": batch_tokens, "ttt_steps": ttt,
+                  "loss": "lk" if loss_kind == "ours_lk" else "kl",
                   "loss_weights": {"kl": 1.0, "feature": 0.1}}})
     dtype = resolve_dtype("auto")
     target = load_llama(resolve_model("smollm2-135m"), dtype)
@@ -109,7 +111,7 @@ def run_variant(variant: str, batch_tokens: int, steps: int) -> dict:
         loss, _ = module.losses(b, with_stats=False)
         return loss
 
-    loss_fn = ours_loss if loss_kind == "ours" else plain_loss
+    loss_fn = ours_loss if loss_kind.startswith("ours") else plain_loss
     base = _rss_mb()
     tokens, start = 0, None
     for i, b in enumerate(batches):

@@ -179,6 +179,9 @@ def build_parser() -> argparse.ArgumentParser:
     src = p.add_mutually_exclusive_group()
     src.add_argument("--prompts", help="JSONL with \"prompt\" or \"messages\" (+ optional \"category\") per row")
     src.add_argument("--heldout", type=int, default=32, help="first user turns of N held-out conversations")
+    p.add_argument("--heldout-turn", type=int, default=None, metavar="T",
+                   help="--heldout: the user turn before the T-th reply instead of the first, after the earlier turns "
+                        "and their replies (of the held-out conversations with T replies within data.max_length)")
     p.add_argument("--k", default="1,2,3,4,5", help="draft lengths (tree: depths), comma-separated")
     p.add_argument("--temperature", default="0", help="temperatures, comma-separated")
     p.add_argument("--spec", default="chain",

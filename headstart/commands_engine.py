@@ -11,7 +11,7 @@ from typing import Any
 
 from headstart import __version__
 from headstart.commands import reasons
-from headstart.errors import HeadstartError
+from headstart.errors import ConfigError, HeadstartError
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
@@ -113,6 +113,18 @@ def _csv(text: str, kind: type, flag: str) -> list:
         raise HeadstartError(f"{flag}: expected comma-separated {kind.__name__} values, got {text!r}") from None
 
 
+def _heldout_turn(args: argparse.Namespace) -> int:
+    """--heldout-turn, checked before anything loads (1 when not given)."""
+    if args.heldout_turn is not None and args.prompts:
+        raise ConfigError(f"--heldout-turn {args.heldout_turn}: picks held-out turns; not with --prompts")
+    if not args.prompts and args.heldout < 1:
+        raise ConfigError(f"--heldout {args.heldout}: must be >= 1")
+    turn = 1 if args.heldout_turn is None else args.heldout_turn
+    if turn < 1:
+        raise ConfigError(f"--heldout-turn {turn}: must be >= 1")
+    return turn
+
+
 def cmd_eval(args: argparse.Namespace) -> int:
     from pathlib import Path
 
@@ -127,7 +139,11 @@ def cmd_eval(args: argparse.Namespace) -> int:
     from headstart.recipe_io import load_recipe
 
     check_world_size("eval")
+    turn = _heldout_turn(args)
     recipe = load_recipe(args.recipe, args.overrides)
+    if recipe.data.max_turns is not None and turn > recipe.data.max_turns:
+        raise ConfigError(f"--heldout-turn {turn}: the recipe keeps data.max_turns {recipe.data.max_turns} replies "
+                          "per conversation (--set data.max_turns=null asks later turns)")
     if not args.prompts:  # the held-out prompts come from data.source
         check_regenerated_source(recipe, args.recipe)
     plan = EvalPlan(heads=args.head, ks=_csv(args.k, int, "--k"), temperatures=_csv(args.temperature, float,
@@ -178,9 +194,18 @@ def cmd_eval(args: argparse.Namespace) -> int:
 
         built = build_dataset(recipe.data, str(model_dir), progress=not args.no_progress)
         prompts = heldout_prompts([list(x) for x in built.heldout["input_ids"]],
-                                  [list(x) for x in built.heldout["loss_mask"]], args.heldout)
+                                  [list(x) for x in built.heldout["loss_mask"]], args.heldout, turn)
+        if not len(built.heldout):
+            raise ConfigError(f"--heldout: {recipe.data.source} holds no held-out conversation (data.heldout_fraction "
+                              f"{recipe.data.heldout_fraction}); give --prompts or a larger fraction")
+        if not prompts:
+            raise ConfigError(f"--heldout-turn {turn}: none of the {len(built.heldout):,} held-out conversations of "
+                              f"{recipe.data.source} has {turn} replies within data.max_length "
+                              f"{recipe.data.max_length}")
         categories = [None] * len(prompts)
-        source = f"{recipe.data.source} held-out, first {len(prompts)} first user turns"
+        source = (f"{recipe.data.source} held-out, first {len(prompts)} first user turns" if turn == 1
+                  else f"{recipe.data.source} held-out, {len(prompts)} user turns before reply {turn} (with the "
+                       "earlier turns)")
     lead = tp.rank == 0  # every rank runs the same eval in step; rank 0 reports it
     if lead:
         print(f"eval: {len(prompts)} prompts ({source}); target {recipe.target.model} in {dtype}"

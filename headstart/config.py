@@ -43,6 +43,9 @@ class DataConfig:
     format: DataFormat = "auto"  # auto: detected per row (ShareGPT `conversations`, OpenAI `messages`)
     max_length: int = 2048  # tokens per rendered conversation; longer ones are truncated (and counted)
     limit: int | None = None  # read only the first N rows of the source (None: all)
+    # Keep each conversation up to its N-th assistant reply (None: all of them). 1 trains on first turns only,
+    # the turns a held-out first-prompt eval measures (benchmarks/head_budget.md: 39 % of all-turn supervision).
+    max_turns: int | None = None
     heldout_fraction: float = 0.02  # share of conversations, chosen by a hash of their id, held out
     # What the split hashes: the whole id, or its prefix before a trailing "_<digits>" so that the
     # chunks of one chat (ShareGPT's "X_0", "X_1", ...) land on the same side.
@@ -53,6 +56,8 @@ class DataConfig:
         _require(bool(self.source.strip()), "data.source", "must not be empty")
         _require(self.max_length >= 8, "data.max_length", f"must be >= 8, got {self.max_length}")
         _require(self.limit is None or self.limit > 0, "data.limit", f"must be > 0 or null, got {self.limit}")
+        _require(self.max_turns is None or self.max_turns > 0, "data.max_turns",
+                 f"must be > 0 or null, got {self.max_turns}")
         _require(
             0.0 <= self.heldout_fraction < 1.0,
             "data.heldout_fraction",

@@ -21,7 +21,7 @@ from typing import Any
 
 from headstart.config import Recipe
 from headstart.errors import HeadstartError
-from headstart.sizing import FLASHINFER_WORKSPACE_MB, QUANT_ROWS, chunk_row_bytes, loss_chunk_rows
+from headstart.sizing import FLASHINFER_WORKSPACE_MB, QUANT_ROWS, chunk_row_bytes, grad_components, loss_chunk_rows
 
 GB = 1e9
 # Headroom kept free on a device: the CUDA context, the caching allocator's fragmentation, NCCL buffers.
@@ -284,7 +284,7 @@ def make_plan(recipe: Recipe, target_cfg: dict[str, Any], *, device: str = "H100
     if not on_gpu and hc.head_type == "eagle3" and hc.draft_vocab_size:
         # train.losses.FusedChunks: the gradients of the draft lm_head and of its input rows, per step and loss term,
         # taken in the forward pass and kept for backward (instead of a recompute)
-        comps = 3 if lk else 1
+        comps = len(grad_components(tr.loss))  # the objective's terms only
         ph.terms.append(Term("fused loss gradients", loss_steps * comps * (vd + tr.batch_tokens) * d * 4,
                              f"{loss_steps} steps x {comps} loss term(s) x ({vd:,} lm_head rows + {tr.batch_tokens:,} "
                              "rows) x d x fp32"))

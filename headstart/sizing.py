@@ -11,6 +11,12 @@ QUANT_ROWS = 2048  # precompute's fp8 quantisation: rows at a time, so its fp32 
 FLASHINFER_WORKSPACE_MB = 128  # the buffer the FlashInfer backend hands its wrappers, one per backend
 
 
+def grad_components(loss: str) -> tuple[int, ...]:
+    """Which of a TTT step's loss terms [KL, sum of a, sum of -log a] the objective of train.loss differentiates
+    (train.losses.objective): the fused CPU loss keeps the gradients of these only."""
+    return {"kl": (0,), "lk_alpha": (2,)}.get(loss, (0, 1))
+
+
 def chunk_row_bytes(vocab: int, loss_steps: int, lk: bool = False, full_vocab: int | None = None) -> int:
     """The fp32 bytes one row of a loss chunk keeps: KL, (loss_steps + 3) logit rows (every step's log q, the
     teacher's log p and p, a gradient); the LK losses add each step's q and the teacher's p on the draft

@@ -155,3 +155,53 @@ def test_a_damaged_cache_entry_is_rebuilt(tmp_path, tiny_model_dir):
     assert [list(x) for x in again.train["input_ids"]] == first_ids
     (entry / "stats.json").write_text("[not stats")
     assert build_dataset(cfg, str(tiny_model_dir), progress=False).stats.tokens == first_tokens
+
+
+def test_max_turns_keeps_each_conversation_up_to_its_nth_reply(source, tiny_model_dir):
+    renderer = ChatRenderer(load_tokenizer(tiny_model_dir))
+    full = build_dataset(DataConfig(source=str(source), max_length=256), str(tiny_model_dir), progress=False)
+    first = build_dataset(DataConfig(source=str(source), max_length=256, max_turns=1), str(tiny_model_dir),
+                          progress=False)
+    two = build_dataset(DataConfig(source=str(source), max_length=256, max_turns=2), str(tiny_model_dir),
+                        progress=False)
+    assert first.fingerprint != full.fingerprint
+    assert set(first.train["id"]) == set(full.train["id"])  # same conversations, same split
+    by_id = {r["id"]: r for r in full.train}
+    cut = 0
+    for row in first.train:
+        conv = _rows(60)[int(row["id"][1:])]["conversations"][:2]
+        msgs = [{"role": "user" if t["from"] == "human" else "assistant", "content": t["value"]} for t in conv]
+        r = renderer.render(msgs, 256)
+        assert row["input_ids"] == r.input_ids and row["loss_mask"] == r.loss_mask
+        # the first reply is a prefix of the full conversation's rendering
+        assert by_id[row["id"]]["input_ids"][: len(r.input_ids)] == r.input_ids
+        cut += row["num_tokens"] < by_id[row["id"]]["num_tokens"]
+    assert cut > 0  # the two-reply rows were cut
+    assert [r["input_ids"] for r in two.train] == [r["input_ids"] for r in full.train]  # none has three replies
+    assert first.stats.supervised_tokens < full.stats.supervised_tokens
+
+
+@pytest.mark.parametrize("value", [0, -1, True, "2", 1.0])
+def test_max_turns_bad_values_name_the_key(value):
+    from headstart.errors import ConfigError
+    from headstart.recipe_io import recipe_from_dict
+
+    with pytest.raises(ConfigError, match="data.max_turns"):
+        recipe_from_dict({"data": {"max_turns": value}})
+
+
+def test_max_turns_null_keeps_the_fingerprint_earlier_caches_have(source, tiny_model_dir):
+    """Earlier dataset caches and precompute runs name their data by this fingerprint: max_turns null must not
+    move it (its key is there only when set)."""
+    import hashlib
+    import json
+
+    from headstart.data.dataset import _fingerprint, content_sha256, sha256_file
+
+    cfg, tok = DataConfig(source=str(source)), load_tokenizer(tiny_model_dir)
+    before = {"format": dataset_mod._FORMAT, "content_sha256": content_sha256(source), "data_format": cfg.format,
+              "limit": cfg.limit, "max_length": cfg.max_length,
+              "tokenizer": sha256_file(tiny_model_dir / "tokenizer.json"), "template": tok.chat_template}
+    expected = hashlib.sha256(json.dumps(before, sort_keys=True).encode()).hexdigest()[:20]
+    assert _fingerprint(source, cfg, tiny_model_dir, tok) == expected
+    assert _fingerprint(source, DataConfig(source=str(source), max_turns=1), tiny_model_dir, tok) != expected

@@ -76,6 +76,11 @@ def test_an_earlier_report_directory_is_rewritten(setup, tmp_path):  # noqa: F81
     (["--temperature", "inf"], "--temperature must list finite values"),
     (["--tree-tokens", "0"], "--tree-tokens must be in 1..256"),  # the flags reach the plan
     (["--tree-topk", "99"], "--tree-topk in 1..32"),
+    (["--heldout-turn", "0"], "--heldout-turn 0: must be >= 1"),
+    (["--prompts", "p.jsonl", "--heldout-turn", "2"], "--heldout-turn 2: picks held-out turns; not with --prompts"),
+    (["--prompts", "p.jsonl", "--heldout-turn", "1"], "--heldout-turn 1: picks held-out turns; not with --prompts"),
+    (["--heldout", "0"], "--heldout 0: must be >= 1"),
+    (["--heldout-turn", "2", "--set", "data.max_turns=1"], "--heldout-turn 2: the recipe keeps data.max_turns 1"),
 ])
 def test_arguments_are_checked_before_the_model_loads(eval_args, capsys, no_model, args, match):
     _fails(capsys, eval_args + args, match)
@@ -155,3 +160,68 @@ def test_eval_with_a_prompts_file_writes_its_report_where_asked(tmp_path, chat_m
 def test_draft_threshold_is_refused_where_it_does_nothing(capsys):
     _fails(capsys, ["generate", "--prompt", "hi", "--spec", "tree", "--head", "h", "--draft-threshold", "0.5"],
            "--draft-threshold applies to --spec chain or draft")
+
+
+def test_heldout_turn_t_is_the_t_th_user_turn_after_the_earlier_replies(tmp_path, chat_model_dir, capsys):
+    """--heldout-turn 2 asks with the second user turn, its context the first turn and its reply as the chat
+    template renders them; conversations without a second reply are left out, and none at all is an error."""
+    from conftest import write_jsonl
+
+    from headstart.config import DataConfig
+    from headstart.data.dataset import build_dataset, load_tokenizer
+    from headstart.train.validate import heldout_prompts
+
+    one = [{"from": "human", "value": "hello heads"}, {"from": "gpt", "value": "draft tokens fast"}]
+    two = one + [{"from": "human", "value": "more please"}, {"from": "gpt", "value": "the a b"}]
+    src = write_jsonl(tmp_path / "c.jsonl", [{"id": "a", "conversations": one}, {"id": "b", "conversations": two}])
+    built = build_dataset(DataConfig(source=str(src), max_length=96, heldout_fraction=0.0), str(chat_model_dir),
+                          progress=False)
+    ids, masks = [list(x) for x in built.train["input_ids"]], [list(x) for x in built.train["loss_mask"]]
+    tok = load_tokenizer(chat_model_dir)
+    msgs = [{"role": "user" if t["from"] == "human" else "assistant", "content": t["value"]} for t in two[:3]]
+    enc = tok.apply_chat_template(msgs, tokenize=True, add_generation_prompt=True)
+    assert heldout_prompts(ids, masks, 5, turn=2) == [list(enc["input_ids"] if hasattr(enc, "keys") else enc)]
+    assert len(heldout_prompts(ids, masks, 5, turn=1)) == 2 and heldout_prompts(ids, masks, 5, turn=3) == []
+    with pytest.raises(ValueError, match="turn must be >= 1"):
+        heldout_prompts(ids, masks, 5, turn=0)
+    from headstart.models.llama import load_llama
+
+    save_head(build_head(HeadConfig(head_type="mtp"), load_llama(chat_model_dir, "fp32")), tmp_path / "head")
+    recipe = _recipe(tmp_path, chat_model_dir)  # 48 random chats of one or two rounds, 15 % held out
+    base = ["eval", str(recipe), "--head", str(tmp_path / "head"), "--k", "1", "--max-tokens", "2", "--no-progress",
+            "--no-baseline"]
+    _fails(capsys, base + ["--heldout-turn", "9"], "--heldout-turn 9: none of the")
+    _fails(capsys, base + ["--set", "data.heldout_fraction=0"], "holds no held-out conversation")
+    from headstart.data.dataset import build_dataset
+    from headstart.recipe_io import load_recipe
+
+    held = build_dataset(load_recipe(recipe).data, str(chat_model_dir), progress=False).heldout
+    want = heldout_prompts([list(x) for x in held["input_ids"]], [list(x) for x in held["loss_mask"]], 99, turn=2)
+    assert 0 < len(want) < len(held)  # some held-out chats have a second reply, not all
+    assert main(base + ["--heldout", "99", "--heldout-turn", "2", "--out", str(tmp_path / "ev")]) == 0
+    report = json.loads((tmp_path / "ev" / "report.json").read_text())
+    assert f"{len(want)} user turns before reply 2" in report["settings"]["prompt_source"]
+    assert report["prompts"] == len(want)
+
+
+def test_first_turns_counts_assistant_replies_only():
+    from headstart.data.dataset import first_turns
+
+    s, u, a = ({"role": r, "content": r[0]} for r in ("system", "user", "assistant"))
+    conv = [s, u, a, u, a, u, a]
+    assert first_turns(conv, 1) == [s, u, a] and first_turns(conv, 2) == conv[:5]
+    assert first_turns(conv, 3) == conv and first_turns(conv, 9) == conv
+    assert first_turns([u, u, a, u, a], 1) == [u, u, a]
+
+
+def test_heldout_prompts_on_hand_made_masks():
+    from headstart.train.validate import heldout_prompts
+
+    ids, mask = list(range(12)), [0, 0, 0, 1, 1, 1, 0, 0, 1, 1, 1, 1]
+    assert heldout_prompts([ids], [mask], 5, 1) == [ids[:3]]
+    assert heldout_prompts([ids], [mask], 5, 2) == [ids[:8]]  # a reply of several tokens is one reply
+    assert heldout_prompts([ids], [mask], 5, 3) == []
+    assert heldout_prompts([ids[:10]], [mask[:10]], 5, 2) == [ids[:8]]  # cut inside reply 2: still asked
+    assert heldout_prompts([ids[:7]], [mask[:7]], 5, 2) == []  # cut before reply 2: left out
+    assert heldout_prompts([ids] * 3, [mask] * 3, 2, 1) == [ids[:3]] * 2  # n caps
+    assert heldout_prompts([ids, ids], [[1] * 12, mask], 5, 1) == [ids[:3]]  # no empty prompt

@@ -148,3 +148,74 @@ def test_under_fsdp2_the_fused_path_runs_on_the_unsharded_weight(target, monkeyp
                 torch.testing.assert_close(p.grad.full_tensor(), want[n], rtol=1e-5, atol=1e-6, msg=n)
     finally:
         dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("kept,loss", [((0, 1), "lk_alpha"), ((2,), "lk_lambda"), ((0,), "lk_lambda")])
+def test_a_loss_that_needs_a_dropped_gradient_is_refused(target, kept, loss):
+    """The trainer keeps only its objective's gradients in the fused chunks (grad_components); a backward that reaches
+    another component raises instead of returning a gradient without it."""
+    head, _ = _draft_vocab_head(target)
+    b = _batch(target)
+    hh = [s.clone().requires_grad_() for s in _states(b)]
+    ps = distill_steps(head, hh, b.hidden, ROWS, None, chunk=5, with_stats=False, lk=True, grads=kept)
+    total = sum(objective(p, loss) for p in ps)
+    with pytest.raises(RuntimeError, match="kept the gradients of components"):
+        total.backward()
+
+
+def test_the_trainer_keeps_each_objectives_gradients():
+    from headstart.sizing import grad_components
+
+    assert grad_components("kl") == (0,) and grad_components("lk_alpha") == (2,)
+    assert grad_components("lk") == grad_components("lk_lambda") == (0, 1)
+
+
+def test_a_dropped_gradient_reached_at_a_later_step_only_and_grads_without_lk_are_refused(target):
+    head, _ = _draft_vocab_head(target)
+    b = _batch(target)
+    hh = [s.clone().requires_grad_() for s in _states(b)]
+    ps = distill_steps(head, hh, b.hidden, ROWS, None, chunk=5, with_stats=False, lk=True, grads=(2,))
+    with pytest.raises(RuntimeError, match="kept the gradients of components"):
+        (objective(ps[1], "lk_lambda") + objective(ps[0], "lk_alpha")).backward()
+    with pytest.raises(ValueError, match="need lk"):
+        distill_steps(head, hh, b.hidden, ROWS, None, chunk=5, with_stats=False, lk=False, grads=(0, 1))
+
+
+@pytest.mark.parametrize("case", ["plain", "ttt3_feature", "no_rows", "bf16"])
+@pytest.mark.parametrize("loss", ["kl", "lk", "lk_alpha"])
+def test_the_trainer_takes_the_fused_path_with_its_objectives_gradients(target, monkeypatch, loss, case):
+    """HeadModule.losses on an eagle3 head with its own draft lm_head: the fused chunks run with the components
+    sizing.grad_components(train.loss) names, and the loss and every gradient equal the checkpointed path's."""
+    from headstart.recipe_io import recipe_from_dict
+    from headstart.sizing import grad_components
+    from headstart.train.module import HeadModule
+
+    train = {"ttt_steps": 3, "ttt_decay": 0.5, "loss_weights": {"kl": 0.7, "feature": 0.3}, "lk_kl_scale": 0.6,
+             "lk_kl_decay": 1.5} if case == "ttt3_feature" else {"ttt_steps": 2}
+    head, _ = _draft_vocab_head(target)
+    module = HeadModule(recipe_from_dict({"train": {**train, "loss": loss}, "head": {"type": "eagle3"}}), target, head)
+    b = _batch(target)
+    if case == "no_rows":
+        b.loss_mask.zero_()
+
+    def run():
+        head.zero_grad(set_to_none=True)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=case == "bf16"):
+            total, _ = module.losses(b, with_stats=True)
+        total.backward()
+        return total.detach(), {n: p.grad.clone() for n, p in head.named_parameters() if p.grad is not None}
+
+    seen = []
+    real = fused.FusedChunks.apply
+    with monkeypatch.context() as m:
+        m.setattr(fused.FusedChunks, "apply", lambda *a: seen.append(a[8]) or real(*a))
+        got = run()
+    assert seen == [grad_components(loss)]
+    with monkeypatch.context() as m:
+        m.setattr(fused, "fused_projection", lambda head, device: None)
+        want = run()
+    tol = {"rtol": 2e-2, "atol": 2e-3} if case == "bf16" else {"rtol": 1e-5, "atol": 1e-6}
+    torch.testing.assert_close(got[0], want[0], **tol)
+    assert set(got[1]) == set(want[1]) and "lm_head.weight" in got[1]
+    for n in got[1]:
+        torch.testing.assert_close(got[1][n], want[1][n], **tol, msg=n)

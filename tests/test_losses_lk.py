@@ -179,6 +179,7 @@ def test_the_fused_chunks_equal_the_checkpointed_ones(target, monkeypatch, loss,
     combined as the module does (decay, per-row means, LK's lambda) — the sums, the statistics and the
     gradients of both steps' states and of every head parameter (the norm's too when it is not the output's)."""
     import headstart.train.losses as fused
+    from headstart.sizing import grad_components
     from headstart.train.losses import distill_steps
 
     head, _ = _draft_vocab_head(target)
@@ -192,7 +193,8 @@ def test_the_fused_chunks_equal_the_checkpointed_ones(target, monkeypatch, loss,
         head.zero_grad(set_to_none=True)
         hh = [s.clone().requires_grad_() for s in states]
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
-            parts = distill_steps(head, hh, b.hidden, rows, None, chunk=5, with_stats=True, lk=loss != "kl")
+            parts = distill_steps(head, hh, b.hidden, rows, None, chunk=5, with_stats=True, lk=loss != "kl",
+                                  grads=grad_components(loss))  # the trainer's: only the objective's gradients kept
         total = sum(0.8 ** j * objective(part, loss) for j, part in enumerate(parts))
         total.backward()
         sums = [torch.stack([p.kl, p.alpha, p.neglog_alpha, p.correct, p.accept, p.mass]).detach() for p in parts]

@@ -262,3 +262,19 @@ def test_a_loss_chunk_larger_than_the_micro_batch_is_counted_as_the_micro_batch(
         return next(t.bytes for t in train.terms if t.name == "chunked loss")
 
     assert loss_bytes(10**6) == loss_bytes(512) > loss_bytes(256)
+
+
+def test_the_fused_loss_term_counts_the_gradients_its_objective_keeps(tiny):
+    """train.losses.FusedChunks keeps, per TTT step, one lm_head-sized and one batch-sized gradient for each term the
+    objective differentiates (sizing.grad_components): kl and lk_alpha one, lk_lambda two (KL and a)."""
+    cfg = json.loads((tiny / "config.json").read_text())
+
+    def fused_bytes(loss):
+        recipe = recipe_from_dict({"target": {"model": str(tiny), "dtype": "fp32"}, "trainer": {"accelerator": "cpu"},
+                                   "head": {"type": "eagle3", "aux_layer_ids": [1, 2], "draft_vocab_size": 64},
+                                   "train": {"loss": loss}})
+        train = next(p for p in make_plan(recipe, cfg).phases if p.name == "train")
+        return next(t.bytes for t in train.terms if t.name == "fused loss gradients")
+
+    one = fused_bytes("kl")
+    assert one > 0 and fused_bytes("lk_alpha") == one and fused_bytes("lk_lambda") == fused_bytes("lk") == 2 * one

@@ -185,3 +185,15 @@ def test_only_a_greedy_run_goes_on_with_another_engine(tmp_path, model_dir, caps
     assert capsys.readouterr().err.count("made with engine vllm; greedy, so it goes on with headstart") == 1
     assert [json.loads(x)["id"] for x in out.read_text().splitlines()] == [f"c{i}" for i in range(9)]
     assert "engine" not in json.loads((pieces / "run.json").read_text())  # the record names the last engine
+
+
+def test_a_restore_that_adds_nothing_leaves_the_pieces_record_as_it_was(tmp_path, model_dir):
+    """Finished pieces that vLLM made, restored on a new machine by our engine (greedy): nothing is decoded, so
+    the committed record still names the engine that made every row."""
+    pieces = tmp_path / "pieces"
+    run_regenerate(_limit(_recipe(tmp_path, model_dir, "v"), 3), progress=False, pieces=pieces)
+    record = pieces / "run.json"
+    record.write_text(json.dumps({**json.loads(record.read_text()), "engine": "vllm"}))
+    before = record.read_bytes()
+    out = run_regenerate(_limit(_recipe(tmp_path, model_dir, "new"), 3), progress=False, pieces=pieces)
+    assert len(out.read_text().splitlines()) == 3 and record.read_bytes() == before

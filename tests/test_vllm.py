@@ -209,8 +209,9 @@ FAMILIES = {
 }
 
 
-def _variant(shipped, target, out: Path, **changes):
-    """The shipped head's weights under other EAGLE-3 flags (a weight a flag adds starts at its init)."""
+def _variant(shipped, target, out: Path, tune=None, **changes):
+    """The shipped head's weights under other EAGLE-3 flags (a weight a flag adds starts at its init), then
+    trained on `tune` (prompts, answers) where the flags leave too little acceptance for the test's power."""
     import dataclasses
 
     from headstart.heads import build_head, save_head
@@ -221,13 +222,15 @@ def _variant(shipped, target, out: Path, **changes):
     maps = ("d2t", "t2d", "lm_head.weight") if "draft_vocab_size" in changes else ()  # full vocab: the target's
     head.load_state_dict({k: v for k, v in shipped.state_dict().items()
                           if k in own and own[k].shape == v.shape and k not in maps}, strict=False)
+    if tune:
+        head = _trained(target, cfg, *tune, head=head)
     return save_head(head, out)
 
 
-def _trained(target, cfg, prompts, answers, steps=30):
-    """A head trained `steps` steps (TTT 2 for chain heads) on the prompts' own greedy answers: every weight
-    moves off its start, so a swapped, missing or misread tensor shows, and it accepts enough for the
-    comparison of the two engines' acceptance to have power."""
+def _trained(target, cfg, prompts, answers, steps=30, head=None):
+    """A head trained `steps` steps (TTT 2 for chain heads) on the prompts' own greedy answers, from `head` or
+    a fresh one: every weight moves off its start, so a swapped, missing or misread tensor shows, and it
+    accepts enough for the comparison of the two engines' acceptance to have power."""
     import torch
 
     from headstart.heads import PackedBatch, build_head
@@ -235,7 +238,7 @@ def _trained(target, cfg, prompts, answers, steps=30):
     from headstart.train.module import HeadModule, target_forward
 
     torch.manual_seed(0)
-    head = build_head(cfg, target, init_from_target=True)
+    head = build_head(cfg, target, init_from_target=True) if head is None else head
     seqs = [p + a for p, a in zip(prompts, answers)]
     ids = torch.tensor([t for s in seqs for t in s])
     mask = torch.tensor([int(i >= len(p)) for p, s in zip(prompts, seqs) for i in range(len(s))], dtype=torch.uint8)
@@ -278,7 +281,8 @@ def both_engines(tmp_path_factory):
              "eagle3-no-norm-output": _variant(shipped, target, tmp / "no-norm-output", norm_output=False),
              "eagle3-norm-before-fc": _variant(shipped, target, tmp / "norm-before-fc", fc_norm=False,
                                                norm_before_fc=True, norm_before_residual=True),
-             "eagle3-full-vocab": _variant(shipped, target, tmp / "full-vocab", draft_vocab_size=None),
+             "eagle3-full-vocab": _variant(shipped, target, tmp / "full-vocab", (prompts, ours["plain"]),
+                                           draft_vocab_size=None),  # the target's lm_head under the shipped layer
              "eagle1": save_head(_trained(target, HeadConfig(head_type="eagle1", fc_bias=False), prompts,
                                           ours["plain"]), tmp / "eagle1"),
              "medusa": save_head(_trained(target, HeadConfig(head_type="medusa"), prompts, ours["plain"]),

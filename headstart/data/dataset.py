@@ -137,6 +137,7 @@ def _fingerprint(source: Path, cfg: DataConfig, model_dir: Path, tokenizer: Any)
         "content_sha256": content_sha256(source),  # content, not path or mtime
         "data_format": cfg.format,
         "limit": cfg.limit,
+        **({"max_turns": cfg.max_turns} if cfg.max_turns is not None else {}),  # earlier caches keep their key
         "max_length": cfg.max_length,
         "tokenizer": sha256_file(tok_file) if tok_file.exists() else str(model_dir.resolve()),
         "template": tokenizer.chat_template,
@@ -203,10 +204,23 @@ def build_dataset(cfg: DataConfig, model: str | Path, progress: bool = True) -> 
     return BuiltData(train, heldout, stats, tokenizer, fp)
 
 
+def first_turns(messages: list[dict[str, str]], turns: int) -> list[dict[str, str]]:
+    """The messages up to and including the `turns`-th assistant reply (all of them when there are fewer)."""
+    seen = 0
+    for i, m in enumerate(messages):
+        seen += m["role"] == "assistant"
+        if seen == turns:
+            return messages[: i + 1]
+    return messages
+
+
 def _process(cfg: DataConfig, source: Path, model_dir: Path, out_dir: Path, progress: bool) -> None:
     import datasets
 
     read = read_conversations(source, cfg.format, cfg.limit)
+    if cfg.max_turns is not None:
+        for c in read.conversations:
+            c["messages"] = first_turns(c["messages"], cfg.max_turns)
     skipped: Counter = Counter(read.skipped)
     examples = {k: list(v) for k, v in read.examples.items()}
     if not read.conversations:

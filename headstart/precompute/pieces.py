@@ -94,17 +94,25 @@ def append_missing(path: Path, rows: list[tuple[str, str]]) -> int:
     return len(new)
 
 
+def _without_engine(record: Path) -> dict | None:
+    if not record.is_file():
+        return None
+    return {k: v for k, v in json.loads(record.read_text(encoding="utf-8")).items() if k != "engine"}
+
+
 def save(pieces: Path, rows_file: Path, run_file: Path) -> Path | None:
     """Write the rows of `rows_file` that no piece holds as the next piece (None: nothing new), and the
-    run record as the pieces' one (the source limit may have grown)."""
+    run record as the pieces' one where it changed (the source limit may have grown) or rows are added (the
+    record names the engine that made the last piece; a restore that adds nothing leaves it as it was)."""
     _check(pieces)
     pieces.mkdir(parents=True, exist_ok=True)
-    with atomic_path(pieces / RUN) as tmp:
-        shutil.copyfile(run_file, tmp)
     held = {rid for part in _parts(pieces) for rid, _ in _rows(part)}
     data = rows_file.read_bytes() if rows_file.exists() else b""
     lines = data[: data.rfind(b"\n") + 1].decode("utf-8").split("\n")[:-1]
     new = [line for line in lines if json.loads(line)["id"] not in held]
+    if new or _without_engine(run_file) != _without_engine(pieces / RUN):
+        with atomic_path(pieces / RUN) as tmp:
+            shutil.copyfile(run_file, tmp)
     if not new:
         return None
     parts = _parts(pieces)

@@ -107,7 +107,7 @@ def _chunk_kl(head: DraftHead, draft_ids: torch.Tensor | None, target_h: torch.T
     V_d rows too; the full vocabulary is computed only when statistics or the LK losses (whose p is not
     renormalised) ask for it."""
     want = not stats
-    logp, p, top, p_full = _teacher(head, draft_ids, target_h, want or lk)
+    logp, p, top, p_full = _teacher(head, draft_ids, target_h, want or lk, top=want)
     kls = []
     none = torch.zeros(2, device=target_h.device)
     for w, hh in zip(weights, head_h):
@@ -125,23 +125,24 @@ def _chunk_kl(head: DraftHead, draft_ids: torch.Tensor | None, target_h: torch.T
 
 
 @torch.no_grad()
-def _teacher(head: DraftHead, draft_ids: torch.Tensor | None, target_h: torch.Tensor,
-             full: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+def _teacher(head: DraftHead, draft_ids: torch.Tensor | None, target_h: torch.Tensor, full: bool,
+             top: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """A chunk's teacher: (log p, p) over the draft vocabulary, renormalised (only its V_d lm_head rows are
-    computed unless `full`), and with `full` also the target's argmax and its full-vocabulary p read on the
-    draft tokens, not renormalised (statistics, LK); else None for those two."""
+    computed unless `full`), with `full` also the target's full-vocabulary p read on the draft tokens, not
+    renormalised (statistics, LK), and with `top` the target's argmax over the full vocabulary; else None for
+    those."""
     if draft_ids is not None and not full:
         t_logits = restricted_target_logits(head, target_h)  # (R, Vd)
     else:
         t_logits = target_logits(head, target_h)  # (R, V)
-    top = p_full = None
+    argmax = p_full = None
     if full:
-        top = t_logits.argmax(-1)
+        argmax = t_logits.argmax(-1) if top else None
         p_full = torch.softmax(t_logits, dim=-1)
         if draft_ids is not None:
             p_full, t_logits = p_full[:, draft_ids], t_logits[:, draft_ids]  # renormalised below
     logp = torch.log_softmax(t_logits, dim=-1)
-    return logp, logp.exp(), top, p_full
+    return logp, logp.exp(), argmax, p_full
 
 
 def restricted_target_logits(head: DraftHead, target_h: torch.Tensor) -> torch.Tensor:
@@ -176,13 +177,15 @@ def objective(part: LossParts, loss: str, kl_scale: float = 1.0, kl_decay: float
 
 def distill_steps(head: DraftHead, head_h: list[torch.Tensor], target_h: torch.Tensor, rows: list[torch.Tensor],
                   feature_target: torch.Tensor | None, chunk: int, with_kl: bool = True,
-                  with_stats: bool = True, lk: bool = False) -> list[LossParts]:
+                  with_stats: bool = True, lk: bool = False, grads: tuple[int, ...] | None = None) -> list[LossParts]:
     """The losses of S steps that share their targets (the unrolled TTT steps: step s's head states
     head_h[s] (M, d) against the same target rows target_h (M, d)), over each step's supervised rows
     rows[s] (host-side indices, so that nothing here waits for the device). The teacher distribution
     of a row is computed once for every step that supervises it (and once more in the backward pass),
     not once per step. Rows run in chunks of `chunk`; with no row, one empty chunk still runs the
-    lm_head (a DDP rank must use every parameter, whatever its data)."""
+    lm_head (a DDP rank must use every parameter, whatever its data). `grads` names the components of each
+    step's [KL, sum of a, sum of -log a] a backward may reach (grad_components(train.loss); default all
+    that are computed): the fused path keeps only their gradients."""
     device = target_h.device
     zero = sum(h.sum() for h in head_h) * 0.0  # keeps the graph connected when a batch has no supervised row
     counts = [int(r.numel()) for r in rows]  # host tensors: no sync
@@ -203,7 +206,11 @@ def distill_steps(head: DraftHead, head_h: list[torch.Tensor], target_h: torch.T
     if proj is not None:  # the gradient taken in the forward pass: no chunk computed twice (FusedChunks)
         pre, weight = proj
         got: list = []
-        kl = kl + FusedChunks.apply(weight, head, draft_ids, target_h[union_d], member, pieces, with_stats, lk, got,
+        comps = grads if grads is not None else (0, 1, 2) if lk else (0,)
+        if not lk and set(comps) - {0}:
+            raise ValueError(f"grads {comps}: components 1 and 2 (a, -log a) need lk")
+        kl = kl + FusedChunks.apply(weight, head, draft_ids, target_h[union_d], member, pieces, with_stats, lk, comps,
+                                    got,
                                     *(pre(h[union_d]) for h in head_h))
         if with_stats:
             stats_sum = stats_sum + torch.stack(got)
@@ -258,27 +265,26 @@ class FusedChunks(torch.autograd.Function):
     @staticmethod
     def forward(ctx, weight: torch.Tensor, head: object, draft_ids: torch.Tensor | None,  # noqa: ANN001
                 target_h: torch.Tensor, member: torch.Tensor, pieces: list[torch.Tensor], with_stats: bool,
-                lk: bool, stats: list, *z: torch.Tensor) -> torch.Tensor:
+                lk: bool, comps: tuple[int, ...], stats: list, *z: torch.Tensor) -> torch.Tensor:
         device = weight.device
         dtype = torch.get_autocast_dtype(device.type) if torch.is_autocast_enabled(device.type) else weight.dtype
         w_c = weight.detach().to(dtype)  # the cast a Linear under autocast makes, once per micro-batch
-        comps = 3 if lk else 1
-        dz = [torch.zeros((comps, *t.shape), dtype=torch.float32, device=device) for t in z]
-        dw = torch.zeros((len(z), comps, *weight.shape), dtype=torch.float32, device=device)
+        dz = [torch.zeros((len(comps), *t.shape), dtype=torch.float32, device=device) for t in z]
+        dw = torch.zeros((len(z), len(comps), *weight.shape), dtype=torch.float32, device=device)
         out = torch.zeros(len(z), 3, device=device)
         sums = torch.zeros(len(z), 3, device=device)
         for piece in pieces:
             piece = piece.to(device)
             th, w_rows = target_h[piece], member[:, piece]
             full = with_stats or lk
-            logp, p, top, p_full = _teacher(head, draft_ids, th, full)
+            logp, p, top, p_full = _teacher(head, draft_ids, th, full, top=with_stats)
             for s, zs in enumerate(z):
                 w = w_rows[s]
                 zc = zs[piece].detach().to(dtype)
                 logq = torch.log_softmax((zc @ w_c.t()).float(), dim=-1)
                 q = logq.exp()
                 out[s, 0] += (w[:, None] * p * (logp - logq)).sum()
-                grads = [q.sub(p).mul_(w[:, None])]  # d KL / d logits
+                grads = {0: q.sub(p).mul_(w[:, None])} if 0 in comps else {}  # d KL / d logits
                 if full:
                     a = torch.minimum(p_full, q).sum(-1)
                 if with_stats:
@@ -288,17 +294,21 @@ class FusedChunks(torch.autograd.Function):
                 if lk:
                     out[s, 1] += (w * a).sum()
                     out[s, 2] -= (w * a.clamp(min=ALPHA_FLOOR).log()).sum()
-                    m = (q < p_full).to(q.dtype)
-                    da = q * (m - (m * q).sum(-1, keepdim=True))  # d a / d logits
-                    inv = torch.where(a >= ALPHA_FLOOR, 1 / a.clamp(min=ALPHA_FLOOR), 0.0)
-                    grads += [w[:, None] * da, (-w * inv)[:, None] * da]
-                for c, g in enumerate(grads):
+                    if 1 in comps or 2 in comps:
+                        m = (q < p_full).to(q.dtype)
+                        da = q * (m - (m * q).sum(-1, keepdim=True))  # d a / d logits
+                    if 1 in comps:
+                        grads[1] = w[:, None] * da
+                    if 2 in comps:
+                        inv = torch.where(a >= ALPHA_FLOOR, 1 / a.clamp(min=ALPHA_FLOOR), 0.0)
+                        grads[2] = (-w * inv)[:, None] * da
+                for c, g in enumerate(grads[i] for i in comps):
                     g = g.to(dtype)
                     dz[s][c, piece] = (g @ w_c).float()
                     dw[s, c] += (g.t() @ zc).float()
         if with_stats:
             stats.extend(sums.unbind())
-        ctx.comps = comps
+        ctx.comps = list(comps)
         ctx.save_for_backward(dw, *dz)
         ctx.dtypes = (weight.dtype, [t.dtype for t in z])
         return out
@@ -306,10 +316,13 @@ class FusedChunks(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: torch.Tensor) -> tuple:  # noqa: ANN001
         dw, *dz = ctx.saved_tensors
-        g = grad[:, :ctx.comps].float()  # (S, comps)
+        if grad[:, [c for c in range(3) if c not in ctx.comps]].any():
+            raise RuntimeError(f"FusedChunks kept the gradients of components {ctx.comps} only (the objective's, "
+                               "sizing.grad_components); the loss used another")
+        g = grad[:, ctx.comps].float()  # (S, comps)
         d_weight = (g[:, :, None, None] * dw).sum((0, 1)).to(ctx.dtypes[0])
         d_z = [(g[s][:, None, None] * t).sum(0).to(dt) for s, (t, dt) in enumerate(zip(dz, ctx.dtypes[1]))]
-        return (d_weight, None, None, None, None, None, None, None, None, *d_z)
+        return (d_weight, None, None, None, None, None, None, None, None, None, *d_z)
 
 
 def fused_projection(head: object, device: torch.device) -> tuple | None:

@@ -25,7 +25,7 @@ from headstart.models.llama import LlamaForCausalLM
 from headstart.nn.attention import PackedCausalAttention, packed_metadata
 from headstart.nn.parallel import SINGLE, TensorParallel
 from headstart.precompute.shards import from_fp8
-from headstart.sizing import loss_chunk_rows
+from headstart.sizing import grad_components, loss_chunk_rows
 from headstart.train.losses import LossParts, distill, distill_steps, objective
 from headstart.train.ttt import unroll
 
@@ -270,7 +270,8 @@ class HeadModule(L.LightningModule):
             # Step j supervises the rows whose token is supervised and that have j predecessors (ttt.unroll).
             supervised, pos = sh.token_mask.cpu() > 0, packed_metadata(sh.seq_lens).positions
             rows = [torch.nonzero(supervised & (pos >= j)).flatten() for j in range(len(outs))]
-            per_step = distill_steps(head, outs, target_h, rows, feat_t, chunk, w.kl > 0, with_stats, lk)
+            per_step = distill_steps(head, outs, target_h, rows, feat_t, chunk, w.kl > 0, with_stats, lk,
+                                     grad_components(self.cfg.loss))
         elif kind == "medusa":
             states, sh = head.train_forward(batch)  # (N, k, d)
             mask = sh.token_mask.cpu() > 0  # host: the rows are chosen without a sync

@@ -57,14 +57,17 @@ def engine_acceptance(target: LlamaForCausalLM, head: DraftHead, prompts: list[l
     return out
 
 
-def heldout_prompts(input_ids: list[list[int]], loss_mask: list[list[int]], n: int) -> list[list[int]]:
-    """The first user turn of each held-out conversation, with the assistant header, as token ids:
-    everything before the first supervised token (system + first user turn + generation prompt)."""
+def heldout_prompts(input_ids: list[list[int]], loss_mask: list[list[int]], n: int, turn: int = 1) -> list[list[int]]:
+    """The `turn`-th user turn of each held-out conversation that has one, as token ids: everything before the
+    first supervised token of its `turn`-th reply (system, the earlier turns with their replies, this user turn
+    and the generation prompt). turn 1: the first user turn alone."""
+    if turn < 1:
+        raise ValueError(f"turn must be >= 1, got {turn}")
     out = []
     for ids, mask in zip(input_ids, loss_mask):
         if len(out) >= n:
             break
-        first = next((i for i, m in enumerate(mask) if m), None)
-        if first:
-            out.append(list(ids[:first]))
+        starts = [i for i, m in enumerate(mask) if m and (i == 0 or not mask[i - 1])]  # where each reply begins
+        if len(starts) >= turn and starts[turn - 1] > 0:
+            out.append(list(ids[: starts[turn - 1]]))
     return out
