@@ -197,3 +197,84 @@ def test_a_restore_that_adds_nothing_leaves_the_pieces_record_as_it_was(tmp_path
     before = record.read_bytes()
     out = run_regenerate(_limit(_recipe(tmp_path, model_dir, "new"), 3), progress=False, pieces=pieces)
     assert len(out.read_text().splitlines()) == 3 and record.read_bytes() == before
+
+
+# save() alone: the pieces' record after a save (no model needed)
+
+def _record(path, **kw):
+    path.write_text(json.dumps({"model": "m", "temperature": 0.0, "limit": 3, **kw}))
+    return path
+
+
+def _rows(path, n):
+    path.write_text("".join(json.dumps({"id": f"c{i}"}) + "\n" for i in range(n)))
+    return path
+
+
+def _finished(tmp_path, n=3, **kw):
+    """Pieces of a finished limit-n run: the record and one piece of c0..c(n-1)."""
+    from headstart.precompute.pieces import save
+
+    pieces = tmp_path / "pieces"
+    save(pieces, _rows(tmp_path / "rows0", n), _record(tmp_path / "rec0", limit=n, **kw))
+    return pieces
+
+
+def test_a_grown_limit_with_nothing_new_updates_the_limit_and_keeps_the_engine(tmp_path):
+    from headstart.precompute.pieces import save
+
+    pieces = _finished(tmp_path, engine="vllm")
+    assert save(pieces, _rows(tmp_path / "rows", 3), _record(tmp_path / "rec", limit=None)) is None
+    assert json.loads((pieces / "run.json").read_text()) == {"model": "m", "temperature": 0.0, "limit": None,
+                                                             "engine": "vllm"}
+
+
+@pytest.mark.parametrize("pieces_engine, run_engine", [("vllm", None), (None, "vllm")])
+def test_an_engine_only_difference_with_nothing_new_leaves_the_record(tmp_path, pieces_engine, run_engine):
+    from headstart.precompute.pieces import save
+
+    pieces = _finished(tmp_path, **({"engine": pieces_engine} if pieces_engine else {}))
+    before = (pieces / "run.json").read_bytes()
+    assert save(pieces, _rows(tmp_path / "rows", 3),
+                _record(tmp_path / "rec", **({"engine": run_engine} if run_engine else {}))) is None
+    assert (pieces / "run.json").read_bytes() == before
+
+
+def test_new_rows_at_the_same_limit_make_the_record_name_their_engine(tmp_path):
+    from headstart.precompute.pieces import save
+
+    pieces = tmp_path / "pieces"
+    save(pieces, _rows(tmp_path / "rows0", 3), _record(tmp_path / "rec0", limit=5, engine="vllm"))
+    assert save(pieces, _rows(tmp_path / "rows", 5), _record(tmp_path / "rec", limit=5)) is not None
+    assert "engine" not in json.loads((pieces / "run.json").read_text())
+
+
+@pytest.mark.parametrize("text", ["{", "[1, 2]"])
+def test_an_unreadable_pieces_record_is_replaced_at_the_end_of_a_run(tmp_path, text):
+    from headstart.precompute.pieces import save
+
+    pieces = _finished(tmp_path)
+    (pieces / "run.json").write_text(text)
+    rec = _record(tmp_path / "rec")
+    assert save(pieces, _rows(tmp_path / "rows", 3), rec) is None
+    assert json.loads((pieces / "run.json").read_text()) == json.loads(rec.read_text())
+
+
+def test_a_kill_between_the_two_writes_leaves_no_row_beyond_the_records_limit(tmp_path, monkeypatch):
+    import headstart.precompute.pieces as pieces_module
+
+    pieces = _finished(tmp_path)
+    real, calls = pieces_module.atomic_path, []
+
+    def second_write_killed(final, **kw):
+        calls.append(final.name)
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        return real(final, **kw)
+
+    monkeypatch.setattr(pieces_module, "atomic_path", second_write_killed)
+    with pytest.raises(KeyboardInterrupt):
+        pieces_module.save(pieces, _rows(tmp_path / "rows", 5), _record(tmp_path / "rec", limit=5))
+    held = [json.loads(x)["id"] for p in pieces_module._parts(pieces)
+            for x in gzip.open(p, "rt", encoding="utf-8").read().splitlines()]
+    assert len(set(held)) <= json.loads((pieces / "run.json").read_text())["limit"]

@@ -15,7 +15,6 @@ from __future__ import annotations
 import gzip
 import json
 import os
-import shutil
 from pathlib import Path
 
 from headstart.errors import DataError
@@ -94,10 +93,13 @@ def append_missing(path: Path, rows: list[tuple[str, str]]) -> int:
     return len(new)
 
 
-def _without_engine(record: Path) -> dict | None:
-    if not record.is_file():
+def _pieces_record(path: Path) -> dict | None:
+    """The pieces' record as save finds it (None: none, or unreadable: it is replaced)."""
+    try:
+        record = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError, UnicodeDecodeError):
         return None
-    return {k: v for k, v in json.loads(record.read_text(encoding="utf-8")).items() if k != "engine"}
+    return record if isinstance(record, dict) else None
 
 
 def save(pieces: Path, rows_file: Path, run_file: Path) -> Path | None:
@@ -110,9 +112,13 @@ def save(pieces: Path, rows_file: Path, run_file: Path) -> Path | None:
     data = rows_file.read_bytes() if rows_file.exists() else b""
     lines = data[: data.rfind(b"\n") + 1].decode("utf-8").split("\n")[:-1]
     new = [line for line in lines if json.loads(line)["id"] not in held]
-    if new or _without_engine(run_file) != _without_engine(pieces / RUN):
+    record, held_record = json.loads(run_file.read_text(encoding="utf-8")), _pieces_record(pieces / RUN)
+    if not new and held_record is not None:  # no new rows: the record still names the engine of the last piece
+        record = {k: v for k, v in record.items() if k != "engine"}
+        record.update({"engine": held_record["engine"]} if "engine" in held_record else {})
+    if record != held_record:
         with atomic_path(pieces / RUN) as tmp:
-            shutil.copyfile(run_file, tmp)
+            tmp.write_text(json.dumps(record, indent=2), encoding="utf-8")
     if not new:
         return None
     parts = _parts(pieces)
