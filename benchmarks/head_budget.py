@@ -22,6 +22,11 @@ vocabulary size and schedule shape. An arm's TTT defaults to its recipe's.
     .venv/bin/python benchmarks/head_budget.py --source runs/sharegpt-all/regenerated.jsonl \\
         --shards runs/smollm2-135m-eagle31-all/precompute --mtp-steps 1100 --cost eagle31=1 --prompts 64 \\
         --max-tokens 128 --arms eagle31:4e-3,eagle31:4e-3:2:lk,eagle31:4e-3@head.init_from_target=true --minutes 86
+    # the same arms on the first turns only (the shipped head's recipe; its shards from `headstart precompute`)
+    .venv/bin/python benchmarks/head_budget.py --source runs/sharegpt-all/regenerated.jsonl \
+        --data-from recipes/smollm2-135m-eagle31-first.yaml --shards runs/smollm2-135m-eagle31-first/precompute \
+        --mtp-steps 1100 --cost eagle31=1 --prompts 64 --max-tokens 128 \
+        --arms eagle31:4e-3,eagle31:4e-3:2:lk,eagle31:4e-3@head.init_from_target=true --minutes 86
 
 Everything lands under runs/head-budget/ and resumes: rerunning skips what is done.
 """
@@ -92,6 +97,9 @@ def main() -> None:
     ap.add_argument("--source", required=True, help="the conversations to train on (the shipped recipe's data), a "
                                                     "file or an embedded dataset's name (sharegpt)")
     ap.add_argument("--limit", type=int, help="data.limit: read only the first N conversations of --source")
+    ap.add_argument("--data-from", metavar="RECIPE",
+                    help="every arm's and the shards' data section from this recipe (its source stays --source), "
+                         "e.g. recipes/smollm2-135m-eagle31-first.yaml for its first turns (data.max_turns: 1)")
     ap.add_argument("--mtp-steps", type=int, default=394, help="steps of an mtp arm (others: mtp-steps / cost)")
     ap.add_argument("--cost", action="append", default=[], metavar="FAMILY=X",
                     help="a step of FAMILY's recipe (its TTT) in mtp steps (benchmarks/train.md), repeatable")
@@ -119,6 +127,13 @@ def main() -> None:
                              "(an mtp step is the unit)")
         cost[fam] = _positive(x, f"--cost {c!r}")
     bases = {fam: yaml.safe_load(path.read_text()) for fam, path in RECIPES.items()}
+    if args.data_from:
+        try:
+            data = yaml.safe_load(Path(args.data_from).read_text())["data"]
+        except (OSError, yaml.YAMLError, TypeError, KeyError) as e:
+            raise SystemExit(f"--data-from {args.data_from}: no recipe with a data section there ({e})") from None
+        for base in bases.values():
+            base["data"] = json.loads(json.dumps(data))
     ttt_cost = {1: 1.0}
     for c in args.ttt_cost:
         t, _, x = c.partition("=")
