@@ -273,3 +273,25 @@ class TrainData(L.LightningDataModule):
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.stream.skip = int(state.get("consumed", 0))
+
+
+def check_training_split(shards: Path, source: ShardSequences, built: Any, data: Any) -> None:
+    """Shards are the recipe's own training split, or a DataError names how they differ: other data (the
+    dataset fingerprint: source content, limit, max_length, max_turns, tokenizer, template), another split
+    (precompute.split heldout or all: rows the run validates on) or another split of the same data (held-out
+    fraction, split key: the sequences differ from the training split's)."""
+    made = source.manifest["dataset"]
+    made_fp = source.manifest["fingerprints"].get("dataset")
+    if made_fp != built.fingerprint:
+        have = f"dataset fingerprint {made_fp[:12]}…" if made_fp else "no dataset fingerprint in its manifest"
+        raise DataError(f"{shards}: precomputed from other data than this recipe's data section gives (the shards: "
+                        f"source {made.get('source')}, limit {made.get('limit')}, max_length {made.get('max_length')}; "
+                        f"{have} against {built.fingerprint[:12]}…): precompute this recipe, or give it the data "
+                        "section the shards were made with (data.source, limit, max_length, max_turns)")
+    if made.get("split") != "train":
+        raise DataError(f"{shards}: these shards hold split {made.get('split')}, which holds rows the run validates "
+                        "on; training reads the training split: precompute with precompute.split: train")
+    if list(source.lengths) != list(built.train["num_tokens"]):
+        raise DataError(f"{shards}: these shards hold {len(source.lengths)} sequences that are not this recipe's "
+                        f"training split ({len(built.train)} sequences at data.heldout_fraction {data.heldout_fraction}"
+                        f", split_key {data.split_key}): they were made with another split; precompute this recipe")

@@ -34,6 +34,7 @@ from headstart.train.data import (
     ShardSequences,
     TokenSequences,
     TrainData,
+    check_training_split,
     pack,
     supervised_token_counts,
 )
@@ -287,18 +288,7 @@ class TrainRun:
 
             shards = Path(cfg.shards_dir) if cfg.shards_dir else precompute_dir(recipe)
             source: Any = ShardSequences(shards, expect_target=self.target.fingerprint(), expect_aux=aux, keep_fp8=True)
-            made = source.manifest["dataset"]
-            made_fp = source.manifest["fingerprints"].get("dataset")
-            if made_fp != built.fingerprint:
-                raise DataError(f"{shards}: precomputed from other data than this recipe's data section gives "
-                                f"(the shards: source {made.get('source')}, limit {made.get('limit')}, max_length "
-                                f"{made.get('max_length')}; dataset fingerprint {str(made_fp)[:12]}… against "
-                                f"{built.fingerprint[:12]}…): precompute this recipe, or give it the data section "
-                                "the shards were made with (data.source, limit, max_length, max_turns)")
-            if cfg.max_sequences and (made.get("split") != "train" or len(source.lengths) != len(built.train)):
-                raise DataError(f"{shards}: train.max_sequences takes the first sequences of this recipe's training "
-                                f"split ({len(built.train)}), but these shards hold {len(source.lengths)} of split "
-                                f"{made.get('split')}; precompute them from this recipe with precompute.split: train")
+            check_training_split(shards, source, built, recipe.data)
         else:
             source = ArrowSequences(built.train)
         self.stream = PackedStream(source, cfg.batch_tokens, recipe.seed, self.rank % self.world, self.world,
