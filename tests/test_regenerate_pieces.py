@@ -10,6 +10,7 @@ import pytest
 from test_regenerate import _recipe
 
 from headstart.errors import DataError
+from headstart.precompute.pieces import save
 from headstart.precompute.regenerate import run_regenerate
 
 
@@ -213,16 +214,12 @@ def _rows(path, n):
 
 def _finished(tmp_path, n=3, **kw):
     """Pieces of a finished limit-n run: the record and one piece of c0..c(n-1)."""
-    from headstart.precompute.pieces import save
-
     pieces = tmp_path / "pieces"
     save(pieces, _rows(tmp_path / "rows0", n), _record(tmp_path / "rec0", limit=n, **kw))
     return pieces
 
 
 def test_a_grown_limit_with_nothing_new_updates_the_limit_and_keeps_the_engine(tmp_path):
-    from headstart.precompute.pieces import save
-
     pieces = _finished(tmp_path, engine="vllm")
     assert save(pieces, _rows(tmp_path / "rows", 3), _record(tmp_path / "rec", limit=None)) is None
     assert json.loads((pieces / "run.json").read_text()) == {"model": "m", "temperature": 0.0, "limit": None,
@@ -231,8 +228,6 @@ def test_a_grown_limit_with_nothing_new_updates_the_limit_and_keeps_the_engine(t
 
 @pytest.mark.parametrize("pieces_engine, run_engine", [("vllm", None), (None, "vllm")])
 def test_an_engine_only_difference_with_nothing_new_leaves_the_record(tmp_path, pieces_engine, run_engine):
-    from headstart.precompute.pieces import save
-
     pieces = _finished(tmp_path, **({"engine": pieces_engine} if pieces_engine else {}))
     before = (pieces / "run.json").read_bytes()
     assert save(pieces, _rows(tmp_path / "rows", 3),
@@ -241,8 +236,6 @@ def test_an_engine_only_difference_with_nothing_new_leaves_the_record(tmp_path, 
 
 
 def test_new_rows_at_the_same_limit_make_the_record_name_their_engine(tmp_path):
-    from headstart.precompute.pieces import save
-
     pieces = tmp_path / "pieces"
     save(pieces, _rows(tmp_path / "rows0", 3), _record(tmp_path / "rec0", limit=5, engine="vllm"))
     assert save(pieces, _rows(tmp_path / "rows", 5), _record(tmp_path / "rec", limit=5)) is not None
@@ -251,8 +244,6 @@ def test_new_rows_at_the_same_limit_make_the_record_name_their_engine(tmp_path):
 
 @pytest.mark.parametrize("text", ["{", "[1, 2]"])
 def test_an_unreadable_pieces_record_is_replaced_at_the_end_of_a_run(tmp_path, text):
-    from headstart.precompute.pieces import save
-
     pieces = _finished(tmp_path)
     (pieces / "run.json").write_text(text)
     rec = _record(tmp_path / "rec")

@@ -1,5 +1,5 @@
 """Shards are the recipe's own training split: a run from shards of other data (another source, limit,
-max_length or max_turns) or of another split (held-out fraction, split key, precompute.split heldout) is refused
+max_length or max_turns) or of another split (held-out fraction, split key, precompute.split heldout or all) is refused
 by name before any step, so no run trains on data its recipe does not describe or validates on rows it trained on."""
 
 import json
@@ -21,29 +21,24 @@ def shards(tmp_path, chat_model_dir):
     return path, tmp_path / "s" / "precompute"
 
 
-@pytest.mark.parametrize("change", ["data.max_length=64", "data.limit=20", "data.max_turns=1"])
-def test_shards_of_other_data_are_refused(tmp_path, shards, change):
-    from headstart.train import run_train
-
-    path, made = shards
-    recipe = load_recipe(path, [change, f"output_dir={tmp_path / 'o'}", f"train.shards_dir={made}"])
-    with pytest.raises(DataError, match=r"precompute.*other data.*data section"):
-        run_train(recipe, progress=False)
-    assert not (tmp_path / "o").exists()
-
-
-def test_shards_of_the_same_data_under_another_output_dir_train(tmp_path, shards):
-    from headstart.train import run_train
-
-    path, made = shards
-    run_train(load_recipe(path, [f"output_dir={tmp_path / 'o'}", f"train.shards_dir={made}"]), progress=False)
-    assert (tmp_path / "o" / "head-final").is_dir()
-
-
 def _train(path, tmp_path, *sets, out="o", resume=False):
     from headstart.train import run_train
 
     return run_train(load_recipe(path, [*sets, f"output_dir={tmp_path / out}"]), resume=resume, progress=False)
+
+
+@pytest.mark.parametrize("change", ["data.max_length=64", "data.limit=20", "data.max_turns=1"])
+def test_shards_of_other_data_are_refused(tmp_path, shards, change):
+    path, made = shards
+    with pytest.raises(DataError, match=r"precompute.*other data.*data section"):
+        _train(path, tmp_path, change, f"train.shards_dir={made}")
+    assert not (tmp_path / "o").exists()
+
+
+def test_shards_of_the_same_data_under_another_output_dir_train(tmp_path, shards):
+    path, made = shards
+    _train(path, tmp_path, f"train.shards_dir={made}")
+    assert (tmp_path / "o" / "head-final").is_dir()
 
 
 # the split: shards of another held-out fraction, split key or split would train on held-out rows
