@@ -77,6 +77,10 @@ class HeadSection:
     medusa_num_heads: int = 4
     medusa_num_layers: int = 1
     init_from_target: bool = True  # start from the target's last layer / final norm where shapes allow
+    # A trained head checkpoint (config.json + model.safetensors: a shipped head, a run's head-final) to
+    # start from instead: fine-tuning it on this recipe's data. Its shape and draft vocabulary are kept and
+    # must be the recipe's head's; init_from_target is then not applied. Null: a new head.
+    init_from: str | None = None
     k: int = 3  # draft tokens per speculative step when the head is validated / evaluated
     # mtp / eagle1 / deepseek_mtp: read the target's last state AFTER its final norm. That is what vLLM
     # and SGLang feed every drafter but EAGLE-3 (the model's output), so a head exported to them must

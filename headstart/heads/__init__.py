@@ -58,11 +58,41 @@ def head_config_from_recipe(section: HeadSection) -> HeadConfig:
 INITS = ("copy", "copy_zero_out")
 
 
+def copies_target(head: HeadSection) -> bool:
+    """Whether training starts the head from the target's layers: head.init_from_target, unless
+    head.init_from starts it from a trained head."""
+    return head.init_from_target and not head.init_from
+
+
+def start_from_head(head: DraftHead, path: str | Path, target: LlamaForCausalLM) -> tuple[str, str]:
+    """Replace a new head's weights (and draft vocabulary) by those of the trained head checkpoint at
+    `path` (head.init_from): its files are checked as `load_head` checks them, and its shape must be
+    `head`'s, key by key. A head saved for another target of the same shape is accepted (training adapts
+    it). Returns the checkpoint's weights sha256 and the fingerprint of the target it was saved for."""
+    import dataclasses
+
+    where = f"head.init_from {path}"
+    if not Path(path).is_dir():
+        raise AssetError(f"{where}: no such directory (a head checkpoint: config.json + model.safetensors)")
+    cfg, sha = _read_head_config(path)
+    check_head_files(path, cfg, sha)
+    check_compatible(cfg, target, where=str(Path(path) / "config.json"))
+    have, want = dataclasses.asdict(cfg), dataclasses.asdict(head.config)
+    have.pop("target"), want.pop("target")
+    for key in ["head_type", *sorted(set(have) | set(want))]:  # the family first: a family names the rest
+        if have.get(key) != want.get(key):
+            raise AssetError(f"{where}: its {key} is {str(have.get(key))[:60]} but the recipe's head has "
+                             f"{str(want.get(key))[:60]}; set the recipe's head section to the checkpoint's shape "
+                             "(its config.json)")
+    load_head_state(head, path)
+    return sha, str(cfg.target.get("fingerprint"))
+
+
 def init_copied_layers(head: HeadSection) -> list[int]:
     """The target's decoder layers a head's init_from_target copies (negative: from the end): a
     draft_lm's first head.num_layers, a chain head's last ones, none for Medusa."""
     n = max(head.num_layers, 1)
-    if not head.init_from_target or head.type == "medusa":
+    if not copies_target(head) or head.type == "medusa":
         return []
     return list(range(n)) if head.type == "draft_lm" else list(range(-n, 0))
 
@@ -113,7 +143,7 @@ def load_head(path: str | Path, target: LlamaForCausalLM, *, allow_other_target:
 
 __all__ = [
     "FAMILIES", "HEAD_TYPES", "DraftHead", "HeadConfig", "PackedBatch", "Shifted", "build_head",
-    "head_config_from_recipe", "build_vocab_maps", "draft_to_target", "is_head_checkpoint", "load_head",
-    "read_head_config",
+    "head_config_from_recipe", "build_vocab_maps", "copies_target", "draft_to_target", "is_head_checkpoint",
+    "load_head", "read_head_config", "start_from_head",
     "save_head", "shift_for_head",
 ]

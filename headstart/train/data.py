@@ -21,6 +21,7 @@ import lightning as L
 import torch
 from safetensors import safe_open
 
+from headstart.console import status
 from headstart.errors import DataError
 from headstart.heads.base import PackedBatch
 from headstart.precompute.manifest import read_manifest
@@ -295,3 +296,27 @@ def check_training_split(shards: Path, source: ShardSequences, built: Any, data:
         raise DataError(f"{shards}: these shards hold {len(source.lengths)} sequences that are not this recipe's "
                         f"training split ({len(built.train)} sequences at data.heldout_fraction {data.heldout_fraction}"
                         f", split_key {data.split_key}): they were made with another split; precompute this recipe")
+
+
+def install_draft_vocab(head: Any, vocab: int, train_ds: Any, sequences: int | None, *, keep: bool,
+                        announce: bool) -> float:
+    """The head's draft vocabulary: the most frequent supervised target tokens of the training split
+    (deterministic, so a resumed run rebuilds the same maps its checkpoint holds); with `keep`, the head's own
+    (head.init_from: its lm_head rows are those tokens'), among the target's `vocab` ids. Returns (and with `announce` prints) its coverage of
+    the supervised training tokens."""
+    from headstart.heads import build_vocab_maps
+
+    counts = supervised_token_counts(ArrowSequences(train_ds), vocab, sequences)
+    vd = head.config.draft_vocab_size
+    if keep:
+        t2d = head.t2d.cpu().bool()
+    else:
+        d2t, t2d = build_vocab_maps(counts, vd)
+        head.set_vocab_maps(d2t, t2d)
+    coverage = float(counts[t2d].sum() / counts.sum().clamp(min=1))
+    if announce:
+        whose = "the initial head's " if keep else ""
+        status(f"train: {whose}draft vocabulary {vd:,} of {vocab:,} tokens covers {100 * coverage:.1f}% of the "
+               "supervised training tokens (the target's probability mass inside it is reported as "
+               "draft_vocab_mass at each validation)")
+    return coverage

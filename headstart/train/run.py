@@ -25,7 +25,14 @@ from headstart.config import Recipe
 from headstart.console import status
 from headstart.errors import ConfigError, DataError, HeadstartError, OutputError
 from headstart.fileio import atomic_write_text, exclusive_lock, remove_path, swap_into_place
-from headstart.heads import build_head, head_config_from_recipe, init_copied_layers, save_head
+from headstart.heads import (
+    build_head,
+    copies_target,
+    head_config_from_recipe,
+    init_copied_layers,
+    save_head,
+    start_from_head,
+)
 from headstart.heads.base import TargetParts
 from headstart.nn.parallel import SINGLE, TensorParallel
 from headstart.train.data import (
@@ -35,8 +42,8 @@ from headstart.train.data import (
     TokenSequences,
     TrainData,
     check_training_split,
+    install_draft_vocab,
     pack,
-    supervised_token_counts,
 )
 from headstart.train.module import HeadModule
 from headstart.train.outputs import (
@@ -246,7 +253,7 @@ class TrainRun:
             # final norm and lm_head, plus the layers its init copies: a partial target.
             self.engine_target = load_target(model_dir, self.dtype, device=load_on, tp=self.tp)
             self.target = load_target(model_dir, self.dtype, device=load_on, layers=init_copied_layers(recipe.head))
-            if recipe.head.init_from_target:
+            if copies_target(recipe.head):
                 from headstart.heads.base import target_state_rms
 
                 self.target.state_rms = target_state_rms(self.engine_target)  # the group's forward
@@ -274,12 +281,14 @@ class TrainRun:
         # resume's rebuild and every rank start from the same head.
         torch.manual_seed(recipe.seed)
         self.head = build_head(head_config_from_recipe(recipe.head), self.target,
-                               init_from_target=recipe.head.init_from_target and not from_rank0)
+                               init_from_target=copies_target(recipe.head) and not from_rank0)
+        init_sha = self._start_from(recipe.head.init_from) if recipe.head.init_from else None
         if cfg.loss_weights.kl == 0 and self.head.config.head_type in ("eagle3", "medusa", "draft_lm", "dflash"):
             raise ConfigError(f"train.loss_weights.kl=0: a {self.head.config.head_type} head learns from the KL "
                               "term only (it has no feature loss), so nothing would be trained")
         if self.head.config.draft_vocab_size:
-            self._install_draft_vocab(built.train, cfg.max_sequences)
+            install_draft_vocab(self.head, self.target.config.vocab_size, built.train, cfg.max_sequences,
+                                keep=init_sha is not None, announce=self.rank == 0)
         if self.precision != "bf16-true":
             self.head.float()  # fp32 master weights; the frozen target stays in its compute dtype
         aux = list(self.head.config.aux_layer_ids or [])
@@ -304,7 +313,8 @@ class TrainRun:
         self.identity = _identity(recipe, self.target.fingerprint(), built.fingerprint,
                                   {"resolved.dtype": self.dtype, "resolved.precision": self.precision,
                                    "resolved.world_size": self.world,
-                                   "resolved.checkpoint": "sharded" if tr.strategy == "fsdp" else "file"})
+                                   "resolved.checkpoint": "sharded" if tr.strategy == "fsdp" else "file",
+                                   **({"resolved.init_from_sha256": init_sha} if init_sha else {})})
         self.ckpt = check_resume(out, self.identity, resume, self.rank)
         if self.ckpt is not None:
             check_checkpoint_head(self.ckpt, self.head)
@@ -317,21 +327,14 @@ class TrainRun:
         self.engine_parts = TargetParts(self.engine_target)  # one object: it caches restricted lm_head rows
         self.device = device
 
-    def _install_draft_vocab(self, train_ds: Any, sequences: int | None) -> None:
-        """The draft vocabulary: the most frequent supervised target tokens of the training split
-        (deterministic, so a resumed run rebuilds the same maps its checkpoint holds)."""
-        from headstart.heads import build_vocab_maps
-
-        vocab = self.target.config.vocab_size
-        counts = supervised_token_counts(ArrowSequences(train_ds), vocab, sequences)
-        vd = self.head.config.draft_vocab_size
-        d2t, t2d = build_vocab_maps(counts, vd)
-        self.head.set_vocab_maps(d2t, t2d)
-        self.vocab_coverage = float(counts[t2d].sum() / counts.sum().clamp(min=1))
+    def _start_from(self, path: str) -> str:
+        """head.init_from: the trained head's weights and draft vocabulary replace the new head's."""
+        sha, saved_for = start_from_head(self.head, path, self.target)
         if self.rank == 0:
-            status(f"train: draft vocabulary {vd:,} of {vocab:,} tokens covers {100 * self.vocab_coverage:.1f}% of the "
-                   "supervised training tokens (the target's probability mass inside it is reported as "
-                   "draft_vocab_mass at each validation)")
+            other = "" if saved_for == self.target.fingerprint() else \
+                f" (saved for another target of this shape, {saved_for[:12]}…: its weights are a starting point)"
+            status(f"train: the head starts from {path}{other}, its draft vocabulary kept")
+        return sha
 
     @torch.no_grad()
     def validate(self, module: HeadModule, head: Any, autocast: Any = contextlib.nullcontext) -> dict[str, Any]:
