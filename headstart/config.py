@@ -108,6 +108,8 @@ class HeadSection:
 
     def __post_init__(self) -> None:
         _require(self.num_layers >= 1, "head.num_layers", f"must be >= 1, got {self.num_layers}")
+        _require(self.init_from is None or (isinstance(self.init_from, str) and self.init_from.strip() != ""),
+                 "head.init_from", "must be a head checkpoint's directory or null, got an empty value")
         _require(self.type == "dflash" or (self.block_size is None and self.mask_token_id is None),
                  "head.block_size", f"block_size and mask_token_id apply to dflash heads, not {self.type}")
         _require(self.block_size is None or 2 <= self.block_size <= 32, "head.block_size",

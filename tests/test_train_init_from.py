@@ -16,10 +16,10 @@ from headstart.recipe_io import load_recipe
 EAGLE3 = "  aux_layer_ids: [0, 1, 2]\n  draft_vocab_size: 40\n"
 
 
-def _train(path, tmp_path, *sets, out):
+def _train(path, tmp_path, *sets, out, resume=False):
     from headstart.train import run_train
 
-    return run_train(load_recipe(path, [*sets, f"output_dir={tmp_path / out}"]), resume=False, progress=False)
+    return run_train(load_recipe(path, [*sets, f"output_dir={tmp_path / out}"]), resume=resume, progress=False)
 
 
 @pytest.fixture(scope="module")
@@ -108,3 +108,88 @@ def test_a_missing_or_damaged_checkpoint_is_refused(tmp_path, chat_model_dir, fi
     with pytest.raises(AssetError, match="sha256 differs"):
         _train(path, tmp_path, f"head.init_from={first}", out="b")
     assert not (tmp_path / "b").exists()
+
+
+# every key of the head's shape, without training: a checkpoint of another shape is refused naming the key
+
+SHAPES = [("num_layers", 2), ("draft_vocab_size", 48), ("aux_layer_ids", [0, 1]), ("fc_norm", False),
+          ("norm_before_residual", False), ("norm_output", False), ("intermediate_size", 56),
+          ("num_key_value_heads", 1)]
+
+
+@pytest.mark.parametrize("key, value", SHAPES, ids=[k for k, _ in SHAPES])
+def test_start_from_head_compares_every_key_of_the_shape(tmp_path, chat_model_dir, key, value):
+    import dataclasses
+
+    from headstart.heads import HeadConfig, build_head, save_head, start_from_head
+    from headstart.models import load_target
+
+    target = load_target(chat_model_dir, "fp32")
+    base = HeadConfig(head_type="eagle3", aux_layer_ids=[0, 1, 2], draft_vocab_size=40, fc_norm=True,
+                      norm_before_fc=False)
+    other = dataclasses.replace(base, **{key: value})
+    save_head(build_head(other, target, init_from_target=False), tmp_path / "h")
+    head = build_head(base, target, init_from_target=False)
+    recipe_key = key not in ("intermediate_size", "num_key_value_heads")
+    hint = f"set head.{key} to the checkpoint's" if recipe_key else "not a recipe key"
+    with pytest.raises(AssetError, match=rf"its {key} is .* but the recipe's head has .*\({hint}"):
+        start_from_head(head, tmp_path / "h", target)
+    same = build_head(base, target, init_from_target=False)
+    save_head(same, tmp_path / "same")
+    sha, saved_for = start_from_head(build_head(base, target, init_from_target=False), tmp_path / "same", target)
+    assert saved_for == target.fingerprint() and len(sha) == 64
+
+
+def test_an_edited_config_is_refused(tmp_path, chat_model_dir, first):
+    """config.json says norm_output false (and the recipe too), the weights were saved with true."""
+    import shutil
+
+    head = shutil.copytree(first, tmp_path / "edited")
+    cfg = json.loads((head / "config.json").read_text())
+    cfg["norm_output"] = False
+    (head / "config.json").write_text(json.dumps(cfg))
+    path = _other_data_recipe(tmp_path, chat_model_dir, extra=EAGLE3 + "  norm_output: false\n")
+    with pytest.raises(AssetError, match="config.json edited after saving"):
+        _train(path, tmp_path, f"head.init_from={head}", out="b")
+
+
+def test_a_file_or_an_empty_value_is_refused(tmp_path, chat_model_dir, first):
+    from headstart.errors import ConfigError
+
+    path = _other_data_recipe(tmp_path, chat_model_dir)
+    with pytest.raises(AssetError, match="a file; name the head checkpoint's directory"):
+        _train(path, tmp_path, f"head.init_from={first / 'model.safetensors'}", out="b")
+    with pytest.raises(ConfigError, match="head.init_from.*empty"):
+        _train(path, tmp_path, "head.init_from=", out="b")
+
+
+def test_a_resume_needs_neither_the_initial_head_nor_its_path(tmp_path, chat_model_dir, first):
+    """The checkpoint holds the weights and the vocabulary: a run resumes after its initial head was moved away,
+    and continues exactly as the run that was not stopped; dropping head.init_from is another run."""
+    import shutil
+
+    # a constant rate after warmup: the run cut at 2 steps then raised to 4 follows the 4-step run's schedule
+    path = _other_data_recipe(tmp_path, chat_model_dir, max_steps=2, ckpt_every_steps=1, min_lr_ratio=1.0)
+    init = shutil.copytree(first, tmp_path / "init")
+    _train(path, tmp_path, f"head.init_from={init}", "train.max_steps=4", out="whole")
+    _train(path, tmp_path, f"head.init_from={init}", out="b")
+    shutil.move(init, tmp_path / "moved")
+    _train(path, tmp_path, f"head.init_from={tmp_path / 'moved'}", "train.max_steps=4", out="b", resume=True)
+    a = load_file(str(tmp_path / "whole" / "head-final" / "model.safetensors"))
+    b = load_file(str(tmp_path / "b" / "head-final" / "model.safetensors"))
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    from headstart.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="init_from_sha256"):
+        _train(path, tmp_path, "train.max_steps=5", out="b", resume=True)
+
+
+def test_an_fp32_head_is_not_rounded_to_a_bf16_targets_dtype(tmp_path, chat_model_dir, first):
+    """bf16-mixed keeps fp32 master weights: the initial head's fp32 values reach them unrounded."""
+    path = _other_data_recipe(tmp_path, chat_model_dir, lr=1e-12, warmup_steps=0)
+    _train(path, tmp_path, f"head.init_from={first}", "target.dtype=bf16", "trainer.precision=bf16-mixed", out="b")
+    start = load_file(str(first / "model.safetensors"))
+    after = load_file(str(tmp_path / "b" / "head-final" / "model.safetensors"))
+    assert start["fc.weight"].dtype == torch.float32
+    assert not torch.equal(start["fc.weight"], start["fc.weight"].bfloat16().float())  # not bf16 values
+    assert torch.allclose(after["fc.weight"].float(), start["fc.weight"], atol=1e-8, rtol=0)

@@ -13,6 +13,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 from headstart.config import HeadSection
@@ -69,21 +70,27 @@ def start_from_head(head: DraftHead, path: str | Path, target: LlamaForCausalLM)
     `path` (head.init_from): its files are checked as `load_head` checks them, and its shape must be
     `head`'s, key by key. A head saved for another target of the same shape is accepted (training adapts
     it). Returns the checkpoint's weights sha256 and the fingerprint of the target it was saved for."""
-    import dataclasses
-
+    path = Path(path).expanduser()
     where = f"head.init_from {path}"
-    if not Path(path).is_dir():
+    if path.is_file():
+        raise AssetError(f"{where}: a file; name the head checkpoint's directory (the one holding config.json and "
+                         "model.safetensors)")
+    if not path.is_dir():
         raise AssetError(f"{where}: no such directory (a head checkpoint: config.json + model.safetensors)")
     cfg, sha = _read_head_config(path)
     check_head_files(path, cfg, sha)
-    check_compatible(cfg, target, where=str(Path(path) / "config.json"))
+    check_compatible(cfg, target, where=str(path / "config.json"))
     have, want = dataclasses.asdict(cfg), dataclasses.asdict(head.config)
-    have.pop("target"), want.pop("target")
+    del have["target"], want["target"]
+    recipe_keys = {f.name for f in dataclasses.fields(HeadSection)}
     for key in ["head_type", *sorted(set(have) | set(want))]:  # the family first: a family names the rest
         if have.get(key) != want.get(key):
+            name = "type" if key == "head_type" else key
+            fix = (f"set head.{name} to the checkpoint's" if name in recipe_keys else
+                   "not a recipe key: the checkpoint's head has another shape than this recipe builds on this "
+                   "target, and cannot be fine-tuned by it")
             raise AssetError(f"{where}: its {key} is {str(have.get(key))[:60]} but the recipe's head has "
-                             f"{str(want.get(key))[:60]}; set the recipe's head section to the checkpoint's shape "
-                             "(its config.json)")
+                             f"{str(want.get(key))[:60]} ({fix})")
     load_head_state(head, path)
     return sha, str(cfg.target.get("fingerprint"))
 

@@ -299,11 +299,11 @@ def check_training_split(shards: Path, source: ShardSequences, built: Any, data:
 
 
 def install_draft_vocab(head: Any, vocab: int, train_ds: Any, sequences: int | None, *, keep: bool,
-                        announce: bool) -> float:
+                        announce: bool) -> None:
     """The head's draft vocabulary: the most frequent supervised target tokens of the training split
-    (deterministic, so a resumed run rebuilds the same maps its checkpoint holds); with `keep`, the head's own
-    (head.init_from: its lm_head rows are those tokens'), among the target's `vocab` ids. Returns (and with `announce` prints) its coverage of
-    the supervised training tokens."""
+    (deterministic, so a resumed run rebuilds the same maps its checkpoint holds), among the target's `vocab`
+    ids; with `keep`, the head's own (head.init_from: its lm_head rows are those tokens'). With `announce`,
+    prints its coverage of the supervised training tokens."""
     from headstart.heads import build_vocab_maps
 
     counts = supervised_token_counts(ArrowSequences(train_ds), vocab, sequences)
@@ -319,4 +319,3 @@ def install_draft_vocab(head: Any, vocab: int, train_ds: Any, sequences: int | N
         status(f"train: {whose}draft vocabulary {vd:,} of {vocab:,} tokens covers {100 * coverage:.1f}% of the "
                "supervised training tokens (the target's probability mass inside it is reported as "
                "draft_vocab_mass at each validation)")
-    return coverage

@@ -61,7 +61,8 @@ from headstart.train.validate import engine_acceptance, heldout_prompts
 # Keys that may change on --resume without changing what is being trained.
 RESUMABLE_CHANGES = ("train.max_steps", "train.epochs", "train.val_every_steps", "train.val_prompts",
                      "train.val_max_tokens", "train.val_loss_batches", "train.ckpt_every_steps", "train.num_workers",
-                     "logging", "trainer", "name", "precompute", "regenerate", "output_dir", "target.config")
+                     "logging", "trainer", "name", "precompute", "regenerate", "output_dir", "target.config",
+                     "head.init_from")  # where the initial head was: its sha256 is the identity
 
 
 def run_dir(recipe: Recipe) -> Path:
@@ -282,15 +283,17 @@ class TrainRun:
         torch.manual_seed(recipe.seed)
         self.head = build_head(head_config_from_recipe(recipe.head), self.target,
                                init_from_target=copies_target(recipe.head) and not from_rank0)
-        init_sha = self._start_from(recipe.head.init_from) if recipe.head.init_from else None
         if cfg.loss_weights.kl == 0 and self.head.config.head_type in ("eagle3", "medusa", "draft_lm", "dflash"):
             raise ConfigError(f"train.loss_weights.kl=0: a {self.head.config.head_type} head learns from the KL "
                               "term only (it has no feature loss), so nothing would be trained")
-        if self.head.config.draft_vocab_size:
-            install_draft_vocab(self.head, self.target.config.vocab_size, built.train, cfg.max_sequences,
-                                keep=init_sha is not None, announce=self.rank == 0)
         if self.precision != "bf16-true":
             self.head.float()  # fp32 master weights; the frozen target stays in its compute dtype
+        # head.init_from: loaded into the fp32 master weights (not rounded to the target's dtype). A resume
+        # reads neither it nor its vocabulary (the checkpoint holds both), only its recorded sha256.
+        init_sha = self._start_from(recipe.head.init_from, out, resume) if recipe.head.init_from else None
+        if self.head.config.draft_vocab_size:
+            install_draft_vocab(self.head, self.target.config.vocab_size, built.train, cfg.max_sequences,
+                                keep=init_sha is not None and not resume, announce=self.rank == 0 and not resume)
         aux = list(self.head.config.aux_layer_ids or [])
         if cfg.source == "shards":
             from headstart.precompute.run import output_dir as precompute_dir
@@ -327,12 +330,17 @@ class TrainRun:
         self.engine_parts = TargetParts(self.engine_target)  # one object: it caches restricted lm_head rows
         self.device = device
 
-    def _start_from(self, path: str) -> str:
-        """head.init_from: the trained head's weights and draft vocabulary replace the new head's."""
+    def _start_from(self, path: str, out: Path, resume: bool) -> str | None:
+        """head.init_from: the trained head's weights and draft vocabulary replace the new head's; on --resume
+        the sha256 the run recorded (the init head may have moved or been replaced since)."""
+        if resume:
+            info = out / "train.json"
+            recorded = json.loads(info.read_text()).get("recipe", {}) if info.is_file() else {}
+            return recorded.get("resolved.init_from_sha256")
         sha, saved_for = start_from_head(self.head, path, self.target)
         if self.rank == 0:
-            other = "" if saved_for == self.target.fingerprint() else \
-                f" (saved for another target of this shape, {saved_for[:12]}…: its weights are a starting point)"
+            other = ("" if saved_for == self.target.fingerprint() else
+                     f" (saved for another target of this shape, {saved_for[:12]}…: its weights are a starting point)")
             status(f"train: the head starts from {path}{other}, its draft vocabulary kept")
         return sha
 
