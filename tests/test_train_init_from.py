@@ -164,24 +164,41 @@ def test_a_file_or_an_empty_value_is_refused(tmp_path, chat_model_dir, first):
 
 
 def test_a_resume_needs_neither_the_initial_head_nor_its_path(tmp_path, chat_model_dir, first):
-    """The checkpoint holds the weights and the vocabulary: a run resumes after its initial head was moved away,
-    and continues exactly as the run that was not stopped; dropping head.init_from is another run."""
+    """The checkpoint holds the weights and the vocabulary: a run resumes after its initial head was deleted, and
+    continues exactly as the run that was not stopped; adding or dropping head.init_from is another run."""
     import shutil
+
+    from headstart.errors import ConfigError
 
     # a constant rate after warmup: the run cut at 2 steps then raised to 4 follows the 4-step run's schedule
     path = _other_data_recipe(tmp_path, chat_model_dir, max_steps=2, ckpt_every_steps=1, min_lr_ratio=1.0)
     init = shutil.copytree(first, tmp_path / "init")
     _train(path, tmp_path, f"head.init_from={init}", "train.max_steps=4", out="whole")
     _train(path, tmp_path, f"head.init_from={init}", out="b")
-    shutil.move(init, tmp_path / "moved")
-    _train(path, tmp_path, f"head.init_from={tmp_path / 'moved'}", "train.max_steps=4", out="b", resume=True)
+    shutil.rmtree(init)
+    with pytest.raises(ConfigError, match="started from head.init_from .*set head.init_from again"):
+        _train(path, tmp_path, "train.max_steps=4", out="b", resume=True)
+    _train(path, tmp_path, f"head.init_from={init}", "train.max_steps=4", out="b", resume=True)
     a = load_file(str(tmp_path / "whole" / "head-final" / "model.safetensors"))
     b = load_file(str(tmp_path / "b" / "head-final" / "model.safetensors"))
     assert all(torch.equal(a[k], b[k]) for k in a)
-    from headstart.errors import ConfigError
+    assert torch.equal(b["d2t"], load_file(str(first / "model.safetensors"))["d2t"])
+    _train(path, tmp_path, "train.max_steps=2", out="new")  # a run from a new head
+    with pytest.raises(ConfigError, match="started from a new head: head.init_from does not apply"):
+        _train(path, tmp_path, f"head.init_from={first}", "train.max_steps=3", out="new", resume=True)
 
-    with pytest.raises(ConfigError, match="init_from_sha256"):
-        _train(path, tmp_path, "train.max_steps=5", out="b", resume=True)
+
+def test_a_medusa_head_keeps_its_draft_vocabulary(tmp_path, chat_model_dir):
+    """Medusa keeps d2t only (no t2d): its vocabulary is kept and its coverage counted from d2t."""
+    extra = "  draft_vocab_size: 40\n  medusa_num_heads: 2\n"
+    path = _recipe(tmp_path, chat_model_dir, name="m", head="medusa", extra=extra, train={"max_steps": 1})
+    _train(path, tmp_path, out="m")
+    start = tmp_path / "m" / "head-final"
+    other = _other_data_recipe(tmp_path, chat_model_dir, extra=extra)
+    other.write_text(other.read_text().replace("type: eagle3", "type: medusa"))
+    _train(other, tmp_path, f"head.init_from={start}", out="b")
+    after = load_file(str(tmp_path / "b" / "head-final" / "model.safetensors"))
+    assert torch.equal(after["d2t"], load_file(str(start / "model.safetensors"))["d2t"])
 
 
 def test_an_fp32_head_is_not_rounded_to_a_bf16_targets_dtype(tmp_path, chat_model_dir, first):

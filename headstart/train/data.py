@@ -301,15 +301,17 @@ def check_training_split(shards: Path, source: ShardSequences, built: Any, data:
 def install_draft_vocab(head: Any, vocab: int, train_ds: Any, sequences: int | None, *, keep: bool,
                         announce: bool) -> None:
     """The head's draft vocabulary: the most frequent supervised target tokens of the training split
-    (deterministic, so a resumed run rebuilds the same maps its checkpoint holds), among the target's `vocab`
-    ids; with `keep`, the head's own (head.init_from: its lm_head rows are those tokens'). With `announce`,
+    (deterministic: a resumed run rebuilds the maps its checkpoint holds), among the target's `vocab` ids; with
+    `keep`, the head's own (head.init_from: its lm_head rows are those tokens'). With `announce`,
     prints its coverage of the supervised training tokens."""
     from headstart.heads import build_vocab_maps
+    from headstart.heads.vocab import target_ids
 
     counts = supervised_token_counts(ArrowSequences(train_ds), vocab, sequences)
     vd = head.config.draft_vocab_size
-    if keep:
-        t2d = head.t2d.cpu().bool()
+    if keep:  # Medusa keeps d2t only
+        t2d = torch.zeros(vocab, dtype=torch.bool)
+        t2d[target_ids(head.d2t).cpu()] = True
     else:
         d2t, t2d = build_vocab_maps(counts, vd)
         head.set_vocab_maps(d2t, t2d)

@@ -272,3 +272,20 @@ class CurveWriter:
         with open(self.path, "a", newline="") as f:
             csv.DictWriter(f, fieldnames=self.FIELDS).writerow(
                 {k: (json.dumps(v) if isinstance(v, list) else v) for k, v in row.items() if k in self.FIELDS})
+
+
+def resumed_init_sha(out: Path, init_from: str | None) -> str | None:
+    """--resume: the sha256 of the head.init_from the run started from, as its train.json recorded it (the
+    initial head may have moved or been replaced since: it is not read; the checkpoint holds the weights). A
+    resume that adds or drops head.init_from is refused."""
+    info = out / "train.json"
+    if not info.is_file():
+        return None  # check_resume says there is nothing to resume
+    sha = read_json_object(info, "training run record").get("recipe", {}).get("resolved.init_from_sha256")
+    if bool(sha) != bool(init_from):
+        raise ConfigError(f"--resume: {out} started from head.init_from (weights sha256 {str(sha)[:12]}…): set "
+                          "head.init_from again (a resume does not read it: any path)" if sha else
+                          f"--resume: {out} started from a new head: head.init_from does not apply to its resume; "
+                          "leave it out")
+    return sha
+

@@ -55,6 +55,7 @@ from headstart.train.outputs import (
     flat_recipe,
     lock_path,
     remove_crash_leftovers,
+    resumed_init_sha,
 )
 from headstart.train.validate import engine_acceptance, heldout_prompts
 
@@ -290,10 +291,10 @@ class TrainRun:
             self.head.float()  # fp32 master weights; the frozen target stays in its compute dtype
         # head.init_from: loaded into the fp32 master weights (not rounded to the target's dtype). A resume
         # reads neither it nor its vocabulary (the checkpoint holds both), only its recorded sha256.
-        init_sha = self._start_from(recipe.head.init_from, out, resume) if recipe.head.init_from else None
-        if self.head.config.draft_vocab_size:
+        init_sha = resumed_init_sha(out, recipe.head.init_from) if resume else self._start_from(recipe.head.init_from)
+        if self.head.config.draft_vocab_size and not (resume and init_sha):
             install_draft_vocab(self.head, self.target.config.vocab_size, built.train, cfg.max_sequences,
-                                keep=init_sha is not None and not resume, announce=self.rank == 0 and not resume)
+                                keep=init_sha is not None, announce=self.rank == 0 and not resume)
         aux = list(self.head.config.aux_layer_ids or [])
         if cfg.source == "shards":
             from headstart.precompute.run import output_dir as precompute_dir
@@ -330,13 +331,10 @@ class TrainRun:
         self.engine_parts = TargetParts(self.engine_target)  # one object: it caches restricted lm_head rows
         self.device = device
 
-    def _start_from(self, path: str, out: Path, resume: bool) -> str | None:
-        """head.init_from: the trained head's weights and draft vocabulary replace the new head's; on --resume
-        the sha256 the run recorded (the init head may have moved or been replaced since)."""
-        if resume:
-            info = out / "train.json"
-            recorded = json.loads(info.read_text()).get("recipe", {}) if info.is_file() else {}
-            return recorded.get("resolved.init_from_sha256")
+    def _start_from(self, path: str | None) -> str | None:
+        """head.init_from: the trained head's weights and draft vocabulary replace the new head's."""
+        if not path:
+            return None
         sha, saved_for = start_from_head(self.head, path, self.target)
         if self.rank == 0:
             other = ("" if saved_for == self.target.fingerprint() else
