@@ -77,9 +77,7 @@ def start_from_head(head: DraftHead, path: str | Path, target: LlamaForCausalLM)
                          "model.safetensors)")
     if not path.is_dir():
         raise AssetError(f"{where}: no such directory (a head checkpoint: config.json + model.safetensors)")
-    cfg, sha = _read_head_config(path)
-    check_head_files(path, cfg, sha)
-    check_compatible(cfg, target, where=str(path / "config.json"))
+    cfg, sha = _checked_config(path, target)
     have, want = dataclasses.asdict(cfg), dataclasses.asdict(head.config)
     del have["target"], want["target"]
     recipe_keys = {f.name for f in dataclasses.fields(HeadSection)}
@@ -126,13 +124,20 @@ def build_head(config: HeadConfig, target: LlamaForCausalLM, init_from_target: b
     return head
 
 
+def _checked_config(path: str | Path, target: LlamaForCausalLM) -> tuple[HeadConfig, str]:
+    """A checkpoint's config and weights sha256, its files checked before the config builds anything (an
+    edited config.json is refused here) and the config checked against `target`."""
+    cfg, sha = _read_head_config(path)
+    check_head_files(path, cfg, sha)
+    check_compatible(cfg, target, where=str(Path(path) / "config.json"))
+    return cfg, sha
+
+
 def load_head(path: str | Path, target: LlamaForCausalLM, *, allow_other_target: bool = False) -> DraftHead:
     """Load a native checkpoint, its weights checked against the recorded sha256. A head made for
     another target is refused with both values named; one made for a target of the same shape but
     other weights is refused unless `allow_other_target` (then a warning)."""
-    cfg, sha = _read_head_config(path)
-    check_head_files(path, cfg, sha)  # before the config builds anything (an edited config.json is refused here)
-    check_compatible(cfg, target, where=str(Path(path) / "config.json"))
+    cfg, _ = _checked_config(path, target)
     recorded, actual = cfg.target.get("fingerprint"), target.fingerprint()
     if recorded and recorded != actual:
         msg = (f"{path}: the head was trained for target {recorded[:12]}…, this target is {actual[:12]}… (same "

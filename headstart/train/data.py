@@ -307,9 +307,11 @@ def install_draft_vocab(head: Any, vocab: int, train_ds: Any, sequences: int | N
     from headstart.heads import build_vocab_maps
     from headstart.heads.vocab import target_ids
 
+    if keep and not announce:
+        return  # the head's own maps, and nothing to print: no pass over the data
     counts = supervised_token_counts(ArrowSequences(train_ds), vocab, sequences)
     vd = head.config.draft_vocab_size
-    if keep:  # Medusa keeps d2t only
+    if keep:  # Medusa keeps d2t only: the mask from it (once, at start-up)
         t2d = torch.zeros(vocab, dtype=torch.bool)
         t2d[target_ids(head.d2t).cpu()] = True
     else:

@@ -288,4 +288,3 @@ def resumed_init_sha(out: Path, init_from: str | None) -> str | None:
                           f"--resume: {out} started from a new head: head.init_from does not apply to its resume; "
                           "leave it out")
     return sha
-
