@@ -13,7 +13,7 @@ import torch
 
 from headstart.heads import build_head
 from headstart.heads.base import DraftHead
-from headstart.inference.speculation import SpecConfig, spec_method
+from headstart.inference.speculation import SpecConfig, SpecMetrics, spec_method
 from headstart.models.llama import LlamaForCausalLM
 
 
@@ -29,6 +29,7 @@ def engine_acceptance(target: LlamaForCausalLM, head: DraftHead, prompts: list[l
     """Greedy speculative decoding of `prompts` (token ids) -> the engine's acceptance summary."""
     from headstart.inference.engine import Engine
     from headstart.inference.sampler import SamplingParams
+    from headstart.inference.scheduler import one_step_prefill_budget, prefill_groups
     from headstart.nn.linear import cpu_kernels_restored
 
     if not prompts:
@@ -43,15 +44,20 @@ def engine_acceptance(target: LlamaForCausalLM, head: DraftHead, prompts: list[l
                       draft=copy if method == "draft" else None)
     page = 16
     longest = max(len(p) for p in prompts) + max_tokens + spec.lookahead + 1
-    pages = len(prompts) * (-(-longest // page) + 1) + 8
     device = target.model.embed_tokens.weight.device
+    metrics = SpecMetrics()
     # The engine switches the target's linears to its inference kernels; training keeps using the
     # target afterwards, with torch's kernels: put them back when validation is done.
     with cpu_kernels_restored(target), torch.inference_mode():
-        engine = Engine(target, tokenizer=tokenizer, device=device, page_size=page, num_pages=pages,
-                        max_batch_size=len(prompts), seed=seed, spec=spec, backend=backend)
-        engine.generate(prompts, SamplingParams(max_tokens=max_tokens, temperature=0.0))
-    out = engine.spec_metrics.summary()
+        for group in prefill_groups(prompts):  # each prefilled in one step, as eval measures (scheduler.py)
+            pages = len(group) * (-(-longest // page) + 1) + 8
+            engine = Engine(target, tokenizer=tokenizer, device=device, page_size=page, num_pages=pages,
+                            max_batch_size=len(group), max_batched_tokens=one_step_prefill_budget([group], 2048),
+                            seed=seed, spec=spec, backend=backend)
+            engine.generate(group, SamplingParams(max_tokens=max_tokens, temperature=0.0))
+            metrics.merge(engine.spec_metrics)
+            metrics.positions = engine.spec_metrics.positions
+    out = metrics.summary()
     out["prompts"] = len(prompts)
     out["k"] = k
     return out
