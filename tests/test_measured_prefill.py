@@ -46,12 +46,23 @@ def test_validation_measures_a_batch_as_it_measures_each_prompt_alone(target, he
     assert together["accept_histogram"] == _summed(alone, "accept_histogram")
 
 
+def test_validation_in_several_prefill_groups_adds_up_to_one(target, head):
+    prompts = _long_prompts(6, seed=7)
+    one = engine_acceptance(target, head, prompts, k=3, max_tokens=12)
+    split = engine_acceptance(target, head, prompts, k=3, max_tokens=12, prefill_cap=800)  # 2 prompts a group
+    assert len(prefill_groups(prompts, 800)) == 3
+    keys = ("steps", "accept_histogram", "tau", "accept_rate_per_pos")
+    assert {k: split[k] for k in keys} == {k: one[k] for k in keys}
+
+
 def test_an_eval_batch_group_speculates_from_each_prompts_first_token(target, head):
-    prompts = _long_prompts(6, seed=6)
+    rng = random.Random(8)
+    short = [[rng.randrange(2, 320) for _ in range(rng.randint(5, 30))] for _ in range(6)]
+    prompts = short + _long_prompts(6, seed=6)  # the second batch group alone is over 2,048 tokens
     spec = SpecConfig(method="chain", k=3, head=head)
     params = SamplingParams(max_tokens=12, temperature=0.0)
-    group = _engine(target, None, prompts, EvalPlan(heads=[], batch_size=6, max_tokens=12), spec)
-    outs = group.generate(prompts, params)
+    grouped = _engine(target, None, prompts, EvalPlan(heads=[], batch_size=6, max_tokens=12), spec)
+    outs = [o for i in (0, 6) for o in grouped.generate(prompts[i:i + 6], params)]
     alone = _engine(target, None, prompts, EvalPlan(heads=[], batch_size=1, max_tokens=12), spec)
     singles = [alone.generate([p], params)[0] for p in prompts]
     assert [o.token_ids for o in outs] == [o.token_ids for o in singles]
@@ -66,4 +77,5 @@ def test_prefill_groups_keep_order_and_the_cap():
     assert prefill_groups([], cap=10) == []
     assert one_step_prefill_budget([[[0] * 100]], 2048) == 2048
     assert one_step_prefill_budget([[[0] * 3000], [[0] * 1000] * 4], 2048) == 4000
-    assert one_step_prefill_budget([[[0] * (MEASURED_PREFILL_CAP + 5)]], 2048) == MEASURED_PREFILL_CAP
+    assert one_step_prefill_budget([[[0] * (MEASURED_PREFILL_CAP + 5)]], 2048) == MEASURED_PREFILL_CAP == 16_384
+    assert one_step_prefill_budget([[[0] * 900]], 512, cap=600) == 600

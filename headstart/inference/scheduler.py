@@ -25,17 +25,24 @@ from headstart.inference.speculation import SpecMetrics
 # still prefill (a speculative step needs every running sequence decoding), so they start speculating a few
 # tokens into their answers, where drafting is easier, and a head's tau would depend on the batch it was
 # measured in (64 prompts at once: +0.004 over the same prompts 8 at a time, SmolLM2, greedy k 3).
-MEASURED_PREFILL_CAP = 65_536  # tokens in one such step; a larger group keeps chunking (and says so)
+# (The adaptive method still depends on the batch: it stops drafting for the whole batch at once.)
+# A one-step prefill holds every prompt token's activations at once (logits only for each prompt's last row):
+# Llama-3.1-8B's MLP at 16,384 tokens ~1.4 GB in bf16. Larger groups are measured in several engines
+# (validation) or chunked with a warning (an eval batch group, whose size is the user's).
+MEASURED_PREFILL_CAP = 16_384
 
 
-def one_step_prefill_budget(groups: list[list[list[int]]], default: int) -> int:
+def one_step_prefill_budget(groups: list[list[list[int]]], default: int, cap: int | None = None) -> int:
     """The token budget under which each group of prompts prefills in one step: `default` or the largest
-    group's prompt tokens, at most MEASURED_PREFILL_CAP."""
-    return min(max([default] + [sum(len(p) for p in g) for g in groups]), max(default, MEASURED_PREFILL_CAP))
+    group's prompt tokens, at most `cap` (MEASURED_PREFILL_CAP)."""
+    cap = MEASURED_PREFILL_CAP if cap is None else cap
+    return min(max([default] + [sum(len(p) for p in g) for g in groups]), max(default, cap))
 
 
-def prefill_groups(prompts: list[list[int]], cap: int = MEASURED_PREFILL_CAP) -> list[list[list[int]]]:
-    """`prompts` cut into consecutive groups of at most `cap` prompt tokens each (a longer prompt alone)."""
+def prefill_groups(prompts: list[list[int]], cap: int | None = None) -> list[list[list[int]]]:
+    """`prompts` cut into consecutive groups of at most `cap` (MEASURED_PREFILL_CAP) prompt tokens each (a
+    longer prompt alone)."""
+    cap = MEASURED_PREFILL_CAP if cap is None else cap
     groups: list[list[list[int]]] = []
     total = 0
     for p in prompts:

@@ -25,8 +25,10 @@ def serving_copy(head: DraftHead, target: LlamaForCausalLM) -> DraftHead:
 
 
 def engine_acceptance(target: LlamaForCausalLM, head: DraftHead, prompts: list[list[int]], *, k: int,
-                      max_tokens: int, tokenizer: Any = None, seed: int = 0, backend: str = "auto") -> dict[str, Any]:
-    """Greedy speculative decoding of `prompts` (token ids) -> the engine's acceptance summary."""
+                      max_tokens: int, tokenizer: Any = None, seed: int = 0, backend: str = "auto",
+                      prefill_cap: int | None = None) -> dict[str, Any]:
+    """Greedy speculative decoding of `prompts` (token ids) -> the engine's acceptance summary. The prompts run
+    in groups of at most `prefill_cap` prompt tokens (scheduler.MEASURED_PREFILL_CAP), each prefilled in one step."""
     from headstart.inference.engine import Engine
     from headstart.inference.sampler import SamplingParams
     from headstart.inference.scheduler import one_step_prefill_budget, prefill_groups
@@ -49,11 +51,11 @@ def engine_acceptance(target: LlamaForCausalLM, head: DraftHead, prompts: list[l
     # The engine switches the target's linears to its inference kernels; training keeps using the
     # target afterwards, with torch's kernels: put them back when validation is done.
     with cpu_kernels_restored(target), torch.inference_mode():
-        for group in prefill_groups(prompts):  # each prefilled in one step, as eval measures (scheduler.py)
+        for group in prefill_groups(prompts, prefill_cap):  # each prefilled in one step, as eval does
             pages = len(group) * (-(-longest // page) + 1) + 8
+            budget = one_step_prefill_budget([group], 2048, prefill_cap)
             engine = Engine(target, tokenizer=tokenizer, device=device, page_size=page, num_pages=pages,
-                            max_batch_size=len(group), max_batched_tokens=one_step_prefill_budget([group], 2048),
-                            seed=seed, spec=spec, backend=backend)
+                            max_batch_size=len(group), max_batched_tokens=budget, seed=seed, spec=spec, backend=backend)
             engine.generate(group, SamplingParams(max_tokens=max_tokens, temperature=0.0))
             metrics.merge(engine.spec_metrics)
             metrics.positions = engine.spec_metrics.positions
