@@ -30,6 +30,7 @@ from headstart.hardware import describe, resolve_dtype  # noqa: E402
 from headstart.heads import HeadConfig, build_head, load_head  # noqa: E402
 from headstart.inference import Engine, SamplingParams  # noqa: E402
 from headstart.inference.runner import build_metadata  # noqa: E402
+from headstart.inference.scheduler import one_step_prefill_budget  # noqa: E402
 from headstart.inference.speculation import SpecConfig, SpecMetrics  # noqa: E402
 from headstart.models.llama import DTYPES, load_llama  # noqa: E402
 from headstart.nn.linear import Linear, enable_cpu_kernels  # noqa: E402
@@ -74,7 +75,8 @@ def step_ms(engine: Engine, context: int, rows: int, reps: int) -> float:
 
 
 def run_engine(target, spec, prompts, params, batch):
-    engine = Engine(target, spec=spec, max_batch_size=batch)
+    groups = [prompts[i:i + batch] for i in range(0, len(prompts), batch)]  # each prefilled in one step, as eval
+    engine = Engine(target, spec=spec, max_batch_size=batch, max_batched_tokens=one_step_prefill_budget(groups))
     engine.generate(prompts[:1], SamplingParams(max_tokens=4))  # warm-up
     engine.spec_metrics = SpecMetrics(positions=engine.spec_metrics.positions)
     start = time.perf_counter()

@@ -103,7 +103,7 @@ def _engine(target: Any, tokenizer: Any, prompts: list[list[int]], plan: EvalPla
     longest = min(max(len(p) for p in prompts) + plan.max_tokens, context) + (spec.lookahead if spec else 0) + 1
     pages = min(len(prompts), plan.batch_size) * (-(-longest // page) + 1) + 8
     groups = [prompts[i:i + plan.batch_size] for i in range(0, len(prompts), plan.batch_size)]
-    budget = one_step_prefill_budget(groups, 2048)  # each group prefills in one step (scheduler.py)
+    budget = one_step_prefill_budget(groups)  # each group prefills in one step (scheduler.py)
     if spec is not None and any(len(g) > 1 and sum(map(len, g)) > budget for g in groups):
         status(f"eval: a batch group holds more than {budget:,} prompt tokens; its prompts prefill in chunks, and "
                "those prefilled first decode a few tokens plainly before speculating, which raises tau a little "

@@ -31,7 +31,7 @@ from headstart.inference.proposers import (
 )
 from headstart.inference.runner import ModelRunner
 from headstart.inference.sampler import SamplingParams, sample, token_logprobs
-from headstart.inference.scheduler import Scheduler, Sequence, Status
+from headstart.inference.scheduler import DEFAULT_BATCHED_TOKENS, Scheduler, Sequence, Status
 from headstart.inference.spec_step import SpeculativeStep, resolve_draft
 from headstart.inference.speculation import SpecConfig, SpecMetrics
 from headstart.inference.tree import TreeProposer
@@ -55,7 +55,7 @@ class Engine:
         num_pages: int | None = None,
         kv_cache_gb: float | None = None,
         max_batch_size: int = 32,
-        max_batched_tokens: int = 2048,
+        max_batched_tokens: int = DEFAULT_BATCHED_TOKENS,
         seed: int = 0,
         cpu_kernels: bool = True,
         batch_invariant: bool = True,

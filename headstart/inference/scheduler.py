@@ -30,9 +30,11 @@ from headstart.inference.speculation import SpecMetrics
 # Llama-3.1-8B's MLP at 16,384 tokens ~1.4 GB in bf16. Larger groups are measured in several engines
 # (validation) or chunked with a warning (an eval batch group, whose size is the user's).
 MEASURED_PREFILL_CAP = 16_384
+DEFAULT_BATCHED_TOKENS = 2048  # the engine's token budget per step (Engine(max_batched_tokens=...))
 
 
-def one_step_prefill_budget(groups: list[list[list[int]]], default: int, cap: int | None = None) -> int:
+def one_step_prefill_budget(groups: list[list[list[int]]], default: int = DEFAULT_BATCHED_TOKENS,
+                            cap: int | None = None) -> int:
     """The token budget under which each group of prompts prefills in one step: `default` or the largest
     group's prompt tokens, at most `cap` (MEASURED_PREFILL_CAP)."""
     cap = MEASURED_PREFILL_CAP if cap is None else cap

@@ -53,7 +53,7 @@ def engine_acceptance(target: LlamaForCausalLM, head: DraftHead, prompts: list[l
     with cpu_kernels_restored(target), torch.inference_mode():
         for group in prefill_groups(prompts, prefill_cap):  # each prefilled in one step, as eval does
             pages = len(group) * (-(-longest // page) + 1) + 8
-            budget = one_step_prefill_budget([group], 2048, prefill_cap)
+            budget = one_step_prefill_budget([group], cap=prefill_cap)
             engine = Engine(target, tokenizer=tokenizer, device=device, page_size=page, num_pages=pages,
                             max_batch_size=len(group), max_batched_tokens=budget, seed=seed, spec=spec, backend=backend)
             engine.generate(group, SamplingParams(max_tokens=max_tokens, temperature=0.0))
