@@ -9,8 +9,9 @@ apart from the keys named here:
   for --size-steps steps each (the same tokens, the same schedule), validated at its end. "First N" is the
   training split's order (the source file's): a size is a prefix, not a random sample, and with
   data.split_key id_prefix the chunks X_0, X_1 of one ShareGPT chat are neighbouring rows, each counted.
-  Without --sizes only the tokens run is made (results and plot of that curve); a later call with --sizes and the
-  same tokens settings finds that run finished and adds the size runs.
+  A size of every conversation with --size-steps equal to --steps is the tokens run's last point (not trained
+  twice). Without --sizes only the tokens run is made (results and plot of that curve); a later call with --sizes
+  and the same tokens settings finds that run finished and adds the size runs.
 Every point is tau of the run's own engine validation: the same prompts, the same code path as `headstart
 eval`. The fit is tau = a + b ln(x) (acceptance grows log-linearly with data: Scylla, arXiv 2505.07858),
 with the local slope between neighbouring points (where the curve bends) and what it predicts at 10x.
@@ -164,10 +165,13 @@ def main() -> None:
     by_size = {}
     for n in sizes:
         name = f"convs-{min(n, len(lengths))}-{args.size_steps}-{evals}"
-        train_arm(_recipe(base, out, name, source, shards, {
-            **val, "max_steps": args.size_steps, "val_every_steps": 0,
-            "ckpt_every_steps": max(10, args.size_steps // 10),
-            "max_sequences": n if n < len(lengths) else None}), out / name, deadline)
+        if n >= len(lengths) and args.size_steps == args.steps:
+            name = tokens_run  # every conversation for the same steps: the tokens run is that size's run
+        else:
+            train_arm(_recipe(base, out, name, source, shards, {
+                **val, "max_steps": args.size_steps, "val_every_steps": 0,
+                "ckpt_every_steps": max(10, args.size_steps // 10),
+                "max_sequences": n if n < len(lengths) else None}), out / name, deadline)
         last = _val_rows(out / name)[-1]
         final = json.loads((out / name / "metrics.json").read_text())
         by_size[n] = {**last, "unique_tokens": sum(lengths[:n]), "tau_se": standard_error(final["accept_histogram"])}

@@ -94,7 +94,6 @@ def read_prompt_file(path: str | Path) -> list[dict[str, Any]]:
 
 
 def _engine(target: Any, tokenizer: Any, prompts: list[list[int]], plan: EvalPlan, spec: Any) -> Any:
-    from headstart.console import status
     from headstart.inference import Engine
     from headstart.inference.scheduler import one_step_prefill_budget
 
@@ -103,11 +102,7 @@ def _engine(target: Any, tokenizer: Any, prompts: list[list[int]], plan: EvalPla
     longest = min(max(len(p) for p in prompts) + plan.max_tokens, context) + (spec.lookahead if spec else 0) + 1
     pages = min(len(prompts), plan.batch_size) * (-(-longest // page) + 1) + 8
     groups = [prompts[i:i + plan.batch_size] for i in range(0, len(prompts), plan.batch_size)]
-    budget = one_step_prefill_budget(groups)  # each group prefills in one step (scheduler.py)
-    if spec is not None and any(len(g) > 1 and sum(map(len, g)) > budget for g in groups):
-        status(f"eval: a batch group holds more than {budget:,} prompt tokens; its prompts prefill in chunks, and "
-               "those prefilled first decode a few tokens plainly before speculating, which raises tau a little "
-               "(a lower --batch-size avoids it)")
+    budget = one_step_prefill_budget(groups)  # each group prefills in one step (scheduler.py): no one waits
     return Engine(target, tokenizer=tokenizer, device=target.model.embed_tokens.weight.device, page_size=page,
                   num_pages=pages, max_batch_size=plan.batch_size, max_batched_tokens=budget, seed=plan.seed,
                   spec=spec, backend=plan.backend)

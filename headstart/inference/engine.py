@@ -140,7 +140,10 @@ class Engine:
                         "block": BlockProposer}[spec.method]
                 self.proposer = kind(spec, draft_runner)
         self.spec_metrics = SpecMetrics(positions=spec.k if spec is not None and spec.method == "tree" else None)
-        self.scheduler = Scheduler(self.allocator, max_batch_size, max_batched_tokens, self.device)
+        # speculation in a batch-invariant engine: decoding sequences wait while others prefill (Scheduler.schedule),
+        # so a sequence's acceptance does not depend on what shares its steps; --no-batch-invariant keeps the speed
+        self.scheduler = Scheduler(self.allocator, max_batch_size, max_batched_tokens, self.device,
+                                   hold_decodes=spec is not None and batch_invariant)
         self.stop_ids = set(cfg.eos_token_ids)
         if tokenizer is not None and tokenizer.eos_token_id is not None:
             self.stop_ids.add(tokenizer.eos_token_id)

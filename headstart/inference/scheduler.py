@@ -20,15 +20,15 @@ from headstart.inference.kv_cache import PageAllocator
 from headstart.inference.sampler import SamplingParams
 from headstart.inference.speculation import SpecMetrics
 
-# Where acceptance is measured (eval, training's validation) every prompt of a batch group prefills in one
-# step: under a smaller token budget the prompts prefilled first take plain decode steps while the others
-# still prefill (a speculative step needs every running sequence decoding), so they start speculating a few
-# tokens into their answers, where drafting is easier, and a head's tau would depend on the batch it was
-# measured in (64 prompts at once: +0.004 over the same prompts 8 at a time, SmolLM2, greedy k 3).
-# (The adaptive method still depends on the batch: it stops drafting for the whole batch at once.)
+# A speculative step needs every running sequence decoding. Sequences whose prompts finished prefilling first
+# used to take plain decode steps while the others prefilled, so they started speculating a few tokens into their
+# answers, where drafting is easier, and a head's tau depended on the batch it was measured in (64 prompts at
+# once: +0.004 over the same prompts 8 at a time, SmolLM2, greedy k 3). Scheduler(hold_decodes=True), which a
+# speculating batch-invariant engine uses, makes them wait instead. Where acceptance is measured (eval,
+# training's validation) every prompt of a batch group also prefills in one step, so nothing waits at all.
 # A one-step prefill holds every prompt token's activations at once (logits only for each prompt's last row):
 # Llama-3.1-8B's MLP at 16,384 tokens ~1.4 GB in bf16. Larger groups are measured in several engines
-# (validation) or chunked with a warning (an eval batch group, whose size is the user's).
+# (validation) or prefilled in chunks (an eval batch group, whose size is the user's).
 MEASURED_PREFILL_CAP = 16_384
 DEFAULT_BATCHED_TOKENS = 2048  # the engine's token budget per step (Engine(max_batched_tokens=...))
 
@@ -110,8 +110,11 @@ class ScheduledBatch:
 
 class Scheduler:
     def __init__(self, allocator: PageAllocator, max_batch_size: int, max_batched_tokens: int,
-                 device: torch.device) -> None:
+                 device: torch.device, hold_decodes: bool = False) -> None:
         self.allocator = allocator
+        # speculation with batch-invariant kernels: a sequence whose prompt is done waits while others prefill
+        # (schedule()), so it speculates from its first generated token whatever shares its steps
+        self.hold_decodes = hold_decodes
         self.max_batch_size = max_batch_size
         self.max_batched_tokens = max_batched_tokens
         self.device = device
@@ -155,6 +158,23 @@ class Scheduler:
         self.waiting.appendleft(seq)
 
     def schedule(self) -> ScheduledBatch | None:
+        """The next step's chunks. With hold_decodes, sequences that only have their last sampled token to
+        run (decoding) sit the step out while another running or admissible sequence still prefills: a
+        speculative step needs every running sequence decoding, and a sequence that decoded plainly meanwhile
+        would start speculating a few tokens into its answer (where drafting is easier), so its acceptance would
+        depend on what shared its steps. Never at the cost of an empty step: if no prefill can be scheduled
+        (no pages for it), the held sequences run."""
+        if self.hold_decodes and self._prefill_pending():
+            batch = self._schedule(hold=True)
+            if batch is not None:
+                return batch
+        return self._schedule(hold=False)
+
+    def _prefill_pending(self) -> bool:
+        return (any(s.total_len - s.num_cached > 1 for s in self.running)
+                or (bool(self.waiting) and len(self.running) < self.max_batch_size))
+
+    def _schedule(self, hold: bool) -> ScheduledBatch | None:
         budget = self.max_batched_tokens
         picked: list[tuple[Sequence, int]] = []
         for seq in list(self.running):
@@ -163,7 +183,7 @@ class Scheduler:
             if seq not in self.running:  # preempted below to make room for an earlier sequence
                 continue
             n = min(seq.total_len - seq.num_cached, budget)
-            if n == 0:  # nothing new to run (a caller has not appended its next token yet)
+            if n == 0 or (hold and seq.total_len - seq.num_cached == 1):  # nothing new to run / held (above)
                 continue
             while not self.allocator.can_reserve(seq.id, seq.num_cached + n):
                 victim = self.running[-1]
