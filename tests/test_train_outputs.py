@@ -125,3 +125,21 @@ def test_a_full_disk_during_a_checkpoint_is_one_line(tmp_path, chat_model_dir, c
     path = _recipe(tmp_path, chat_model_dir, train=QUICK)
     _fails(capsys, ["train", str(path), "--no-progress"], "the checkpoint cannot be written (No space left on device)")
     assert not list((tmp_path / "run").glob("**/.*tmp*"))
+
+
+def test_a_resume_refusal_shows_where_two_long_values_differ(tmp_path):
+    from headstart.errors import ConfigError
+    from headstart.train.outputs import check_resume
+
+    out = tmp_path / "run"
+    (out / "checkpoints").mkdir(parents=True)
+    (out / "checkpoints" / "last.ckpt").write_bytes(b"")
+    start = "runs/smollm2-135m-eagle31-first/checkpoints/"
+    old = {"target_fingerprint": "t" * 64, "data_fingerprint": "d" * 20,
+           "recipe": {"head.init_from": start + "head-final", "train.lr": 0.001}}
+    (out / "train.json").write_text(json.dumps(old))
+    new = {**old, "recipe": {**old["recipe"], "head.init_from": start + "head-best"}}
+    with pytest.raises(ConfigError) as e:
+        check_resume(out, new, resume=True)
+    assert "head-final" in str(e.value) and "head-best" in str(e.value)  # not two equal 40-character cuts
+    assert "train.lr" not in str(e.value)

@@ -215,11 +215,25 @@ def check_resume(out: Path, identity: dict[str, Any], resume: bool, rank: int = 
             continue  # recorded by an older headstart that did not know this key: it ran as the default
         was = old[key] if key in old else defaults[key]
         if was != new.get(key):
-            diffs.append(f"{key} ({was!r:.40} -> {new.get(key)!r:.40})")
+            diffs.append(f"{key} ({_differing(was, new.get(key))})")
     if diffs:
         raise ConfigError(f"--resume: {out} was trained with a different " + "; ".join(diffs[:8]) +
                           "; resume with the same recipe or choose another output_dir")
     return last
+
+
+def _differing(a: Any, b: Any, width: int = 40) -> str:
+    """'a -> b' as reprs, each cut to `width` characters around where they first differ (two long paths that
+    share their first 40 characters would otherwise read the same)."""
+    ra, rb = repr(a), repr(b)
+    if max(len(ra), len(rb)) <= width:
+        return f"{ra} -> {rb}"
+    at = next((i for i, (x, y) in enumerate(zip(ra, rb)) if x != y), min(len(ra), len(rb)))
+    start = max(0, min(at - width // 2, max(len(ra), len(rb)) - width))
+
+    def cut(r: str) -> str:
+        return ("…" if start else "") + r[start:start + width] + ("…" if start + width < len(r) else "")
+    return f"{cut(ra)} -> {cut(rb)}"
 
 
 def flat_recipe(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
