@@ -254,6 +254,10 @@ class TrainConfig:
     lk_kl_decay: float = 3.0  # lk_lambda: eta, how fast the KL's weight falls as acceptance rises (the paper's 3)
     ttt_steps: int = 1  # training-time test: unrolled draft steps (1 = plain teacher forcing)
     ttt_decay: float = 0.8  # step j's loss is weighted by ttt_decay ** j
+    # Which rows each unrolled step learns from: all (every supervised row), or reached: step j only from the rows
+    # the greedy chain reaches, where the head's drafts 1..j of that block were right (train.ttt.reached_rows; the
+    # states greedy verification reads, as on-policy training argues), its loss scaled by the fraction reached.
+    ttt_rows: Literal["all", "reached"] = "all"
     block_decay_gamma: float = 4.0  # dflash: draft slot i's loss is weighted exp(-(i - 1) / gamma) (speculators')
     # Rows per vocabulary-sized chunk of the loss (no [tokens x vocab] tensor is kept). null: by device
     # (headstart.sizing.loss_chunk_rows): 256 on CPU; on a GPU as many as fit LOSS_CHUNK_GPU_BYTES (fewer launches).

@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from headstart.config import Recipe
-from headstart.errors import HeadstartError
+from headstart.errors import ConfigError, HeadstartError
 from headstart.heads.base import DraftHead, PackedBatch
 from headstart.heads.config import CHAIN_HEADS
 from headstart.models.llama import LlamaForCausalLM
@@ -27,7 +27,7 @@ from headstart.nn.parallel import SINGLE, TensorParallel
 from headstart.precompute.shards import from_fp8
 from headstart.sizing import grad_components, loss_chunk_rows
 from headstart.train.losses import LossParts, distill, distill_steps, objective
-from headstart.train.ttt import unroll
+from headstart.train.ttt import reached_rows, unroll
 
 
 class TrainingDiverged(HeadstartError):
@@ -166,6 +166,10 @@ class HeadModule(L.LightningModule):
         object.__setattr__(self, "forward_target", forward_target if forward_target is not None else target)
         self.tp = tp
         self.head = head
+        if self.cfg.ttt_rows == "reached" and (head.config.head_type not in CHAIN_HEADS or self.cfg.ttt_steps < 2):
+            raise ConfigError(f"train.ttt_rows: reached weighs the unrolled steps 2.. of a chain head (one of "
+                              f"{', '.join(sorted(CHAIN_HEADS))}) with train.ttt_steps >= 2; this run has "
+                              f"{head.config.head_type} with ttt_steps {self.cfg.ttt_steps}")
         if recipe.train.compile:
             compile_head(head)
         self.fsdp_root: HeadStep | None = None  # set by configure_model under trainer.strategy fsdp
@@ -262,6 +266,7 @@ class HeadModule(L.LightningModule):
         head, w = head or self.head, self.cfg.loss_weights
         kind, lk = head.config.head_type, self.cfg.loss != "kl"
         per_step: list[LossParts] = []
+        scale: list[float] = []  # per chain step (train.ttt_rows: reached), else 1
         chunk = self._loss_chunk(head, batch)
         if kind in CHAIN_HEADS:
             outs, _, sh = unroll(head, batch, self.cfg.ttt_steps)
@@ -270,6 +275,11 @@ class HeadModule(L.LightningModule):
             # Step j supervises the rows whose token is supervised and that have j predecessors (ttt.unroll).
             supervised, pos = sh.token_mask.cpu() > 0, packed_metadata(sh.seq_lens).positions
             rows = [torch.nonzero(supervised & (pos >= j)).flatten() for j in range(len(outs))]
+            if self.cfg.ttt_rows == "reached" and head.training:  # held-out statistics keep every row
+                reach = reached_rows(head, outs, sh, chunk)
+                full = [max(r.numel(), 1) for r in rows]
+                rows = [r[reach[j][r]] for j, r in enumerate(rows)]
+                scale = [r.numel() / n for r, n in zip(rows, full)]
             per_step = distill_steps(head, outs, target_h, rows, feat_t, chunk, w.kl > 0, with_stats, lk,
                                      grad_components(self.cfg.loss))
         elif kind == "medusa":
@@ -291,7 +301,8 @@ class HeadModule(L.LightningModule):
         for j, part in enumerate(per_step):
             n = max(part.rows, 1)
             step_loss = w.kl * self._objective(part) + w.feature * part.feature / (n * d)
-            total = total + (self.cfg.ttt_decay ** j if kind in CHAIN_HEADS else 1.0) * step_loss
+            weight = (self.cfg.ttt_decay ** j) * (scale[j] if scale else 1.0) if kind in CHAIN_HEADS else 1.0
+            total = total + weight * step_loss
         stats: dict[str, Any] = {"rows": [p.rows for p in per_step], "tokens": int(batch.input_ids.numel())}
         if with_stats:  # host syncs: only when asked
             stats.update(correct=[float(p.correct) for p in per_step], accept=[float(p.accept) for p in per_step],

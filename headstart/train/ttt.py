@@ -141,3 +141,36 @@ def unroll(head: DraftHead, batch: PackedBatch, steps: int) -> tuple[list[torch.
         outs.append(head.forward_hidden(tokens, features, meta, caches, backend))
         valid.append(meta.positions >= j)
     return outs, valid, shifted
+
+
+# Rows the greedy chain reaches (train.ttt_rows: reached). Under greedy verification the engine's draft j + 1 is
+# verified only when drafts 1..j of its block were accepted, so only those states ever decide acceptance. Unrolled,
+# step j at row p is draft j + 1 of the block that starts at row p - j (the module docstring); it is reached when
+# step j - 1 at row p - 1 was reached and its greedy pick was the reference's next token there (t_{p+1}: in
+# regenerated data, the target's own greedy token). Every row is a block start (step 0).
+
+
+@torch.no_grad()
+def reached_rows(head: DraftHead, outs: list[torch.Tensor], shifted: Shifted, chunk: int) -> list[torch.Tensor]:
+    """(M,) host bool per unrolled step: the rows the greedy chain reaches (above), from the head's greedy picks
+    on the draft vocabulary (mapped to target ids) against the shifted next tokens. One host read per step after
+    the first; the logits run in row chunks of `chunk`, only on the rows the step before reached."""
+    from headstart.heads.vocab import target_ids
+
+    positions = packed_metadata(shifted.seq_lens).positions.cpu()
+    d2t = getattr(head, "d2t", None)
+    ids = target_ids(d2t) if d2t is not None and d2t.numel() != head.target.vocab_size else None
+    nxt = shifted.next_tokens
+    reach = [torch.ones_like(positions, dtype=torch.bool)]
+    for j in range(1, len(outs)):
+        rows = torch.nonzero(reach[-1]).flatten()  # a row without a next token (-100) never hits
+        h = outs[j - 1].detach()
+        rows_d = rows.to(h.device, non_blocking=True)
+        picks = [head.compute_logits(h[rows_d[a:a + chunk]]).argmax(-1) for a in range(0, rows.numel(), chunk)]
+        pick = torch.cat(picks) if picks else rows_d
+        pick = ids[pick] if ids is not None else pick
+        hit = torch.zeros_like(reach[-1])
+        hit[rows] = (pick == nxt.to(pick.device)[rows_d]).cpu()  # the step's one host read
+        # hit is set only on rows step j - 1 reached; row p - 1 of the same sequence (p's position >= j).
+        reach.append(torch.roll(hit, 1) & (positions >= j))
+    return reach
