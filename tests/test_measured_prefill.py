@@ -9,7 +9,7 @@ from tiny_models import make_hf_model
 from headstart.evaluate import EvalPlan, _engine
 from headstart.heads import HeadConfig, build_head
 from headstart.inference import SamplingParams
-from headstart.inference.scheduler import MEASURED_PREFILL_CAP, one_step_prefill_budget, prefill_groups
+from headstart.inference.scheduler import MEASURED_PREFILL_CAP, one_step_prefill_budget
 from headstart.inference.speculation import SpecConfig
 from headstart.models.llama import load_llama
 from headstart.train.validate import engine_acceptance
@@ -46,13 +46,14 @@ def test_validation_measures_a_batch_as_it_measures_each_prompt_alone(target, he
     assert together["accept_histogram"] == _summed(alone, "accept_histogram")
 
 
-def test_validation_in_several_prefill_groups_adds_up_to_one(target, head):
+def test_validation_of_more_prompts_than_the_prefill_cap_measures_them_as_one_batch(target, head):
+    """Over the cap the prompts run a few at a time in one engine, each admitted while others decode (they wait
+    for it): the same summary as all at once."""
     prompts = _long_prompts(6, seed=7)
     one = engine_acceptance(target, head, prompts, k=3, max_tokens=12)
-    split = engine_acceptance(target, head, prompts, k=3, max_tokens=12, prefill_cap=800)  # 2 prompts a group
-    assert len(prefill_groups(prompts, 800)) == 3
-    keys = ("steps", "accept_histogram", "tau", "accept_rate_per_pos")
-    assert {k: split[k] for k in keys} == {k: one[k] for k in keys}
+    capped = engine_acceptance(target, head, prompts, k=3, max_tokens=12, prefill_cap=800)  # 2 prompts at a time
+    keys = ("steps", "accept_histogram", "tau", "accept_rate_per_pos", "prompts")
+    assert {k: capped[k] for k in keys} == {k: one[k] for k in keys}
 
 
 def test_an_eval_batch_group_speculates_from_each_prompts_first_token(target, head):
@@ -70,11 +71,7 @@ def test_an_eval_batch_group_speculates_from_each_prompts_first_token(target, he
     assert [o.spec_metrics["accept_histogram"] for o in outs] == [o.spec_metrics["accept_histogram"] for o in singles]
 
 
-def test_prefill_groups_keep_order_and_the_cap():
-    lengths = [5, 5, 5, 12, 1, 1]
-    groups = prefill_groups([[0] * n for n in lengths], cap=10)
-    assert [[len(p) for p in g] for g in groups] == [[5, 5], [5], [12], [1, 1]]  # a longer prompt alone
-    assert prefill_groups([], cap=10) == []
+def test_the_one_step_prefill_budget():
     assert one_step_prefill_budget([[[0] * 100]], 2048) == 2048
     assert one_step_prefill_budget([[[0] * 3000], [[0] * 1000] * 4], 2048) == 4000
     assert one_step_prefill_budget([[[0] * (MEASURED_PREFILL_CAP + 5)]], 2048) == MEASURED_PREFILL_CAP == 16_384

@@ -27,8 +27,8 @@ from headstart.inference.speculation import SpecMetrics
 # speculating batch-invariant engine uses, makes them wait instead. Where acceptance is measured (eval,
 # training's validation) every prompt of a batch group also prefills in one step, so nothing waits at all.
 # A one-step prefill holds every prompt token's activations at once (logits only for each prompt's last row):
-# Llama-3.1-8B's MLP at 16,384 tokens ~1.4 GB in bf16. Larger groups are measured in several engines
-# (validation) or prefilled in chunks (an eval batch group, whose size is the user's).
+# Llama-3.1-8B's MLP at 16,384 tokens ~1.4 GB in bf16. Larger sets are measured a part at a time (validation) or
+# prefilled in chunks (an eval batch group, whose size is the user's): the hold keeps their traces exact.
 MEASURED_PREFILL_CAP = 16_384
 DEFAULT_BATCHED_TOKENS = 2048  # the engine's token budget per step (Engine(max_batched_tokens=...))
 
@@ -39,21 +39,6 @@ def one_step_prefill_budget(groups: list[list[list[int]]], default: int = DEFAUL
     group's prompt tokens, at most `cap` (MEASURED_PREFILL_CAP)."""
     cap = MEASURED_PREFILL_CAP if cap is None else cap
     return min(max([default] + [sum(len(p) for p in g) for g in groups]), max(default, cap))
-
-
-def prefill_groups(prompts: list[list[int]], cap: int | None = None) -> list[list[list[int]]]:
-    """`prompts` cut into consecutive groups of at most `cap` (MEASURED_PREFILL_CAP) prompt tokens each (a
-    longer prompt alone)."""
-    cap = MEASURED_PREFILL_CAP if cap is None else cap
-    groups: list[list[list[int]]] = []
-    total = 0
-    for p in prompts:
-        if not groups or (groups[-1] and total + len(p) > cap):
-            groups.append([])
-            total = 0
-        groups[-1].append(p)
-        total += len(p)
-    return groups
 
 
 class Status(enum.Enum):

@@ -13,7 +13,7 @@ import torch
 
 from headstart.heads import build_head
 from headstart.heads.base import DraftHead
-from headstart.inference.speculation import SpecConfig, SpecMetrics, spec_method
+from headstart.inference.speculation import SpecConfig, spec_method
 from headstart.models.llama import LlamaForCausalLM
 
 
@@ -27,11 +27,14 @@ def serving_copy(head: DraftHead, target: LlamaForCausalLM) -> DraftHead:
 def engine_acceptance(target: LlamaForCausalLM, head: DraftHead, prompts: list[list[int]], *, k: int,
                       max_tokens: int, tokenizer: Any = None, seed: int = 0, backend: str = "auto",
                       prefill_cap: int | None = None) -> dict[str, Any]:
-    """Greedy speculative decoding of `prompts` (token ids) -> the engine's acceptance summary. The prompts run
-    in groups of at most `prefill_cap` prompt tokens (scheduler.MEASURED_PREFILL_CAP), each prefilled in one step."""
+    """Greedy speculative decoding of `prompts` (token ids) -> the engine's acceptance summary. One engine runs
+    them all: at once when they hold at most `prefill_cap` prompt tokens (scheduler.MEASURED_PREFILL_CAP), each
+    prefilled in one step; else as many at a time as hold about that many, in turn (continuous batching, the
+    KV cache sized for them). Either way every trace is the prompt's own (the speculating engine holds its
+    decoding sequences while others prefill)."""
     from headstart.inference.engine import Engine
     from headstart.inference.sampler import SamplingParams
-    from headstart.inference.scheduler import one_step_prefill_budget, prefill_groups
+    from headstart.inference.scheduler import MEASURED_PREFILL_CAP, one_step_prefill_budget
     from headstart.nn.linear import cpu_kernels_restored
 
     if not prompts:
@@ -46,20 +49,17 @@ def engine_acceptance(target: LlamaForCausalLM, head: DraftHead, prompts: list[l
                       draft=copy if method == "draft" else None)
     page = 16
     longest = max(len(p) for p in prompts) + max_tokens + spec.lookahead + 1
-    device = target.model.embed_tokens.weight.device
-    metrics = SpecMetrics()
+    total, cap = sum(map(len, prompts)), MEASURED_PREFILL_CAP if prefill_cap is None else prefill_cap
+    batch = len(prompts) if total <= cap else max(1, len(prompts) * cap // total)
     # The engine switches the target's linears to its inference kernels; training keeps using the
     # target afterwards, with torch's kernels: put them back when validation is done.
     with cpu_kernels_restored(target), torch.inference_mode():
-        for group in prefill_groups(prompts, prefill_cap):  # each prefilled in one step, as eval does
-            pages = len(group) * (-(-longest // page) + 1) + 8
-            budget = one_step_prefill_budget([group], cap=prefill_cap)
-            engine = Engine(target, tokenizer=tokenizer, device=device, page_size=page, num_pages=pages,
-                            max_batch_size=len(group), max_batched_tokens=budget, seed=seed, spec=spec, backend=backend)
-            engine.generate(group, SamplingParams(max_tokens=max_tokens, temperature=0.0))
-            metrics.merge(engine.spec_metrics)
-            metrics.positions = engine.spec_metrics.positions
-    out = metrics.summary()
+        engine = Engine(target, tokenizer=tokenizer, device=target.model.embed_tokens.weight.device, page_size=page,
+                        num_pages=batch * (-(-longest // page) + 1) + 8, max_batch_size=batch,
+                        max_batched_tokens=one_step_prefill_budget([prompts], cap=prefill_cap), seed=seed, spec=spec,
+                        backend=backend)
+        engine.generate(prompts, SamplingParams(max_tokens=max_tokens, temperature=0.0))
+    out = engine.spec_metrics.summary()
     out["prompts"] = len(prompts)
     out["k"] = k
     return out
