@@ -75,8 +75,8 @@ def step_ms(engine: Engine, context: int, rows: int, reps: int) -> float:
 
 
 def run_engine(target, spec, prompts, params, batch):
-    groups = [prompts[i:i + batch] for i in range(0, len(prompts), batch)]  # each prefilled in one step, as eval
-    engine = Engine(target, spec=spec, max_batch_size=batch, max_batched_tokens=one_step_prefill_budget(groups))
+    # Each batch group prefilled in one step, as eval does.
+    engine = Engine(target, spec=spec, max_batch_size=batch, max_batched_tokens=one_step_prefill_budget(prompts, batch))
     engine.generate(prompts[:1], SamplingParams(max_tokens=4))  # warm-up
     engine.spec_metrics = SpecMetrics(positions=engine.spec_metrics.positions)
     start = time.perf_counter()

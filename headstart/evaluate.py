@@ -101,8 +101,7 @@ def _engine(target: Any, tokenizer: Any, prompts: list[list[int]], plan: EvalPla
     context = target.config.max_position_embeddings  # the engine stops a request there
     longest = min(max(len(p) for p in prompts) + plan.max_tokens, context) + (spec.lookahead if spec else 0) + 1
     pages = min(len(prompts), plan.batch_size) * (-(-longest // page) + 1) + 8
-    groups = [prompts[i:i + plan.batch_size] for i in range(0, len(prompts), plan.batch_size)]
-    budget = one_step_prefill_budget(groups)  # each group prefills in one step (scheduler.py): no one waits
+    budget = one_step_prefill_budget(prompts, plan.batch_size)  # each batch group prefills in one step
     return Engine(target, tokenizer=tokenizer, device=target.model.embed_tokens.weight.device, page_size=page,
                   num_pages=pages, max_batch_size=plan.batch_size, max_batched_tokens=budget, seed=plan.seed,
                   spec=spec, backend=plan.backend)

@@ -72,10 +72,13 @@ def test_an_eval_batch_group_speculates_from_each_prompts_first_token(target, he
 
 
 def test_the_one_step_prefill_budget():
-    assert one_step_prefill_budget([[[0] * 100]], 2048) == 2048
-    assert one_step_prefill_budget([[[0] * 3000], [[0] * 1000] * 4], 2048) == 4000
-    assert one_step_prefill_budget([[[0] * (MEASURED_PREFILL_CAP + 5)]], 2048) == MEASURED_PREFILL_CAP == 16_384
-    assert one_step_prefill_budget([[[0] * 900]], 512, cap=600) == 600
+    assert one_step_prefill_budget([[0] * 100], default=2048) == 2048
+    assert one_step_prefill_budget([[0] * 3000] + [[0] * 1000] * 4, 1, default=2048) == 3000
+    assert one_step_prefill_budget([[0] * 1000] * 5 + [[0] * 10], 3, default=2048) == 3000  # groups of 3
+    assert one_step_prefill_budget([[0] * 1000] * 5, default=2048) == 5000  # one group: all of them
+    assert one_step_prefill_budget([[0] * (MEASURED_PREFILL_CAP + 5)]) == MEASURED_PREFILL_CAP == 16_384
+    assert one_step_prefill_budget([[0] * 900], default=512, cap=600) == 600
+    assert one_step_prefill_budget([], default=512) == 512
 
 
 def _spec_engine(target, head, **kw):

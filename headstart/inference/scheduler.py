@@ -33,12 +33,15 @@ MEASURED_PREFILL_CAP = 16_384
 DEFAULT_BATCHED_TOKENS = 2048  # the engine's token budget per step (Engine(max_batched_tokens=...))
 
 
-def one_step_prefill_budget(groups: list[list[list[int]]], default: int = DEFAULT_BATCHED_TOKENS,
+def one_step_prefill_budget(prompts: list[list[int]], batch: int | None = None, default: int = DEFAULT_BATCHED_TOKENS,
                             cap: int | None = None) -> int:
-    """The token budget under which each group of prompts prefills in one step: `default` or the largest
-    group's prompt tokens, at most `cap` (MEASURED_PREFILL_CAP)."""
+    """The token budget under which each batch group of `prompts` (`batch` consecutive prompts; default all of
+    them) prefills in one step: `default` or the largest group's prompt tokens, at most `cap`
+    (MEASURED_PREFILL_CAP)."""
     cap = MEASURED_PREFILL_CAP if cap is None else cap
-    return min(max([default] + [sum(len(p) for p in g) for g in groups]), max(default, cap))
+    batch = batch or max(len(prompts), 1)
+    largest = max([sum(map(len, prompts[i:i + batch])) for i in range(0, len(prompts), batch)], default=0)
+    return min(max(default, largest), max(default, cap))
 
 
 class Status(enum.Enum):
@@ -155,9 +158,13 @@ class Scheduler:
                 return batch
         return self._schedule(hold=False)
 
+    def admission_pending(self) -> bool:
+        """A waiting request has a free place in the batch: it is admitted (prefilled) next step, which no
+        speculative step can take."""
+        return bool(self.waiting) and len(self.running) < self.max_batch_size
+
     def _prefill_pending(self) -> bool:
-        return (any(s.total_len - s.num_cached > 1 for s in self.running)
-                or (bool(self.waiting) and len(self.running) < self.max_batch_size))
+        return any(s.total_len - s.num_cached > 1 for s in self.running) or self.admission_pending()
 
     def _schedule(self, hold: bool) -> ScheduledBatch | None:
         budget = self.max_batched_tokens
@@ -204,7 +211,7 @@ class Scheduler:
         """The running sequences, if this step can speculate: nothing is waiting to be admitted and
         each sequence has exactly one uncached token (the last sampled one). Reserves
         total_len + lookahead slots per sequence, preempting the newest when out of pages."""
-        if not self.running or (self.waiting and len(self.running) < self.max_batch_size):
+        if not self.running or self.admission_pending():
             return None
         if any(s.total_len - s.num_cached != 1 for s in self.running):
             return None

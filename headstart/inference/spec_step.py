@@ -88,7 +88,7 @@ class SpeculativeStep:
 
     def ready(self) -> list[Sequence] | None:
         sched, look = self.engine.scheduler, self.engine.spec.lookahead
-        if not sched.running or (sched.waiting and len(sched.running) < sched.max_batch_size):
+        if not sched.running or sched.admission_pending():
             return None
         for s in sched.running:
             if s.total_len - s.num_cached != 1 or not self.engine.proposer.ready(s):

@@ -56,7 +56,7 @@ def engine_acceptance(target: LlamaForCausalLM, head: DraftHead, prompts: list[l
     with cpu_kernels_restored(target), torch.inference_mode():
         engine = Engine(target, tokenizer=tokenizer, device=target.model.embed_tokens.weight.device, page_size=page,
                         num_pages=batch * (-(-longest // page) + 1) + 8, max_batch_size=batch,
-                        max_batched_tokens=one_step_prefill_budget([prompts], cap=prefill_cap), seed=seed, spec=spec,
+                        max_batched_tokens=one_step_prefill_budget(prompts, cap=prefill_cap), seed=seed, spec=spec,
                         backend=backend)
         engine.generate(prompts, SamplingParams(max_tokens=max_tokens, temperature=0.0))
     out = engine.spec_metrics.summary()
