@@ -46,12 +46,18 @@ def test_validation_measures_a_batch_as_it_measures_each_prompt_alone(target, he
     assert together["accept_histogram"] == _summed(alone, "accept_histogram")
 
 
-def test_validation_of_more_prompts_than_the_prefill_cap_measures_them_as_one_batch(target, head):
+def test_validation_of_more_prompts_than_the_prefill_cap_measures_them_as_one_batch(target, head, monkeypatch):
     """Over the cap the prompts run a few at a time in one engine, each admitted while others decode (they wait
-    for it): the same summary as all at once."""
+    for it): the same summary as all at once, with KV pages for the longest few at once."""
+    from headstart.inference.engine import Engine
+
     prompts = _long_prompts(6, seed=7)
     one = engine_acceptance(target, head, prompts, k=3, max_tokens=12)
+    built, real = [], Engine.__init__
+    monkeypatch.setattr(Engine, "__init__", lambda self, *a, **kw: built.append(kw) or real(self, *a, **kw))
     capped = engine_acceptance(target, head, prompts, k=3, max_tokens=12, prefill_cap=800)  # 2 prompts at a time
+    pages = sorted((-(-(len(p) + 12 + 4 + 1) // 16) + 1 for p in prompts), reverse=True)  # lookahead k + 1
+    assert [(kw["max_batch_size"], kw["num_pages"]) for kw in built] == [(2, pages[0] + pages[1] + 8)]
     keys = ("steps", "accept_histogram", "tau", "accept_rate_per_pos", "prompts")
     assert {k: capped[k] for k in keys} == {k: one[k] for k in keys}
 

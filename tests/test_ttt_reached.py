@@ -112,3 +112,16 @@ def test_reached_rows_need_a_chain_head_unrolled_twice(target, kind, steps):  # 
     recipe = recipe_from_dict({"train": {"ttt_steps": steps, "ttt_rows": "reached"}})
     with pytest.raises(ConfigError, match="train.ttt_rows"):
         HeadModule(recipe, target, head)
+
+
+def test_train_refuses_reached_rows_for_a_non_chain_head_before_the_target_loads(tmp_path, monkeypatch):
+    import headstart.models as models
+    from headstart.recipe_io import recipe_from_dict
+    from headstart.train.run import TrainRun
+
+    monkeypatch.setattr(models, "load_target", lambda *a, **kw: pytest.fail("the target loaded"))
+    recipe = recipe_from_dict({"output_dir": str(tmp_path / "run"), "head": {"type": "medusa"},
+                               "train": {"ttt_steps": 3, "ttt_rows": "reached"}})
+    with pytest.raises(ConfigError, match="train.ttt_rows: reached"):
+        TrainRun(recipe)
+    assert not (tmp_path / "run").exists()

@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from headstart.config import Recipe
-from headstart.errors import ConfigError, HeadstartError
+from headstart.errors import HeadstartError
 from headstart.heads.base import DraftHead, PackedBatch
 from headstart.heads.config import CHAIN_HEADS
 from headstart.models.llama import LlamaForCausalLM
@@ -27,7 +27,7 @@ from headstart.nn.parallel import SINGLE, TensorParallel
 from headstart.precompute.shards import from_fp8
 from headstart.sizing import grad_components, loss_chunk_rows
 from headstart.train.losses import LossParts, distill, distill_steps, objective
-from headstart.train.ttt import reached_rows, unroll
+from headstart.train.ttt import check_ttt_rows, reached_rows, unroll
 
 
 class TrainingDiverged(HeadstartError):
@@ -166,10 +166,7 @@ class HeadModule(L.LightningModule):
         object.__setattr__(self, "forward_target", forward_target if forward_target is not None else target)
         self.tp = tp
         self.head = head
-        if self.cfg.ttt_rows == "reached" and (head.config.head_type not in CHAIN_HEADS or self.cfg.ttt_steps < 2):
-            raise ConfigError(f"train.ttt_rows: reached weighs the unrolled steps 2.. of a chain head (one of "
-                              f"{', '.join(sorted(CHAIN_HEADS))}) with train.ttt_steps >= 2; this run has "
-                              f"{head.config.head_type} with ttt_steps {self.cfg.ttt_steps}")
+        check_ttt_rows(head.config.head_type, self.cfg)
         if recipe.train.compile:
             compile_head(head)
         self.fsdp_root: HeadStep | None = None  # set by configure_model under trainer.strategy fsdp

@@ -57,6 +57,7 @@ from headstart.train.outputs import (
     remove_crash_leftovers,
     resumed_init_sha,
 )
+from headstart.train.ttt import check_ttt_rows
 from headstart.train.validate import engine_acceptance, heldout_prompts
 
 # Keys that may change on --resume without changing what is being trained.
@@ -242,6 +243,7 @@ class TrainRun:
         if self.precision.startswith("32") and self.dtype != "fp32":
             raise ConfigError(f"trainer.precision {self.precision} computes in fp32 but target.dtype is {self.dtype}; "
                               "set target.dtype: fp32 (or auto) or trainer.precision: bf16-mixed")
+        check_ttt_rows(recipe.head.type, cfg)  # before the target loads
         if self.rank == 0:
             status(f"train: target dtype {self.dtype}, precision {self.precision} ({describe(device)})")
         model_dir = resolve_model(recipe.target.model)

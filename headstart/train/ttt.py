@@ -15,6 +15,8 @@ Tokens are the ground truth (t_{p+1}) at every step.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 
@@ -148,6 +150,17 @@ def unroll(head: DraftHead, batch: PackedBatch, steps: int) -> tuple[list[torch.
 # step j at row p is draft j + 1 of the block that starts at row p - j (the module docstring); it is reached when
 # step j - 1 at row p - 1 was reached and its greedy pick was the reference's next token there (t_{p+1}: in
 # regenerated data, the target's own greedy token). Every row is a block start (step 0).
+
+
+def check_ttt_rows(head_type: str, train: Any) -> None:
+    """Refuse train.ttt_rows: reached where there is no chain to follow (a non-chain head, or one step)."""
+    from headstart.errors import ConfigError
+    from headstart.heads.config import CHAIN_HEADS
+
+    if train.ttt_rows == "reached" and (head_type not in CHAIN_HEADS or train.ttt_steps < 2):
+        raise ConfigError(f"train.ttt_rows: reached weighs the unrolled steps 2.. of a chain head (one of "
+                          f"{', '.join(sorted(CHAIN_HEADS))}) with train.ttt_steps >= 2; this run has "
+                          f"{head_type} with ttt_steps {train.ttt_steps}")
 
 
 @torch.no_grad()

@@ -48,14 +48,15 @@ def engine_acceptance(target: LlamaForCausalLM, head: DraftHead, prompts: list[l
     spec = SpecConfig(method=method, k=k, head=copy if method != "draft" else None,
                       draft=copy if method == "draft" else None)
     page = 16
-    longest = max(len(p) for p in prompts) + max_tokens + spec.lookahead + 1
     total, cap = sum(map(len, prompts)), MEASURED_PREFILL_CAP if prefill_cap is None else prefill_cap
     batch = len(prompts) if total <= cap else max(1, len(prompts) * cap // total)
+    # KV pages for the `batch` longest requests at once: no preemption, whichever run together.
+    need = sorted((-(-(len(p) + max_tokens + spec.lookahead + 1) // page) + 1 for p in prompts), reverse=True)
     # The engine switches the target's linears to its inference kernels; training keeps using the
     # target afterwards, with torch's kernels: put them back when validation is done.
     with cpu_kernels_restored(target), torch.inference_mode():
         engine = Engine(target, tokenizer=tokenizer, device=target.model.embed_tokens.weight.device, page_size=page,
-                        num_pages=batch * (-(-longest // page) + 1) + 8, max_batch_size=batch,
+                        num_pages=sum(need[:batch]) + 8, max_batch_size=batch,
                         max_batched_tokens=one_step_prefill_budget(prompts, cap=prefill_cap), seed=seed, spec=spec,
                         backend=backend)
         engine.generate(prompts, SamplingParams(max_tokens=max_tokens, temperature=0.0))
