@@ -256,7 +256,8 @@ class TrainConfig:
     ttt_decay: float = 0.8  # step j's loss is weighted by ttt_decay ** j
     # Which rows each unrolled step learns from: all (every supervised row), or reached: step j only from the rows
     # the greedy chain reaches, where the head's drafts 1..j of that block were right (train.ttt.reached_rows; the
-    # states greedy verification reads, as on-policy training argues), its loss scaled by the fraction reached.
+    # states greedy verification reads, as on-policy training argues): a device mask weighing the rows, the step's
+    # row count unchanged (its mean over the reached rows times the fraction reached).
     ttt_rows: Literal["all", "reached"] = "all"
     block_decay_gamma: float = 4.0  # dflash: draft slot i's loss is weighted exp(-(i - 1) / gamma) (speculators')
     # Rows per vocabulary-sized chunk of the loss (no [tokens x vocab] tensor is kept). null: by device

@@ -63,14 +63,16 @@ def test_the_teacher_runs_once_per_chunk_for_every_ttt_step(target, draft_vocab,
         torch.testing.assert_close(x, y, rtol=1e-4, atol=1e-6)
 
 
-@pytest.mark.parametrize("kind", ["mtp", "eagle1", "eagle3", "deepseek_mtp", "medusa", "draft_lm", "dflash"])
-def test_a_training_step_waits_for_the_device_once(target, deepseek_target, kind, tmp_path):
+@pytest.mark.parametrize("kind, rows", [(k, "all") for k in ("mtp", "eagle1", "eagle3", "deepseek_mtp", "medusa",
+                                                               "draft_lm", "dflash")]
+                         + [("eagle3", "reached"), ("mtp", "reached")])
+def test_a_training_step_waits_for_the_device_once(target, deepseek_target, kind, rows, tmp_path):
     """The real training_step (Lightning, manual optimisation, TTT 3 / a dflash block) on micro-batches
     that are not logged, for every head family (deepseek_mtp on an MLA + MoE target): its one host sync is
     the non-finite check every rank agrees on. On CPU a tensor made from a host value with device=... looks
     like host data, so this sees syncs on computed values (a float(loss) per step, nonzero of a computed
     mask, and the ops whose CUDA kernels read back: headstart.train.syncs); the CUDA test below sees
-    every one."""
+    every one. train.ttt_rows: reached follows the greedy chain on the device (no read back either)."""
     import lightning as L
 
     from headstart.recipe_io import recipe_from_dict
@@ -81,7 +83,8 @@ def test_a_training_step_waits_for_the_device_once(target, deepseek_target, kind
     if kind == "dflash":
         extra["block_size"] = 4
     recipe = recipe_from_dict({"head": {"type": kind, **extra}, "logging": {"wandb": False, "every_steps": 100},
-                               "train": {"ttt_steps": 3, "grad_accum": 2, "warmup_steps": 0, "max_steps": 2}})
+                               "train": {"ttt_steps": 3, "grad_accum": 2, "warmup_steps": 0, "max_steps": 2,
+                                         "ttt_rows": rows}})
     model = deepseek_target if kind == "deepseek_mtp" else target
     head = build_head(HeadConfig(head_type=kind, **extra), model)
     module = HeadModule(recipe, model, head)
@@ -106,10 +109,11 @@ def test_a_training_step_waits_for_the_device_once(target, deepseek_target, kind
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("kind", ["mtp", "eagle1", "eagle3", "deepseek_mtp", "medusa", "draft_lm", "dflash"])
-def test_a_cuda_training_step_waits_for_the_device_once(tmp_path, kind):
+@pytest.mark.parametrize("kind, rows", [(k, "all") for k in ("mtp", "eagle1", "eagle3", "deepseek_mtp", "medusa",
+                                                               "draft_lm", "dflash")] + [("eagle3", "reached")])
+def test_a_cuda_training_step_waits_for_the_device_once(tmp_path, kind, rows):
     """torch's own sync detector on a GPU: one warning per micro-batch (the non-finite check), every family
-    (deepseek_mtp here on a Llama target: its block is then a Llama layer)."""
+    (deepseek_mtp here on a Llama target: its block is then a Llama layer), and train.ttt_rows: reached."""
     import warnings
 
     import lightning as L
@@ -126,7 +130,7 @@ def test_a_cuda_training_step_waits_for_the_device_once(tmp_path, kind):
     if kind == "dflash":
         extra["block_size"] = 4
     recipe = recipe_from_dict({"head": {"type": kind, **extra}, "logging": {"wandb": False, "every_steps": 100},
-                               "train": {"ttt_steps": 3, "warmup_steps": 0, "max_steps": 3}})
+                               "train": {"ttt_steps": 3, "warmup_steps": 0, "max_steps": 3, "ttt_rows": rows}})
     head = build_head(HeadConfig(head_type=kind, **extra), target)
     module = HeadModule(recipe, target, head)
     batches = [_batch(target, lens=(21, 9, 30), seed=i) for i in range(3)]

@@ -70,36 +70,87 @@ def test_reached_rows_are_where_the_chain_of_greedy_drafts_holds(target, draft_v
     assert 0 < int(reach[1][:rows].sum()) < rows
 
 
-def _module(target, head, rows):  # noqa: F811
+def _module(target, head, rows, loss="kl"):  # noqa: F811
     from headstart.recipe_io import recipe_from_dict
     from headstart.train.module import HeadModule
 
-    recipe = recipe_from_dict({"train": {"ttt_steps": 3, "ttt_rows": rows, "loss_chunk_tokens": 8}})
+    recipe = recipe_from_dict({"train": {"ttt_steps": 3, "ttt_rows": rows, "loss_chunk_tokens": 8, "loss": loss}})
     return HeadModule(recipe, target, head)
 
 
-def test_the_reached_loss_is_each_steps_kl_on_its_reached_rows_over_all_its_rows(target):  # noqa: F811
+@pytest.mark.parametrize("loss", ["kl", "lk"])
+def test_the_reached_loss_is_each_steps_loss_on_its_reached_rows_over_all_its_rows(target, loss):  # noqa: F811
+    """KL: the sum over the reached rows over every row's count. LK: lambda follows the step's unconditional
+    acceptance (the reached rows' sum of a over every row), the engine's acceptance rate at that position."""
     head = _head(target)
     seq = _reference(head, 16, {2, 7})
     b = target_forward(target, PackedBatch(torch.tensor(seq), [16], None, None, torch.ones(16, dtype=torch.uint8)),
                        AUX)
-    module = _module(target, head, "reached")
-    loss, stats = module.losses(b, with_stats=True)
+    module = _module(target, head, "reached", loss)
+    got, stats = module.losses(b, with_stats=True)
     outs, _, sh = unroll(head, b, 3)
     reach = reached_rows(head, outs, sh, chunk=8)
     pos = packed_metadata(sh.seq_lens).positions
     every = [torch.nonzero((sh.token_mask > 0) & (pos >= j)).flatten() for j in range(3)]
     kept = [r[reach[j][r]] for j, r in enumerate(every)]
     assert 0 < kept[1].numel() < every[1].numel()
-    parts = distill_steps(head, outs, b.hidden[sh.target_rows], kept, None, 8, with_stats=False)
-    ref = sum(0.8 ** j * p.kl / max(every[j].numel(), 1) for j, p in enumerate(parts))
-    torch.testing.assert_close(loss, ref, rtol=1e-5, atol=1e-6)
-    assert stats["rows"] == [r.numel() for r in kept]
+    parts = distill_steps(head, outs, b.hidden[sh.target_rows], kept, None, 8, with_stats=True, lk=loss == "lk")
+    ref = torch.zeros(())
+    for j, p in enumerate(parts):
+        n = every[j].numel()
+        if loss == "kl":
+            step = p.kl / n
+        else:
+            mean_a = p.alpha / n
+            lam = torch.exp(-3.0 * mean_a)
+            step = lam * p.kl / n + (1 - lam) * (1 - mean_a)
+        ref = ref + 0.8 ** j * step
+    torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-6)
+    assert stats["rows"] == [r.numel() for r in every]  # the log's top-1: the reached rows' hits over every row
+    assert stats["correct"] == pytest.approx([float(p.correct) for p in parts])
     head.eval()  # held-out statistics: every supervised row, as with ttt_rows: all
     held, held_stats = module.losses(b, with_stats=True)
-    every_loss, _ = _module(target, head, "all").losses(b, with_stats=True)
+    every_loss, _ = _module(target, head, "all", loss).losses(b, with_stats=True)
     torch.testing.assert_close(held, every_loss)
     assert held_stats["rows"] == [r.numel() for r in every]
+
+
+@pytest.mark.parametrize("fused", [True, False])
+@pytest.mark.parametrize("lk", [False, True])
+def test_row_weights_weigh_the_sums_and_gradients_and_keep_the_counts(target, fused, lk, monkeypatch):  # noqa: F811
+    """distill_steps with 0/1 row weights == distill_steps on the kept rows (every sum, every gradient, in the
+    fused chunks and the checkpointed ones), with each step's row count that of all its rows."""
+    import headstart.train.losses as losses
+
+    if not fused:
+        monkeypatch.setattr(losses, "fused_projection", lambda *a: None)
+    head = _head(target, 128)
+    g = torch.Generator().manual_seed(5)
+    ids = torch.randint(2, target.config.vocab_size, (30,), generator=g)
+    b = target_forward(target, PackedBatch(ids, [17, 13], None, None, torch.ones(30, dtype=torch.uint8)), AUX)
+    outs, _, sh = unroll(head, b, 3)
+    th = b.hidden[sh.target_rows]
+    pos = packed_metadata(sh.seq_lens).positions
+    rows = [torch.nonzero((sh.token_mask > 0) & (pos >= j)).flatten() for j in range(3)]
+    masks = [torch.ones(len(pos), dtype=torch.bool)] + [torch.rand(len(pos), generator=g) < 0.5 for _ in range(2)]
+    kept = [r[m[r]] for r, m in zip(rows, masks)]
+    assert all(0 < k.numel() < r.numel() for k, r in zip(kept[1:], rows[1:]))
+    weighted = distill_steps(head, outs, th, rows, None, 5, lk=lk, row_weights=masks)
+    direct = distill_steps(head, outs, th, kept, None, 5, lk=lk)
+    wrt = [*outs, *(p for p in head.trainable_parameters() if p.requires_grad)]
+    sums = []
+    for parts in (weighted, direct):
+        total = sum((j + 1) * (p.kl + (p.alpha + 0.5 * p.neglog_alpha if lk else 0)) for j, p in enumerate(parts))
+        sums.append(torch.autograd.grad(total, wrt, retain_graph=True, allow_unused=True))
+    for w, d, r in zip(weighted, direct, rows):
+        assert w.rows == r.numel()
+        for key in ("kl", "alpha", "neglog_alpha", "correct", "accept", "mass"):
+            torch.testing.assert_close(getattr(w, key), getattr(d, key), rtol=1e-5, atol=1e-6, msg=key)
+    for x, y in zip(*sums):
+        if x is None or y is None:
+            assert x is None and y is None
+        else:
+            torch.testing.assert_close(x, y, rtol=1e-4, atol=1e-6)
 
 
 @pytest.mark.parametrize("kind, steps", [("medusa", 3), ("eagle3", 1)])

@@ -177,7 +177,8 @@ def objective(part: LossParts, loss: str, kl_scale: float = 1.0, kl_decay: float
 
 def distill_steps(head: DraftHead, head_h: list[torch.Tensor], target_h: torch.Tensor, rows: list[torch.Tensor],
                   feature_target: torch.Tensor | None, chunk: int, with_kl: bool = True,
-                  with_stats: bool = True, lk: bool = False, grads: tuple[int, ...] | None = None) -> list[LossParts]:
+                  with_stats: bool = True, lk: bool = False, grads: tuple[int, ...] | None = None,
+                  row_weights: list[torch.Tensor] | None = None) -> list[LossParts]:
     """The losses of S steps that share their targets (the unrolled TTT steps: step s's head states
     head_h[s] (M, d) against the same target rows target_h (M, d)), over each step's supervised rows
     rows[s] (host-side indices, so that nothing here waits for the device). The teacher distribution
@@ -185,7 +186,10 @@ def distill_steps(head: DraftHead, head_h: list[torch.Tensor], target_h: torch.T
     not once per step. Rows run in chunks of `chunk`; with no row, one empty chunk still runs the
     lm_head (a DDP rank must use every parameter, whatever its data). `grads` names the components of each
     step's [KL, sum of a, sum of -log a] a backward may reach (grad_components(train.loss); default all
-    that are computed): the fused path keeps only their gradients."""
+    that are computed): the fused path keeps only their gradients. `row_weights` (per step an (M,) device
+    tensor, train.ttt_rows: reached) weighs each step's rows in every sum while its row count stays
+    len(rows[s]): a 0/1 mask makes a step's per-row mean the mean over the kept rows times the fraction kept,
+    without reading the mask back to the host."""
     device = target_h.device
     zero = sum(h.sum() for h in head_h) * 0.0  # keeps the graph connected when a batch has no supervised row
     counts = [int(r.numel()) for r in rows]  # host tensors: no sync
@@ -195,6 +199,8 @@ def distill_steps(head: DraftHead, head_h: list[torch.Tensor], target_h: torch.T
     # (S, U) 1 where step s supervises union row u: a weight, so every step runs the same rows.
     member = torch.stack([torch.isin(union, r.cpu()) for r in rows]).float().to(device, non_blocking=True)
     union_d = union.to(device, non_blocking=True)
+    if row_weights is not None:
+        member = member * torch.stack([w[union_d].to(member.dtype) for w in row_weights])
     d2t = getattr(head, "d2t", None)
     draft_ids = None
     if d2t is not None and d2t.numel() != head.target.vocab_size:

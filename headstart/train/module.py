@@ -263,7 +263,6 @@ class HeadModule(L.LightningModule):
         head, w = head or self.head, self.cfg.loss_weights
         kind, lk = head.config.head_type, self.cfg.loss != "kl"
         per_step: list[LossParts] = []
-        scale: list[float] = []  # per chain step (train.ttt_rows: reached), else 1
         chunk = self._loss_chunk(head, batch)
         if kind in CHAIN_HEADS:
             outs, _, sh = unroll(head, batch, self.cfg.ttt_steps)
@@ -272,13 +271,11 @@ class HeadModule(L.LightningModule):
             # Step j supervises the rows whose token is supervised and that have j predecessors (ttt.unroll).
             supervised, pos = sh.token_mask.cpu() > 0, packed_metadata(sh.seq_lens).positions
             rows = [torch.nonzero(supervised & (pos >= j)).flatten() for j in range(len(outs))]
-            if self.cfg.ttt_rows == "reached" and head.training:  # held-out statistics keep every row
-                reach = reached_rows(head, outs, sh, chunk)
-                full = [max(r.numel(), 1) for r in rows]
-                rows = [r[reach[j][r]] for j, r in enumerate(rows)]
-                scale = [r.numel() / n for r, n in zip(rows, full)]
+            # train.ttt_rows: reached weighs the rows by the greedy chain's reach (device masks); held-out
+            # statistics keep every row.
+            reach = reached_rows(head, outs, sh, chunk) if self.cfg.ttt_rows == "reached" and head.training else None
             per_step = distill_steps(head, outs, target_h, rows, feat_t, chunk, w.kl > 0, with_stats, lk,
-                                     grad_components(self.cfg.loss))
+                                     grad_components(self.cfg.loss), row_weights=reach)
         elif kind == "medusa":
             states, sh = head.train_forward(batch)  # (N, k, d)
             mask = sh.token_mask.cpu() > 0  # host: the rows are chosen without a sync
@@ -298,7 +295,7 @@ class HeadModule(L.LightningModule):
         for j, part in enumerate(per_step):
             n = max(part.rows, 1)
             step_loss = w.kl * self._objective(part) + w.feature * part.feature / (n * d)
-            weight = (self.cfg.ttt_decay ** j) * (scale[j] if scale else 1.0) if kind in CHAIN_HEADS else 1.0
+            weight = self.cfg.ttt_decay ** j if kind in CHAIN_HEADS else 1.0
             total = total + weight * step_loss
         stats: dict[str, Any] = {"rows": [p.rows for p in per_step], "tokens": int(batch.input_ids.numel())}
         if with_stats:  # host syncs: only when asked

@@ -165,25 +165,24 @@ def check_ttt_rows(head_type: str, train: Any) -> None:
 
 @torch.no_grad()
 def reached_rows(head: DraftHead, outs: list[torch.Tensor], shifted: Shifted, chunk: int) -> list[torch.Tensor]:
-    """(M,) host bool per unrolled step: the rows the greedy chain reaches (above), from the head's greedy picks
-    on the draft vocabulary (mapped to target ids) against the shifted next tokens. One host read per step after
-    the first; the logits run in row chunks of `chunk`, only on the rows the step before reached."""
+    """(M,) bool per unrolled step, on the states' device: the rows the greedy chain reaches (above), from the
+    head's greedy picks on the draft vocabulary (mapped to target ids) against the shifted next tokens. Nothing
+    is read back to the host: the picks run on every row (the lm_head in row chunks of `chunk`, without
+    gradient) and the chain is followed on the device; the loss takes the masks as row weights
+    (losses.distill_steps)."""
     from headstart.heads.vocab import target_ids
 
-    positions = packed_metadata(shifted.seq_lens).positions.cpu()
+    device = outs[0].device
+    positions = packed_metadata(shifted.seq_lens, device=device).positions
     d2t = getattr(head, "d2t", None)
-    ids = target_ids(d2t) if d2t is not None and d2t.numel() != head.target.vocab_size else None
-    nxt = shifted.next_tokens
+    ids = target_ids(d2t).to(device) if d2t is not None and d2t.numel() != head.target.vocab_size else None
+    nxt = shifted.next_tokens.to(device, non_blocking=True)  # -100 where a row has no next token: never a hit
     reach = [torch.ones_like(positions, dtype=torch.bool)]
     for j in range(1, len(outs)):
-        rows = torch.nonzero(reach[-1]).flatten()  # a row without a next token (-100) never hits
         h = outs[j - 1].detach()
-        rows_d = rows.to(h.device, non_blocking=True)
-        picks = [head.compute_logits(h[rows_d[a:a + chunk]]).argmax(-1) for a in range(0, rows.numel(), chunk)]
-        pick = torch.cat(picks) if picks else rows_d
+        pick = torch.cat([head.compute_logits(h[a:a + chunk]).argmax(-1) for a in range(0, max(h.shape[0], 1), chunk)])
         pick = ids[pick] if ids is not None else pick
-        hit = torch.zeros_like(reach[-1])
-        hit[rows] = (pick == nxt.to(pick.device)[rows_d]).cpu()  # the step's one host read
-        # hit is set only on rows step j - 1 reached; row p - 1 of the same sequence (p's position >= j).
+        hit = reach[-1] & (pick == nxt)
+        # row p - 1 of the same sequence (p's position >= j)
         reach.append(torch.roll(hit, 1) & (positions >= j))
     return reach
