@@ -95,12 +95,12 @@ def read_prompt_file(path: str | Path) -> list[dict[str, Any]]:
 
 def _engine(target: Any, tokenizer: Any, prompts: list[list[int]], plan: EvalPlan, spec: Any) -> Any:
     from headstart.inference import Engine
-    from headstart.inference.scheduler import one_step_prefill_budget
+    from headstart.inference.scheduler import kv_pages_for, one_step_prefill_budget
 
     page = 16
-    context = target.config.max_position_embeddings  # the engine stops a request there
-    longest = min(max(len(p) for p in prompts) + plan.max_tokens, context) + (spec.lookahead if spec else 0) + 1
-    pages = min(len(prompts), plan.batch_size) * (-(-longest // page) + 1) + 8
+    # the engine stops a request at the context length
+    pages = kv_pages_for(prompts, plan.max_tokens, plan.batch_size, spec.lookahead if spec else 0, page,
+                         target.config.max_position_embeddings)
     budget = one_step_prefill_budget(prompts, plan.batch_size)  # each batch group prefills in one step
     return Engine(target, tokenizer=tokenizer, device=target.model.embed_tokens.weight.device, page_size=page,
                   num_pages=pages, max_batch_size=plan.batch_size, max_batched_tokens=budget, seed=plan.seed,

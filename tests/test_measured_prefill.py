@@ -9,7 +9,7 @@ from tiny_models import make_hf_model
 from headstart.evaluate import EvalPlan, _engine
 from headstart.heads import HeadConfig, build_head
 from headstart.inference import SamplingParams
-from headstart.inference.scheduler import MEASURED_PREFILL_CAP, one_step_prefill_budget
+from headstart.inference.scheduler import MEASURED_PREFILL_CAP, kv_pages_for, one_step_prefill_budget
 from headstart.inference.speculation import SpecConfig
 from headstart.models.llama import load_llama
 from headstart.train.validate import engine_acceptance
@@ -85,6 +85,18 @@ def test_the_one_step_prefill_budget():
     assert one_step_prefill_budget([[0] * (MEASURED_PREFILL_CAP + 5)]) == MEASURED_PREFILL_CAP == 16_384
     assert one_step_prefill_budget([[0] * 900], default=512, cap=600) == 600
     assert one_step_prefill_budget([], default=512) == 512
+
+
+def test_kv_pages_for_the_longest_requests_that_run_together(target, head):
+    # (500 + 27 + 4 + 1) / 16 -> 34 pages + 1; (100 + 27 + 5) / 16 -> 9 + 1; + 8
+    assert kv_pages_for([[0] * 100, [0] * 10, [0] * 500], max_tokens=27, batch=2, lookahead=4) == 35 + 10 + 8
+    assert kv_pages_for([[0] * 10] * 3, 5, batch=9) == 3 * 2 + 8  # a batch over the prompts: all of them
+    assert kv_pages_for([[0] * 500], 1000, 1, context=512) == 33 + 1 + 8  # the engine stops at the context
+    # eval's engine: a batch of 4 sized by the longest prompt and the 3 next longest, not 4 x the longest
+    prompts = [[5] * 400] + [[5] * 10] * 6
+    plan = EvalPlan(heads=[], batch_size=4, max_tokens=12)
+    engine = _engine(target, None, prompts, plan, SpecConfig(method="chain", k=3, head=head))
+    assert engine.allocator.num_pages == (-(-417 // 16) + 1) + 3 * (-(-27 // 16) + 1) + 8 < 4 * 28 + 8
 
 
 def _spec_engine(target, head, **kw):

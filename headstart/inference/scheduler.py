@@ -44,6 +44,19 @@ def one_step_prefill_budget(prompts: list[list[int]], batch: int | None = None, 
     return min(max(default, largest), max(default, cap))
 
 
+def kv_pages_for(prompts: list[list[int]], max_tokens: int, batch: int, lookahead: int = 0, page_size: int = 16,
+                 context: int | None = None) -> int:
+    """KV pages for the `batch` longest requests of `prompts` at once (each prompt + `max_tokens`, at most
+    `context`, + `lookahead` + 1 slots, in whole pages plus one), + 8: whichever of them run together, none
+    is preempted. Sized by the longest that can run together, not `batch` x the longest of all (one very
+    long prompt among short ones would otherwise size every slot for it)."""
+    def need(p: list[int]) -> int:
+        tokens = len(p) + max_tokens if context is None else min(len(p) + max_tokens, context)
+        return -(-(tokens + lookahead + 1) // page_size) + 1
+
+    return sum(sorted(map(need, prompts), reverse=True)[:max(batch, 1)]) + 8
+
+
 class Status(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"

@@ -34,7 +34,7 @@ def engine_acceptance(target: LlamaForCausalLM, head: DraftHead, prompts: list[l
     decoding sequences while others prefill)."""
     from headstart.inference.engine import Engine
     from headstart.inference.sampler import SamplingParams
-    from headstart.inference.scheduler import MEASURED_PREFILL_CAP, one_step_prefill_budget
+    from headstart.inference.scheduler import MEASURED_PREFILL_CAP, kv_pages_for, one_step_prefill_budget
     from headstart.nn.linear import cpu_kernels_restored
 
     if not prompts:
@@ -50,13 +50,12 @@ def engine_acceptance(target: LlamaForCausalLM, head: DraftHead, prompts: list[l
     page = 16
     total, cap = sum(map(len, prompts)), MEASURED_PREFILL_CAP if prefill_cap is None else prefill_cap
     batch = len(prompts) if total <= cap else max(1, len(prompts) * cap // total)
-    # KV pages for the `batch` longest requests at once: no preemption, whichever run together.
-    need = sorted((-(-(len(p) + max_tokens + spec.lookahead + 1) // page) + 1 for p in prompts), reverse=True)
+    pages = kv_pages_for(prompts, max_tokens, batch, spec.lookahead, page, target.config.max_position_embeddings)
     # The engine switches the target's linears to its inference kernels; training keeps using the
     # target afterwards, with torch's kernels: put them back when validation is done.
     with cpu_kernels_restored(target), torch.inference_mode():
         engine = Engine(target, tokenizer=tokenizer, device=target.model.embed_tokens.weight.device, page_size=page,
-                        num_pages=sum(need[:batch]) + 8, max_batch_size=batch,
+                        num_pages=pages, max_batch_size=batch,
                         max_batched_tokens=one_step_prefill_budget(prompts, cap=prefill_cap), seed=seed, spec=spec,
                         backend=backend)
         engine.generate(prompts, SamplingParams(max_tokens=max_tokens, temperature=0.0))
