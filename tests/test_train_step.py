@@ -110,7 +110,8 @@ def test_a_training_step_waits_for_the_device_once(target, deepseek_target, kind
 
 @pytest.mark.cuda
 @pytest.mark.parametrize("kind, rows", [(k, "all") for k in ("mtp", "eagle1", "eagle3", "deepseek_mtp", "medusa",
-                                                               "draft_lm", "dflash")] + [("eagle3", "reached")])
+                                                               "draft_lm", "dflash")]
+                         + [("eagle3", "reached"), ("mtp", "reached")])
 def test_a_cuda_training_step_waits_for_the_device_once(tmp_path, kind, rows):
     """torch's own sync detector on a GPU: one warning per micro-batch (the non-finite check), every family
     (deepseek_mtp here on a Llama target: its block is then a Llama layer), and train.ttt_rows: reached."""

@@ -56,6 +56,7 @@ def test_reached_rows_are_where_the_chain_of_greedy_drafts_holds(target, draft_v
     with torch.no_grad():
         outs, _, sh = unroll(head, b, 3)
     reach = reached_rows(head, outs, sh, chunk=5)
+    assert all(r.device == outs[0].device and r.dtype == torch.bool for r in reach)
     rows = 13  # the first sequence's shifted rows; row 12 has no next token
     hit0 = [p not in misses and p < rows - 1 for p in range(rows)]
     assert reach[0].all()
@@ -135,16 +136,18 @@ def test_row_weights_weigh_the_sums_and_gradients_and_keep_the_counts(target, fu
     masks = [torch.ones(len(pos), dtype=torch.bool)] + [torch.rand(len(pos), generator=g) < 0.5 for _ in range(2)]
     kept = [r[m[r]] for r, m in zip(rows, masks)]
     assert all(0 < k.numel() < r.numel() for k, r in zip(kept[1:], rows[1:]))
-    weighted = distill_steps(head, outs, th, rows, None, 5, lk=lk, row_weights=masks)
-    direct = distill_steps(head, outs, th, kept, None, 5, lk=lk)
+    feat = th + 0.1  # a feature target (mtp, eagle1, deepseek_mtp): its smooth-L1 sums are weighted too
+    weighted = distill_steps(head, outs, th, rows, feat, 5, lk=lk, row_weights=masks)
+    direct = distill_steps(head, outs, th, kept, feat, 5, lk=lk)
     wrt = [*outs, *(p for p in head.trainable_parameters() if p.requires_grad)]
     sums = []
     for parts in (weighted, direct):
-        total = sum((j + 1) * (p.kl + (p.alpha + 0.5 * p.neglog_alpha if lk else 0)) for j, p in enumerate(parts))
+        total = sum((j + 1) * (p.kl + p.feature + (p.alpha + 0.5 * p.neglog_alpha if lk else 0))
+                    for j, p in enumerate(parts))
         sums.append(torch.autograd.grad(total, wrt, retain_graph=True, allow_unused=True))
     for w, d, r in zip(weighted, direct, rows):
         assert w.rows == r.numel()
-        for key in ("kl", "alpha", "neglog_alpha", "correct", "accept", "mass"):
+        for key in ("kl", "feature", "alpha", "neglog_alpha", "correct", "accept", "mass"):
             torch.testing.assert_close(getattr(w, key), getattr(d, key), rtol=1e-5, atol=1e-6, msg=key)
     for x, y in zip(*sums):
         if x is None or y is None:
