@@ -234,7 +234,8 @@ def test_a_deepseek_plan_counts_the_latent_cache_and_the_active_experts(capsys):
     assert rc == 0 and plan["refusals"] == []
     val = next(p for p in plan["phases"] if p["name"] == "validation")
     kv = next(t for t in val["terms"] if t["name"] == "KV pages")
-    assert kv["bytes"] == 64 * (4096 + 256 + 16) * 27 * 576 * 2
+    # 64 prompts of up to 4,096 tokens: at most sqrt(64 x 16,384 x 4,096) = 65,536 prompt tokens at once
+    assert kv["bytes"] == (65_536 + 64 * (256 + 16)) * 27 * 576 * 2
     assert any("2.66 B FLOP/token, the experts a token is routed to" in a for a in plan["assumptions"])
     with pytest.raises(PlanError, match="DeepSeek targets run unsharded"):
         make_plan(recipe_from_dict({"engine": {"tensor_parallel": 2}}),
@@ -278,3 +279,28 @@ def test_the_fused_loss_term_counts_the_gradients_its_objective_keeps(tiny):
 
     one = fused_bytes("kl")
     assert one > 0 and fused_bytes("lk_alpha") == one and fused_bytes("lk_lambda") == fused_bytes("lk") == 2 * one
+
+
+def test_validation_kv_bounds_every_mix_of_prompt_lengths_the_engine_runs_together():
+    """plan's validation KV term bounds the prompts validate.engine_acceptance holds at once (prompts_at_once of
+    them, sized for the longest: scheduler.kv_pages_for) for any lengths under max_length, and it is exact when
+    every prompt fits one step."""
+    import random
+
+    from headstart.inference.scheduler import MEASURED_PREFILL_CAP, prompts_at_once
+    from headstart.plan import validation_kv_tokens
+
+    assert validation_kv_tokens(32, 400, 144)[0] == 32 * (400 + 144)  # 12,800 <= the cap: all at once
+    rng = random.Random(0)
+    for n, length in [(64, 4096), (64, 1024), (8, 8192), (200, 2048)]:
+        bound = validation_kv_tokens(n, length, 0)[0]
+        assert MEASURED_PREFILL_CAP < bound < n * length
+        worst = 0
+        for trial in range(400):
+            long = rng.randint(1, n)
+            lens = [rng.randint(length // 2, length) for _ in range(long)]
+            lens += [rng.randint(1, max(1, length // (1 + trial % 50))) for _ in range(n - long)]
+            batch = prompts_at_once([[0] * x for x in lens])
+            worst = max(worst, sum(sorted(lens, reverse=True)[:batch]))
+        assert worst <= bound
+        assert worst > bound / 2  # and not loose: these mixes reach 83-93 % of it

@@ -44,6 +44,14 @@ def one_step_prefill_budget(prompts: list[list[int]], batch: int | None = None, 
     return min(max(default, largest), max(default, cap))
 
 
+def prompts_at_once(prompts: list[list[int]], cap: int | None = None) -> int:
+    """How many of `prompts` a measuring engine runs together so that each prefills in one step: all of them when
+    they hold at most `cap` tokens (MEASURED_PREFILL_CAP), else len x cap // their tokens (at least 1)."""
+    cap = MEASURED_PREFILL_CAP if cap is None else cap
+    total = sum(map(len, prompts))
+    return len(prompts) if total <= cap else max(1, len(prompts) * cap // total)
+
+
 def kv_pages_for(prompts: list[list[int]], max_tokens: int, batch: int, lookahead: int = 0, page_size: int = 16,
                  context: int | None = None) -> int:
     """KV pages for the `batch` longest requests of `prompts` at once (each prompt + `max_tokens`, at most

@@ -34,7 +34,7 @@ def engine_acceptance(target: LlamaForCausalLM, head: DraftHead, prompts: list[l
     decoding sequences while others prefill)."""
     from headstart.inference.engine import Engine
     from headstart.inference.sampler import SamplingParams
-    from headstart.inference.scheduler import MEASURED_PREFILL_CAP, kv_pages_for, one_step_prefill_budget
+    from headstart.inference.scheduler import kv_pages_for, one_step_prefill_budget, prompts_at_once
     from headstart.nn.linear import cpu_kernels_restored
 
     if not prompts:
@@ -48,8 +48,7 @@ def engine_acceptance(target: LlamaForCausalLM, head: DraftHead, prompts: list[l
     spec = SpecConfig(method=method, k=k, head=copy if method != "draft" else None,
                       draft=copy if method == "draft" else None)
     page = 16
-    total, cap = sum(map(len, prompts)), MEASURED_PREFILL_CAP if prefill_cap is None else prefill_cap
-    batch = len(prompts) if total <= cap else max(1, len(prompts) * cap // total)
+    batch = prompts_at_once(prompts, prefill_cap)
     pages = kv_pages_for(prompts, max_tokens, batch, spec.lookahead, page, target.config.max_position_embeddings)
     # The engine switches the target's linears to its inference kernels; training keeps using the
     # target afterwards, with torch's kernels: put them back when validation is done.
