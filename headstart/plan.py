@@ -37,22 +37,6 @@ class PlanError(HeadstartError):
     """A recipe that cannot fit; the message names the phase and the term."""
 
 
-def validation_kv_tokens(prompts: int, prompt_tokens: int, per_seq: int) -> tuple[int, str]:
-    """(KV tokens, how) validation's engine can hold at most: `prompts` held-out prompts of under `prompt_tokens`
-    tokens, each + `per_seq` (new tokens, lookahead, page rounding). validate.engine_acceptance runs them all at
-    once if they hold at most the one-step prefill cap C, else batch = prompts x C // total at a time, sized for
-    the `batch` longest: their prompt tokens are at most min(batch x L, total), whose largest value over every
-    total in (C, prompts x L] is at most sqrt(prompts x C x L), which lies between C and prompts x L."""
-    from headstart.inference.scheduler import MEASURED_PREFILL_CAP as cap
-
-    whole = prompts * prompt_tokens
-    if whole <= cap:
-        return whole + prompts * per_seq, f"{prompts} prompts x {prompt_tokens + per_seq:,} tokens (target's KV)"
-    held = math.isqrt(prompts * cap * prompt_tokens - 1) + 1  # in (cap, whole): the bound in the docstring
-    return held + prompts * per_seq, (f"{prompts} prompts, at most {held:,} prompt tokens at once under the "
-                                      f"{cap:,}-token prefill cap, + {per_seq:,} each (target's KV)")
-
-
 @dataclass
 class Term:
     name: str
@@ -352,10 +336,10 @@ def make_plan(recipe: Recipe, target_cfg: dict[str, Any], *, device: str = "H100
         ph.notes.append(f"online: each tensor-parallel group of {tp} runs its members' micro-batch forwards in "
                         "turn (target FLOPs as under data parallelism, 1/tp of the weights per rank)")
     plan_phases.append(ph)
-    val = Phase("validation", ranks)
+    from headstart.sizing import validation_kv_tokens
+    val = Phase("validation", ranks)  # inside training: the head's state (and the partial target) stay resident
     longest = recipe.data.max_length + tr.val_max_tokens + 16
     val_tokens, val_text = validation_kv_tokens(tr.val_prompts, recipe.data.max_length, tr.val_max_tokens + 16)
-    # Validation runs inside training: the head's state (and the partial target) stay resident.
     val.terms = [target_term(tp), Term("KV pages", val_tokens * kv_bytes_per_token, val_text), opt]
     if parts_term is not None:
         val.terms.append(parts_term)

@@ -1,14 +1,20 @@
 """Sizing rules the trainer runs by and `headstart plan` counts with: the rows of one chunk of the
-distillation loss (train.losses) and the bytes each of its rows keeps. One definition, below both:
-plan must predict the chunk the trainer will actually take.
+distillation loss (train.losses) and the bytes each of its rows keeps; the KV tokens validation's engine
+holds. One definition, below both: plan must predict the chunk the trainer will actually take.
 """
 
 from __future__ import annotations
+
+import math
 
 CPU_LOSS_CHUNK = 256  # rows: the logits of a chunk stay in the CPU's caches
 LOSS_CHUNK_GPU_BYTES = 2 << 30  # a GPU's chunk: its live fp32 logits (every TTT step's log q, the teacher's, a grad)
 QUANT_ROWS = 2048  # precompute's fp8 quantisation: rows at a time, so its fp32 copies stay small on any device
 FLASHINFER_WORKSPACE_MB = 128  # the buffer the FlashInfer backend hands its wrappers, one per backend
+# Where acceptance is measured (eval, validation) every prompt of a batch group prefills in one step, up to this
+# many tokens (inference.scheduler): a one-step prefill holds every prompt token's activations at once (logits only
+# for each prompt's last row), Llama-3.1-8B's MLP at 16,384 tokens ~1.4 GB in bf16.
+MEASURED_PREFILL_CAP = 16_384
 
 
 def grad_components(loss: str) -> tuple[int, ...]:
@@ -39,3 +45,18 @@ def loss_chunk_rows(configured: int | None, vocab: int, loss_steps: int, device_
         return CPU_LOSS_CHUNK
     fit = LOSS_CHUNK_GPU_BYTES // chunk_row_bytes(vocab, loss_steps, lk, full_vocab)
     return max(CPU_LOSS_CHUNK, min(-(-rows // CPU_LOSS_CHUNK) * CPU_LOSS_CHUNK, fit // CPU_LOSS_CHUNK * CPU_LOSS_CHUNK))
+
+
+def validation_kv_tokens(prompts: int, prompt_tokens: int, per_seq: int) -> tuple[int, str]:
+    """(KV tokens, how) validation's engine can hold at most: `prompts` held-out prompts of under `prompt_tokens`
+    tokens, each + `per_seq` (new tokens, lookahead, page rounding). validate.engine_acceptance runs them all at
+    once if they hold at most the one-step prefill cap C, else batch = prompts x C // total at a time, sized for
+    the `batch` longest: their prompt tokens are at most min(batch x L, total), whose largest value over every
+    total in (C, prompts x L] is at most sqrt(prompts x C x L), which lies between C and prompts x L."""
+    cap = MEASURED_PREFILL_CAP
+    whole = prompts * prompt_tokens
+    if whole <= cap:
+        return whole + prompts * per_seq, f"{prompts} prompts x {prompt_tokens + per_seq:,} tokens (target's KV)"
+    held = math.isqrt(prompts * cap * prompt_tokens - 1) + 1  # in (cap, whole): the bound in the docstring
+    return held + prompts * per_seq, (f"{prompts} prompts, at most {held:,} prompt tokens at once under the "
+                                      f"{cap:,}-token prefill cap, + {per_seq:,} each (target's KV)")

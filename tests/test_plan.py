@@ -288,7 +288,7 @@ def test_validation_kv_bounds_every_mix_of_prompt_lengths_the_engine_runs_togeth
     import random
 
     from headstart.inference.scheduler import MEASURED_PREFILL_CAP, prompts_at_once
-    from headstart.plan import validation_kv_tokens
+    from headstart.sizing import validation_kv_tokens
 
     assert validation_kv_tokens(32, 400, 144)[0] == 32 * (400 + 144)  # 12,800 <= the cap: all at once
     rng = random.Random(0)

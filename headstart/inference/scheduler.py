@@ -19,6 +19,7 @@ import torch
 from headstart.inference.kv_cache import PageAllocator
 from headstart.inference.sampler import SamplingParams
 from headstart.inference.speculation import SpecMetrics
+from headstart.sizing import MEASURED_PREFILL_CAP  # noqa: F401 - the cap's home is sizing; callers import it here
 
 # A speculative step needs every running sequence decoding. Sequences whose prompts finished prefilling first
 # used to take plain decode steps while the others prefilled, so they started speculating a few tokens into their
@@ -26,10 +27,9 @@ from headstart.inference.speculation import SpecMetrics
 # once: +0.004 over the same prompts 8 at a time, SmolLM2, greedy k 3). Scheduler(hold_decodes=True), which a
 # speculating batch-invariant engine uses, makes them wait instead. Where acceptance is measured (eval,
 # training's validation) every prompt of a batch group also prefills in one step, so nothing waits at all.
-# A one-step prefill holds every prompt token's activations at once (logits only for each prompt's last row):
-# Llama-3.1-8B's MLP at 16,384 tokens ~1.4 GB in bf16. Larger sets are measured a part at a time (validation) or
-# prefilled in chunks (an eval batch group, whose size is the user's): the hold keeps their traces exact.
-MEASURED_PREFILL_CAP = 16_384
+# The one-step prefill's cap is sizing.MEASURED_PREFILL_CAP (plan counts with it too). Larger sets are measured a
+# part at a time (validation) or prefilled in chunks (an eval batch group, whose size is the user's): the hold keeps
+# their traces exact.
 DEFAULT_BATCHED_TOKENS = 2048  # the engine's token budget per step (Engine(max_batched_tokens=...))
 
 
