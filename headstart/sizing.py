@@ -49,7 +49,7 @@ def loss_chunk_rows(configured: int | None, vocab: int, loss_steps: int, device_
 
 def validation_kv_tokens(prompts: int, prompt_tokens: int, per_seq: int) -> tuple[int, str]:
     """(KV tokens, how) validation's engine can hold at most: `prompts` held-out prompts of under `prompt_tokens`
-    tokens, each + `per_seq` (new tokens, lookahead, page rounding). validate.engine_acceptance runs them all at
+    tokens, each + `per_seq` (new tokens and slack). validate.engine_acceptance runs them all at
     once if they hold at most the one-step prefill cap C, else batch = prompts x C // total at a time, sized for
     the `batch` longest: their prompt tokens are at most min(batch x L, total), whose largest value over every
     total in (C, prompts x L] is at most sqrt(prompts x C x L), which lies between C and prompts x L."""

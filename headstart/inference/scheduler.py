@@ -19,7 +19,7 @@ import torch
 from headstart.inference.kv_cache import PageAllocator
 from headstart.inference.sampler import SamplingParams
 from headstart.inference.speculation import SpecMetrics
-from headstart.sizing import MEASURED_PREFILL_CAP  # noqa: F401 - the cap's home is sizing; callers import it here
+from headstart.sizing import MEASURED_PREFILL_CAP
 
 # A speculative step needs every running sequence decoding. Sequences whose prompts finished prefilling first
 # used to take plain decode steps while the others prefilled, so they started speculating a few tokens into their
