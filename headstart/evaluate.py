@@ -96,8 +96,9 @@ def read_prompt_file(path: str | Path) -> list[dict[str, Any]]:
 def _engine(target: Any, tokenizer: Any, prompts: list[list[int]], plan: EvalPlan, spec: Any) -> Any:
     from headstart.inference import Engine
     from headstart.inference.scheduler import kv_pages_for, one_step_prefill_budget
+    from headstart.sizing import KV_PAGE_TOKENS
 
-    page = 16
+    page = KV_PAGE_TOKENS
     # the engine stops a request at the context length
     pages = kv_pages_for(prompts, plan.max_tokens, plan.batch_size, spec.lookahead if spec else 0, page,
                          target.config.max_position_embeddings)

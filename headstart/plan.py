@@ -1,11 +1,11 @@
 """`headstart plan RECIPE`: what each rank of a recipe's jobs needs, before any of them runs.
 
-For each phase the recipe runs (precompute when training from shards, training, engine validation,
-eval) it adds up per-rank device memory by term (the target's share of weights, the head with its
-gradients and AdamW state, activations incl. TTT attention masks and the chunked loss, KV pages)
-and compares the sum with the device; it also gives the host memory a rank needs while loading, the
-disk bytes per stored token, and throughput from stated assumptions. A phase that cannot fit is
-refused, naming its largest term; `train` and `precompute` run the same check before they load.
+For each phase the recipe runs (precompute when training from shards, training, engine validation, eval) it adds up
+per-rank device memory by term (the target's share of weights, the head with its gradients and AdamW state,
+activations incl. TTT attention masks and the chunked loss, KV pages) and compares the sum with the device; it also
+gives the host memory a rank needs while loading, the disk bytes per stored token, and throughput from stated
+assumptions. A phase that cannot fit is refused, naming its largest term; `train` and `precompute` run the same
+check before they load.
 
 The numbers come from the target's config.json and the recipe alone (no weights are read): weights
 and optimizer state are exact counts (the head is built on the meta device); activations are upper
@@ -339,7 +339,8 @@ def make_plan(recipe: Recipe, target_cfg: dict[str, Any], *, device: str = "H100
     from headstart.sizing import validation_kv_tokens
     val = Phase("validation", ranks)  # inside training: the head's state (and the partial target) stay resident
     longest = recipe.data.max_length + tr.val_max_tokens + 16
-    val_tokens, val_text = validation_kv_tokens(tr.val_prompts, recipe.data.max_length, tr.val_max_tokens + 16)
+    lookahead = max(recipe.head.k + 1, recipe.head.block_size or 8 if recipe.head.type == "dflash" else 0)
+    val_tokens, val_text = validation_kv_tokens(tr.val_prompts, recipe.data.max_length, tr.val_max_tokens, lookahead)
     val.terms = [target_term(tp), Term("KV pages", val_tokens * kv_bytes_per_token, val_text), opt]
     if parts_term is not None:
         val.terms.append(parts_term)
@@ -464,8 +465,7 @@ def device_capacity(device: Any) -> tuple[str, float]:
     return "CPU RAM", math.inf
 
 
-def check_fits(recipe: Recipe, target_cfg: dict[str, Any], device: Any, phases: tuple[str, ...],
-               where: str) -> Plan:
+def check_fits(recipe: Recipe, target_cfg: dict[str, Any], device: Any, phases: tuple[str, ...], where: str) -> Plan:
     """Refuse, before anything loads, a job whose phases cannot fit this device; -> its plan."""
     name, gb = device_capacity(device)
     plan = make_plan(recipe, target_cfg, device=name, capacity_gb=gb, where=where, phases=phases)

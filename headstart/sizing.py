@@ -15,6 +15,7 @@ FLASHINFER_WORKSPACE_MB = 128  # the buffer the FlashInfer backend hands its wra
 # many tokens (inference.scheduler): a one-step prefill holds every prompt token's activations at once (logits only
 # for each prompt's last row), Llama-3.1-8B's MLP at 16,384 tokens ~1.4 GB in bf16.
 MEASURED_PREFILL_CAP = 16_384
+KV_PAGE_TOKENS = 16  # the KV page of the engines validation and eval build (plan counts their pages with it)
 
 
 def grad_components(loss: str) -> tuple[int, ...]:
@@ -47,16 +48,20 @@ def loss_chunk_rows(configured: int | None, vocab: int, loss_steps: int, device_
     return max(CPU_LOSS_CHUNK, min(-(-rows // CPU_LOSS_CHUNK) * CPU_LOSS_CHUNK, fit // CPU_LOSS_CHUNK * CPU_LOSS_CHUNK))
 
 
-def validation_kv_tokens(prompts: int, prompt_tokens: int, per_seq: int) -> tuple[int, str]:
+def validation_kv_tokens(prompts: int, prompt_tokens: int, new_tokens: int, lookahead: int) -> tuple[int, str]:
     """(KV tokens, how) validation's engine can hold at most: `prompts` held-out prompts of under `prompt_tokens`
-    tokens, each + `per_seq` (new tokens and slack). validate.engine_acceptance runs them all at
+    tokens, each + `new_tokens` and the speculation's `lookahead`. validate.engine_acceptance runs them all at
     once if they hold at most the one-step prefill cap C, else batch = prompts x C // total at a time, sized for
     the `batch` longest: their prompt tokens are at most min(batch x L, total), whose largest value over every
-    total in (C, prompts x L] is at most sqrt(prompts x C x L), which lies between C and prompts x L."""
-    cap = MEASURED_PREFILL_CAP
-    whole = prompts * prompt_tokens
+    total in (C, prompts x L] is at most sqrt(prompts x C x L), which lies between C and prompts x L. Each
+    sequence also gets scheduler.kv_pages_for's slack: its tokens + lookahead + 1 rounded up to whole pages, one
+    more page, and the cache 8 spare pages."""
+    cap, page = MEASURED_PREFILL_CAP, KV_PAGE_TOKENS
+    per_seq = new_tokens + lookahead + 2 * page  # ceil((n + lookahead + 1) / page) + 1 pages <= n + lookahead + 2 page
+    whole, spare = prompts * prompt_tokens, 8 * page
     if whole <= cap:
-        return whole + prompts * per_seq, f"{prompts} prompts x {prompt_tokens + per_seq:,} tokens (target's KV)"
+        return whole + prompts * per_seq + spare, f"{prompts} prompts x {prompt_tokens + per_seq:,} tokens + " \
+                                                  f"{spare} spare (target's KV)"
     held = math.isqrt(prompts * cap * prompt_tokens - 1) + 1  # in (cap, whole): the bound in the docstring
-    return held + prompts * per_seq, (f"{prompts} prompts, at most {held:,} prompt tokens at once under the "
-                                      f"{cap:,}-token prefill cap, + {per_seq:,} each (target's KV)")
+    return held + prompts * per_seq + spare, (f"{prompts} prompts, at most {held:,} prompt tokens at once under the "
+                                      f"{cap:,}-token prefill cap, + {per_seq:,} each, + {spare} spare (target's KV)")

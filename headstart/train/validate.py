@@ -36,6 +36,7 @@ def engine_acceptance(target: LlamaForCausalLM, head: DraftHead, prompts: list[l
     from headstart.inference.sampler import SamplingParams
     from headstart.inference.scheduler import kv_pages_for, one_step_prefill_budget, prompts_at_once
     from headstart.nn.linear import cpu_kernels_restored
+    from headstart.sizing import KV_PAGE_TOKENS
 
     if not prompts:
         return {"steps": 0, "tau": None, "alpha": None, "accept_rate_per_pos": []}
@@ -47,7 +48,7 @@ def engine_acceptance(target: LlamaForCausalLM, head: DraftHead, prompts: list[l
         k = min(k, copy.config.block_size - 1)
     spec = SpecConfig(method=method, k=k, head=copy if method != "draft" else None,
                       draft=copy if method == "draft" else None)
-    page = 16
+    page = KV_PAGE_TOKENS
     batch = prompts_at_once(prompts, prefill_cap)
     pages = kv_pages_for(prompts, max_tokens, batch, spec.lookahead, page, target.config.max_position_embeddings)
     # The engine switches the target's linears to its inference kernels; training keeps using the
