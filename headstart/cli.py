@@ -9,6 +9,7 @@ import sys
 
 from headstart import __version__, commands, commands_engine
 from headstart.errors import HeadstartError
+from headstart.sizing import EVAL_BATCH
 
 
 class _OnOff(argparse.BooleanOptionalAction):
@@ -196,7 +197,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="alternations of plain and speculative runs per batch group (timing; median reported)")
     p.add_argument("--no-baseline", action="store_true",
                    help="leave out the prompt-lookup (ngram) rows that show what speculation gives untrained")
-    p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument("--batch-size", type=int, default=EVAL_BATCH)
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--out", help="report directory (default: <output_dir>/eval)")
     p.add_argument("--device", help="cpu or cuda[:N] (default: cuda if available)")

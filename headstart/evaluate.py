@@ -25,6 +25,7 @@ import torch
 from headstart.errors import ConfigError, DataError, HeadstartError
 from headstart.eval_report import FORMAT, WIDE_SPREAD, head_labels
 from headstart.eval_report import quantile as _quantile
+from headstart.sizing import EVAL_BATCH, KV_PAGE_TOKENS
 
 ROLES = ("system", "user", "assistant")
 MAX_K = 32  # draft length / tree depth: acceptance past a few tokens is ~0, and each step reserves k KV slots
@@ -36,7 +37,7 @@ class EvalPlan:
     ks: list[int] = field(default_factory=lambda: [1, 2, 3, 4, 5])
     temperatures: list[float] = field(default_factory=lambda: [0.0])
     methods: list[str] = field(default_factory=lambda: ["chain"])
-    batch_size: int = 8
+    batch_size: int = EVAL_BATCH  # what plan's eval term sizes
     max_tokens: int = 64
     seed: int = 0
     tree_topk: int = 4
@@ -96,7 +97,6 @@ def read_prompt_file(path: str | Path) -> list[dict[str, Any]]:
 def _engine(target: Any, tokenizer: Any, prompts: list[list[int]], plan: EvalPlan, spec: Any) -> Any:
     from headstart.inference import Engine
     from headstart.inference.scheduler import kv_pages_for, one_step_prefill_budget
-    from headstart.sizing import KV_PAGE_TOKENS
 
     page = KV_PAGE_TOKENS
     # the engine stops a request at the context length

@@ -124,11 +124,13 @@ def target_params(c: Any, tp: int) -> tuple[float, float]:
     return rank, whole
 
 
-def _head_counts(recipe: Recipe, c: Any) -> tuple[int, Any, list[str]]:
-    """(trainable parameters, resolved head config, where it serves): the head built on the meta device."""
+def _head_counts(recipe: Recipe, c: Any) -> tuple[int, Any, list[str], int]:
+    """(trainable parameters, resolved config, where it serves, its KV values per token): built on the meta device."""
     import torch
 
+    from headstart.export.serving import summary
     from headstart.heads import build_head, head_config_from_recipe
+    from headstart.inference.proposers import draft_kv_spec
     from headstart.models.deepseek import DeepseekForCausalLM
     from headstart.models.llama import LlamaForCausalLM
 
@@ -136,9 +138,8 @@ def _head_counts(recipe: Recipe, c: Any) -> tuple[int, Any, list[str]]:
         target = DeepseekForCausalLM(c) if _is_deepseek(c) else LlamaForCausalLM(c)
         target._fingerprint = "planning"  # no weights to hash: the head only records it
         head = build_head(head_config_from_recipe(recipe.head), target, init_from_target=False)
-    from headstart.export.serving import summary
-
-    return sum(p.numel() for p in head.trainable_parameters()), head.config, summary(head)
+    kv = 0 if (spec := draft_kv_spec(head)) is None else spec.bytes_per_page(1) // spec.dtype.itemsize  # Medusa: 0
+    return sum(p.numel() for p in head.trainable_parameters()), head.config, summary(head), kv
 
 
 def make_plan(recipe: Recipe, target_cfg: dict[str, Any], *, device: str = "H100-80GB",
@@ -177,7 +178,7 @@ def make_plan(recipe: Recipe, target_cfg: dict[str, Any], *, device: str = "H100
         raise PlanError(f"engine.tensor_parallel {tp} does not divide the training ranks, trainer.devices x "
                         f"trainer.num_nodes = {recipe.trainer.devices} x {recipe.trainer.num_nodes} = {ranks}: "
                         f"set trainer.devices to a multiple of {tp} (or lower engine.tensor_parallel)")
-    head_params, hc, serving = _head_counts(recipe, c)
+    head_params, hc, serving, draft_kv = _head_counts(recipe, c)
     aux = len(hc.aux_layer_ids or [])
     # eagle3's input norms (norm_before_fc, fc_norm) keep a normed copy of the A aux states for backward.
     aux_saved = aux if hc.norm_before_fc or hc.fc_norm else 0
@@ -230,8 +231,7 @@ def make_plan(recipe: Recipe, target_cfg: dict[str, Any], *, device: str = "H100
         # a sequence longer than batch_tokens is a batch of its own, and the KV pool holds it
         one = max(pc.batch_tokens, recipe.data.max_length)
         ph.terms = [target_term(tp), *forward_terms(one, pc.storage),
-                    Term("KV pages", (one + 64 * 16) * kv_bytes_per_token,
-                         f"one batch of {one:,} tokens + 64 pages")]
+                    Term("KV pages", (one + 64 * 16) * kv_bytes_per_token, f"one batch of {one:,} tokens + 64 pages")]
         if device != "CPU RAM" and recipe.engine.backend in ("auto", "flashinfer") and pc.backend == "engine":
             ph.terms.append(Term("FlashInfer workspace", FLASHINFER_WORKSPACE_MB << 20, "the backend's buffer"))
         ph.host_bytes = largest_tensor
@@ -336,20 +336,20 @@ def make_plan(recipe: Recipe, target_cfg: dict[str, Any], *, device: str = "H100
         ph.notes.append(f"online: each tensor-parallel group of {tp} runs its members' micro-batch forwards in "
                         "turn (target FLOPs as under data parallelism, 1/tp of the weights per rank)")
     plan_phases.append(ph)
-    from headstart.sizing import validation_kv_tokens
+    from headstart.sizing import EVAL_BATCH, engine_kv_tokens
     val = Phase("validation", ranks)  # inside training: the head's state (and the partial target) stay resident
-    longest = recipe.data.max_length + tr.val_max_tokens + 16
-    lookahead = max(recipe.head.k + 1, recipe.head.block_size or 8 if recipe.head.type == "dflash" else 0)
-    val_tokens, val_text = validation_kv_tokens(tr.val_prompts, recipe.data.max_length, tr.val_max_tokens, lookahead)
-    val.terms = [target_term(tp), Term("KV pages", val_tokens * kv_bytes_per_token, val_text), opt]
+    la = max(recipe.head.k + 1, (recipe.head.block_size or 8) if recipe.head.type == "dflash" else 0)  # SpecConfig's
+    kv = kv_bytes_per_token + draft_kv * act  # the draft's cache has as many pages as the target's (engine.Engine)
+    val_tokens, val_text = engine_kv_tokens(tr.val_prompts, recipe.data.max_length, tr.val_max_tokens, la)
+    val.terms = [target_term(tp), Term("KV pages", val_tokens * kv, f"{val_text} (target's and draft's KV)"), opt]
     if parts_term is not None:
         val.terms.append(parts_term)
     if fsdp:
         val.terms.append(Term("gathered head", 4 * head_params, "the unsharded fp32 replica validation reads"))
     plan_phases.append(val)
     ev = Phase("eval", tp)
-    ev.terms = [target_term(tp), Term("KV pages", 32 * longest * kv_bytes_per_token,
-                                      f"batch 32 x {longest:,} tokens (engine default batch)")]
+    ev_tokens, ev_text = engine_kv_tokens(EVAL_BATCH, recipe.data.max_length, tr.val_max_tokens, la, cap=None)
+    ev.terms = [target_term(tp), Term("KV pages", ev_tokens * kv, f"eval's default batch: {ev_text} (both KVs)")]
     ev.host_bytes = largest_tensor
     plan_phases.append(ev)
     phases_made = [p for p in plan_phases if p.name in wanted]

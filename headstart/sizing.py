@@ -16,6 +16,7 @@ FLASHINFER_WORKSPACE_MB = 128  # the buffer the FlashInfer backend hands its wra
 # for each prompt's last row), Llama-3.1-8B's MLP at 16,384 tokens ~1.4 GB in bf16.
 MEASURED_PREFILL_CAP = 16_384
 KV_PAGE_TOKENS = 16  # the KV page of the engines validation and eval build (plan counts their pages with it)
+EVAL_BATCH = 8  # `headstart eval`'s default --batch-size (evaluate.EvalPlan): the sequences its engine holds at once
 
 
 def grad_components(loss: str) -> tuple[int, ...]:
@@ -48,20 +49,23 @@ def loss_chunk_rows(configured: int | None, vocab: int, loss_steps: int, device_
     return max(CPU_LOSS_CHUNK, min(-(-rows // CPU_LOSS_CHUNK) * CPU_LOSS_CHUNK, fit // CPU_LOSS_CHUNK * CPU_LOSS_CHUNK))
 
 
-def validation_kv_tokens(prompts: int, prompt_tokens: int, new_tokens: int, lookahead: int) -> tuple[int, str]:
-    """(KV tokens, how) validation's engine can hold at most: `prompts` held-out prompts of under `prompt_tokens`
-    tokens, each + `new_tokens` and the speculation's `lookahead`. validate.engine_acceptance runs them all at
-    once if they hold at most the one-step prefill cap C, else batch = prompts x C // total at a time, sized for
-    the `batch` longest: their prompt tokens are at most min(batch x L, total), whose largest value over every
-    total in (C, prompts x L] is at most sqrt(prompts x C x L), which lies between C and prompts x L. Each
-    sequence also gets scheduler.kv_pages_for's slack: its tokens + lookahead + 1 rounded up to whole pages, one
-    more page, and the cache 8 spare pages."""
-    cap, page = MEASURED_PREFILL_CAP, KV_PAGE_TOKENS
+def engine_kv_tokens(sequences: int, prompt_tokens: int, new_tokens: int, lookahead: int,
+                     cap: int | None = MEASURED_PREFILL_CAP) -> tuple[int, str]:
+    """(KV tokens, how) an acceptance-measuring engine can hold at most: `sequences` prompts of under
+    `prompt_tokens` tokens, each + `new_tokens` and the speculation's `lookahead`, sized as scheduler.kv_pages_for
+    sizes it for the ones that run together. Eval (cap None) runs a batch group of `sequences` at once.
+    Validation (validate.engine_acceptance) runs them all at once if they hold at most the one-step prefill cap C,
+    else batch = prompts x C // total at a time, sized for the `batch` longest: their prompt tokens are at most
+    min(batch x L, total), whose largest value over every total in (C, prompts x L] is at most
+    sqrt(prompts x C x L), which lies between C and prompts x L. Each sequence also gets kv_pages_for's slack
+    (its tokens + lookahead + 1 rounded up to whole pages, and one more page), the cache 8 spare pages."""
+    page = KV_PAGE_TOKENS
     per_seq = new_tokens + lookahead + 2 * page  # ceil((n + lookahead + 1) / page) + 1 pages <= n + lookahead + 2 page
-    whole, spare = prompts * prompt_tokens, 8 * page
-    if whole <= cap:
-        return whole + prompts * per_seq + spare, f"{prompts} prompts x {prompt_tokens + per_seq:,} tokens + " \
-                                                  f"{spare} spare (target's KV)"
-    held = math.isqrt(prompts * cap * prompt_tokens - 1) + 1  # in (cap, whole): the bound in the docstring
-    return held + prompts * per_seq + spare, (f"{prompts} prompts, at most {held:,} prompt tokens at once under the "
-                                      f"{cap:,}-token prefill cap, + {per_seq:,} each, + {spare} spare (target's KV)")
+    whole, spare = sequences * prompt_tokens, 8 * page
+    if cap is None or whole <= cap:
+        return whole + sequences * per_seq + spare, (f"{sequences} x {prompt_tokens + per_seq:,} tokens (prompt, "
+                                                     f"{new_tokens:,} new, lookahead {lookahead}, whole pages) + "
+                                                     f"{spare} spare")
+    held = math.isqrt(sequences * cap * prompt_tokens - 1) + 1  # in (cap, whole): the bound in the docstring
+    return held + sequences * per_seq + spare, (f"{sequences} prompts, at most {held:,} prompt tokens at once under "
+                                                f"the {cap:,}-token prefill cap, + {per_seq:,} each, + {spare} spare")

@@ -235,8 +235,9 @@ def test_a_deepseek_plan_counts_the_latent_cache_and_the_active_experts(capsys):
     val = next(p for p in plan["phases"] if p["name"] == "validation")
     kv = next(t for t in val["terms"] if t["name"] == "KV pages")
     # 64 prompts of up to 4,096 tokens: at most sqrt(64 x 16,384 x 4,096) = 65,536 prompt tokens at once, each
-    # + 256 new tokens, k + 1 = 4 lookahead and two 16-token pages of rounding, + 8 spare pages
-    assert kv["bytes"] == (65_536 + 64 * (256 + 4 + 32) + 128) * 27 * 576 * 2
+    # + 256 new tokens, k + 1 = 4 lookahead and two 16-token pages of rounding, + 8 spare pages; per token the
+    # target's 27 latent rows and the MTP layer's own cache (one layer, the same latent width)
+    assert kv["bytes"] == (65_536 + 64 * (256 + 4 + 32) + 128) * (27 + 1) * 576 * 2
     assert any("2.66 B FLOP/token, the experts a token is routed to" in a for a in plan["assumptions"])
     with pytest.raises(PlanError, match="DeepSeek targets run unsharded"):
         make_plan(recipe_from_dict({"engine": {"tensor_parallel": 2}}),
@@ -289,13 +290,13 @@ def test_validation_kv_bounds_every_mix_of_prompt_lengths_the_engine_runs_togeth
     import random
 
     from headstart.inference.scheduler import MEASURED_PREFILL_CAP, prompts_at_once
-    from headstart.sizing import validation_kv_tokens
+    from headstart.sizing import engine_kv_tokens
 
     # 12,800 <= the cap: all at once; each + 128 new tokens, lookahead 4 and two pages of rounding, + 8 spare pages
-    assert validation_kv_tokens(32, 400, 128, 4)[0] == 32 * (400 + 128 + 4 + 32) + 128
+    assert engine_kv_tokens(32, 400, 128, 4)[0] == 32 * (400 + 128 + 4 + 32) + 128
     rng = random.Random(0)
     for n, length in [(64, 4096), (64, 1024), (8, 8192), (200, 2048)]:
-        bound = validation_kv_tokens(n, length, 0, 0)[0] - n * 32 - 128  # the prompt tokens held at once
+        bound = engine_kv_tokens(n, length, 0, 0)[0] - n * 32 - 128  # the prompt tokens held at once
         assert MEASURED_PREFILL_CAP < bound < n * length
         worst = 0
         for trial in range(400):
@@ -308,30 +309,40 @@ def test_validation_kv_bounds_every_mix_of_prompt_lengths_the_engine_runs_togeth
         assert worst > bound / 2  # and not loose: these mixes reach 83-93 % of it
 
 
-@pytest.mark.parametrize(("head", "length"), [({"type": "eagle3", "k": 3}, 200), ({"type": "eagle3", "k": 3}, 2048),
-                                              ({"type": "dflash", "k": 3, "block_size": 16}, 200)])
-def test_validation_kv_term_holds_every_page_the_validating_engine_allocates(tiny, head, length):
-    """The whole of plan's validation KV term, per-sequence slack included, against the pages
-    validate.engine_acceptance gives its engine (scheduler.kv_pages_for: each sequence in whole pages plus one,
-    its lookahead, 8 spare pages) for mixes of prompt lengths under max_length, the longest mix included."""
+@pytest.mark.parametrize(("head", "length"), [({"type": "eagle3", "k": 3}, 190), ({"type": "eagle3", "k": 3}, 400),
+                                              ({"type": "mtp", "k": 2}, 190), ({"type": "medusa", "k": 3}, 190),
+                                              ({"type": "dflash", "k": 3, "block_size": 16}, 190),
+                                              ({"type": "dflash", "k": 3}, 190)])
+def test_engine_kv_terms_hold_every_page_the_measuring_engines_allocate(tiny, head, length):
+    """plan's validation and eval KV terms, per-sequence slack and the draft's own cache included, against the pages
+    validate.engine_acceptance and evaluate._engine give their engines (scheduler.kv_pages_for: each sequence in
+    whole pages plus one, its lookahead, 8 spare pages; as many pages again for the head's cache) for mixes of
+    prompt lengths under max_length, the all-longest mix included; 400 x 64 prompts exceed the prefill cap."""
     import random
 
+    from headstart.inference.kv_cache import KVCacheSpec
+    from headstart.inference.proposers import draft_kv_spec
     from headstart.inference.scheduler import kv_pages_for, prompts_at_once
     from headstart.inference.speculation import SpecConfig, spec_method
+    from headstart.sizing import EVAL_BATCH
 
     cfg = json.loads((tiny / "config.json").read_text())
     new, n = 100, 64
     recipe = recipe_from_dict({"target": {"model": str(tiny), "dtype": "fp32"}, "head": head,
                                "data": {"max_length": length}, "train": {"val_prompts": n, "val_max_tokens": new}})
-    val = next(p for p in make_plan(recipe, cfg).phases if p.name == "validation")
-    planned = next(t.bytes for t in val.terms if t.name == "KV pages")
-    per_token = 2 * cfg["num_hidden_layers"] * cfg["num_key_value_heads"] * (
-        cfg["hidden_size"] // cfg["num_attention_heads"]) * 4
-    drafter = type("Block", (), {"block_size": head.get("block_size", 8)})()
+    plan = {p.name: next(t.bytes for t in p.terms if t.name == "KV pages") for p in make_plan(recipe, cfg).phases
+            if p.name in ("validation", "eval")}
+    target = load_llama(tiny, "fp32")
+    drafter = build_head(HeadConfig(head_type=head["type"], block_size=head.get("block_size"), draft_vocab_size=None),
+                         target)
+    per_token = sum(spec.bytes_per_page(1) for spec in (KVCacheSpec.of(target), draft_kv_spec(drafter)) if spec)
+    assert per_token > KVCacheSpec.of(target).bytes_per_page(1) or head["type"] == "medusa"
     lookahead = SpecConfig(method=spec_method(head["type"]), k=head["k"], head=drafter).lookahead
     rng = random.Random(0)
     for trial in range(200):
-        lens = [length] * n if trial == 0 else [rng.randint(1, length) for _ in range(n)]
+        lens = [length - 1] * n if trial == 0 else [rng.randint(1, length - 1) for _ in range(n)]
         prompts = [[0] * x for x in lens]
         pages = kv_pages_for(prompts, new, prompts_at_once(prompts), lookahead, 16, cfg["max_position_embeddings"])
-        assert pages * 16 * per_token <= planned, (trial, pages * 16, planned / per_token)
+        assert pages * 16 * per_token <= plan["validation"], (trial, pages * 16, plan["validation"] / per_token)
+        pages = kv_pages_for(prompts, new, EVAL_BATCH, lookahead, 16, cfg["max_position_embeddings"])
+        assert pages * 16 * per_token <= plan["eval"], (trial, pages * 16, plan["eval"] / per_token)
