@@ -1,6 +1,6 @@
 """Sizing rules the trainer runs by and `headstart plan` counts with: the rows of one chunk of the
-distillation loss (train.losses) and the bytes each of its rows keeps; the KV tokens validation's engine
-holds. One definition, below both: plan must predict the chunk the trainer will actually take.
+distillation loss (train.losses) and the bytes each of its rows keeps; the KV pages the engines of validation
+and eval allocate. One definition, below both: plan must predict what the trainer and the engine will take.
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ FLASHINFER_WORKSPACE_MB = 128  # the buffer the FlashInfer backend hands its wra
 # for each prompt's last row), Llama-3.1-8B's MLP at 16,384 tokens ~1.4 GB in bf16.
 MEASURED_PREFILL_CAP = 16_384
 KV_PAGE_TOKENS = 16  # the KV page of the engines validation and eval build (plan counts their pages with it)
+KV_SPARE_PAGES = 8  # scheduler.kv_pages_for's pages beyond its sequences' own
 EVAL_BATCH = 8  # `headstart eval`'s default --batch-size (evaluate.EvalPlan): the sequences its engine holds at once
 
 
@@ -61,7 +62,7 @@ def engine_kv_tokens(sequences: int, prompt_tokens: int, new_tokens: int, lookah
     (its tokens + lookahead + 1 rounded up to whole pages, and one more page), the cache 8 spare pages."""
     page = KV_PAGE_TOKENS
     per_seq = new_tokens + lookahead + 2 * page  # ceil((n + lookahead + 1) / page) + 1 pages <= n + lookahead + 2 page
-    whole, spare = sequences * prompt_tokens, 8 * page
+    whole, spare = sequences * prompt_tokens, KV_SPARE_PAGES * page
     if cap is None or whole <= cap:
         return whole + sequences * per_seq + spare, (f"{sequences} x {prompt_tokens + per_seq:,} tokens (prompt, "
                                                      f"{new_tokens:,} new, lookahead {lookahead}, whole pages) + "

@@ -19,7 +19,7 @@ import torch
 from headstart.inference.kv_cache import PageAllocator
 from headstart.inference.sampler import SamplingParams
 from headstart.inference.speculation import SpecMetrics
-from headstart.sizing import MEASURED_PREFILL_CAP
+from headstart.sizing import KV_PAGE_TOKENS, KV_SPARE_PAGES, MEASURED_PREFILL_CAP
 
 # A speculative step needs every running sequence decoding. Sequences whose prompts finished prefilling first
 # used to take plain decode steps while the others prefilled, so they started speculating a few tokens into their
@@ -52,17 +52,17 @@ def prompts_at_once(prompts: list[list[int]], cap: int | None = None) -> int:
     return len(prompts) if total <= cap else max(1, len(prompts) * cap // total)
 
 
-def kv_pages_for(prompts: list[list[int]], max_tokens: int, batch: int, lookahead: int = 0, page_size: int = 16,
-                 context: int | None = None) -> int:
+def kv_pages_for(prompts: list[list[int]], max_tokens: int, batch: int, lookahead: int = 0,
+                 page_size: int = KV_PAGE_TOKENS, context: int | None = None) -> int:
     """KV pages for the `batch` longest requests of `prompts` at once (each prompt + `max_tokens`, at most
-    `context`, + `lookahead` + 1 slots, in whole pages plus one), + 8: whichever of them run together, none
+    `context`, + `lookahead` + 1 slots, in whole pages plus one), + KV_SPARE_PAGES: whichever of them run together, none
     is preempted. Sized by the longest that can run together, not `batch` x the longest of all (one very
     long prompt among short ones would otherwise size every slot for it)."""
     def need(p: list[int]) -> int:
         tokens = len(p) + max_tokens if context is None else min(len(p) + max_tokens, context)
         return -(-(tokens + lookahead + 1) // page_size) + 1
 
-    return sum(sorted(map(need, prompts), reverse=True)[:max(batch, 1)]) + 8
+    return sum(sorted(map(need, prompts), reverse=True)[:max(batch, 1)]) + KV_SPARE_PAGES
 
 
 class Status(enum.Enum):
