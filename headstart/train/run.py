@@ -152,7 +152,7 @@ class Outputs(L.Callback):
         d = run_dir(self.run.recipe) / "checkpoints"
         tmp = d / f".last.ckpt.tmp-{os.getpid()}"  # under FSDP every rank writes to rank 0's name
         try:
-            trainer.save_checkpoint(str(tmp))  # every rank takes part
+            trainer.save_checkpoint(str(tmp), weights_only=False)  # every rank; --resume needs the optimiser too
             if trainer.is_global_zero:
                 swap_into_place(tmp, d / "last.ckpt")
         except OSError as e:
