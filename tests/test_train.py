@@ -111,13 +111,14 @@ class _Lines(logging.Handler):
 
 def test_train_writes_heads_metrics_and_validates_with_the_engine(tmp_path, chat_model_dir, capsys):
     path = _recipe(tmp_path, chat_model_dir, train={"ttt_steps": 2})
-    said = _Lines()  # Lightning's own logger does not propagate: listen to it directly
+    said = _Lines()  # Lightning's own logger may not propagate to the root: listen to it directly
     logging.getLogger("lightning.pytorch").addHandler(said)
     try:
         assert main(["train", str(path), "--no-progress"]) == 0
     finally:
         logging.getLogger("lightning.pytorch").removeHandler(said)
     # Three checkpoints, and no line per checkpoint about a save option the run sets itself.
+    assert any("GPU available" in m for m in said.lines), said.lines  # the handler hears Lightning
     assert not [m for m in said.lines if "weights_only" in m], said.lines
     printed = capsys.readouterr().out  # where the head serves, said before training (test_plan.py checks the lines)
     assert "train: the head serves on vLLM: " in printed and "train: the head serves on SGLang: " in printed
