@@ -4,7 +4,6 @@ in test_train_resume.py): outputs, engine validation == the engine on the saved 
 (_recipe, _cli, _torchrun, _losses, _curve, _same_heads) are imported by test_train_resume.py too."""
 
 import json
-import logging
 import os
 import subprocess
 import sys
@@ -100,26 +99,9 @@ def _losses(run_dir):
 # ----------------------------------------------------------------------------------- end to end
 
 
-class _Lines(logging.Handler):
-    def __init__(self) -> None:
-        super().__init__()
-        self.lines: list[str] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.lines.append(record.getMessage())
-
-
 def test_train_writes_heads_metrics_and_validates_with_the_engine(tmp_path, chat_model_dir, capsys):
     path = _recipe(tmp_path, chat_model_dir, train={"ttt_steps": 2})
-    said = _Lines()  # Lightning's own logger may not propagate to the root: listen to it directly
-    logging.getLogger("lightning.pytorch").addHandler(said)
-    try:
-        assert main(["train", str(path), "--no-progress"]) == 0
-    finally:
-        logging.getLogger("lightning.pytorch").removeHandler(said)
-    # Three checkpoints, and no line per checkpoint about a save option the run sets itself.
-    assert any("GPU available" in m for m in said.lines), said.lines  # the handler hears Lightning
-    assert not [m for m in said.lines if "weights_only" in m], said.lines
+    assert main(["train", str(path), "--no-progress"]) == 0
     printed = capsys.readouterr().out  # where the head serves, said before training (test_plan.py checks the lines)
     assert "train: the head serves on vLLM: " in printed and "train: the head serves on SGLang: " in printed
     assert printed.index("serves on") < printed.index("train: {")

@@ -3,6 +3,7 @@ one, a changed recipe is refused naming the difference, gradient accumulation re
 step, and FSDP's sharded checkpoint resumes onto the same ranks (the rest of `train`: test_train.py)."""
 
 import json
+import logging
 import signal
 import time
 
@@ -65,13 +66,30 @@ def test_resume_with_another_recipe_is_refused_naming_the_difference(tmp_path, c
     assert main(["train", str(path), "--no-progress", "--resume", "--set", "train.max_steps=3"]) == 0  # longer: fine
 
 
+class _Lines(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lines: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines.append(record.getMessage())
+
+
 def test_resume_with_accumulation_continues_exactly(tmp_path, chat_model_dir):
     """Checkpoints land on optimizer-step boundaries: stopping after step 2 of 4 (grad_accum 2) and
     resuming gives the same losses and head as one run (constant lr, so the schedule is the same)."""
     train = {"max_steps": 4, "grad_accum": 2, "ckpt_every_steps": 1, "val_every_steps": 0, "val_prompts": 1,
              "warmup_steps": 0, "min_lr_ratio": 1.0}
     one = _recipe(tmp_path, chat_model_dir, name="one", train=train)
-    assert main(["train", str(one), "--no-progress"]) == 0
+    said = _Lines()  # Lightning's own logger may not propagate to the root: listen to it directly
+    logging.getLogger("lightning.pytorch").addHandler(said)
+    try:
+        assert main(["train", str(one), "--no-progress"]) == 0
+    finally:
+        logging.getLogger("lightning.pytorch").removeHandler(said)
+    # Four checkpoints, and no line per checkpoint about a save option the run sets itself.
+    assert any("GPU available" in m for m in said.lines), said.lines  # the handler hears Lightning
+    assert not [m for m in said.lines if "weights_only" in m], said.lines
     two = _recipe(tmp_path, chat_model_dir, name="two", train=train)
     assert main(["train", str(two), "--no-progress", "--set", "train.max_steps=2"]) == 0
     assert main(["train", str(two), "--no-progress", "--resume"]) == 0
